@@ -1,0 +1,200 @@
+"""The synchronous engine: add_request / step / abort.
+
+One step is three calls: the scheduler picks sequences and token counts, the model runner
+computes them and samples, the scheduler advances progress. Around that, this class turns
+tokens into text, applies stop conditions and builds outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loraplex.engine.adapter_manager import AdapterManager
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.loader import load_model
+from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import LoRARequest, Sequence
+from loraplex.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""
+    sent_text: int = 0  # chars of `text` already delivered
+    sent_tokens: int = 0
+    stop_holdback: int = 0  # a stop string may still complete over this many trailing chars
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = False):
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.model = load_model(config.model, config.torch_dtype, config.device,
+                                max_len=config.max_model_len, progress=progress)
+        spec = self.model.spec
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(config, self.model, Sampler(self.eos_token_ids, seed=config.seed))
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.adapters = AdapterManager(
+            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras
+        )
+        self.vocab_size = spec.vocab_size
+        self.requests: dict[str, _Request] = {}
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None, tenant: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model serves at most {limit} tokens "
+                "including the output"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {limit}"
+            )
+        if lora_request is not None:
+            self.adapters.acquire(lora_request)  # validates; raises before anything is queued
+        seq = Sequence(request_id, ids, params, lora=lora_request, tenant=tenant,
+                       arrival=time.monotonic())
+        stops = params.stop or []
+        self.requests[request_id] = _Request(
+            seq=seq,
+            prompt=text,
+            detok=self.tokenizer.detokenizer(ids, params.skip_special_tokens),
+            stop_holdback=max((len(s) for s in stops), default=1) - 1,
+        )
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; returns its final output."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        slots = self.adapters.activate({s.adapter_id for s in out.seqs if s.adapter_id})
+        result = self.runner.run(out, slots)
+        sampled: dict[int, int] = {}
+        if result is not None:
+            seqs, so = result
+            for i, seq in enumerate(seqs):
+                sampled[seq.seq_no] = so.token_ids[i]
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(so.logprobs[i])
+                    seq.top_logprobs.append(so.top_logprobs[i] or [])
+        outputs = []
+        for seq in self.scheduler.postprocess(out, sampled):
+            req = self.requests[seq.request_id]
+            self._check_stop(req)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: _Request) -> None:
+        seq, p = req.seq, req.seq.params
+        token = seq.output_token_ids[-1]
+        req.text += req.detok.push(token)
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return self._finish(req, "stop", token)
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return self._finish(req, "stop", None)
+            if p.stop:
+                window = req.text[-(req.stop_holdback + 64 + 1) * 2:]
+                base = len(req.text) - len(window)
+                hits = [(window.find(s), s) for s in p.stop if s in window]
+                if hits:
+                    at, s = min(hits)
+                    end = base + at + (len(s) if p.include_stop_str_in_output else 0)
+                    req.text = req.text[:end]
+                    return self._finish(req, "stop", s)
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return self._finish(req, "length")
+        if seq.num_tokens >= self.config.max_model_len:
+            return self._finish(req, "length")
+        return None
+
+    def _finish(self, req: _Request, reason: str, stop_reason: str | int | None = None) -> None:
+        seq = req.seq
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, reason)
+        seq.stop_reason = stop_reason
+        if seq.lora is not None:
+            self.adapters.release(seq.lora)
+        if reason != "stop" or not isinstance(stop_reason, str):
+            req.text += req.detok.flush()
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        visible = len(req.text) if finished else max(req.sent_text, len(req.text) - req.stop_holdback)
+        delta_text = req.text[req.sent_text:visible]
+        req.sent_text = max(req.sent_text, visible)
+        delta_ids = seq.output_token_ids[req.sent_tokens:]
+        req.sent_tokens = len(seq.output_token_ids)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = []
+            for tok, lp, top in zip(seq.output_token_ids, seq.logprobs, seq.top_logprobs,
+                                    strict=False):
+                entry = {tok: lp}
+                entry.update({t: v for t, v in top if t != tok})
+                logprobs.append(entry)
+        if finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(
+                index=0, text=req.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=logprobs,
+                cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
+            )],
+            finished=finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            lora_name=seq.lora.lora_name if seq.lora else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )

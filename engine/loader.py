@@ -1,0 +1,103 @@
+"""Load a Hugging Face safetensors folder into a DecoderLM built on the meta device.
+
+Tensors are read one at a time from the (memory-mapped) files and copied straight into the
+model's parameters, converting dtype on the way, so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.spec import ModelSpec, spec_from_config
+
+# HF projection name -> (our fused module, slice index)
+FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found pickle files {pickles}; loraplex never unpickles)" if pickles else ""
+        raise FileNotFoundError(f"no safetensors weights in {folder}{hint} {missing or ''}")
+    return files
+
+
+def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
+    """Our parameter (and row slice of it) for a checkpoint tensor name."""
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in FUSED:
+        fused, idx = FUSED[parts[-2]]
+        owner = model.get_submodule(".".join(parts[:-2] + [fused]))
+        start = sum(owner.out_sizes[:idx])
+        param = getattr(owner, parts[-1])
+        pname = ".".join(parts[:-2] + [fused, parts[-1]])
+        return param, slice(start, start + owner.out_sizes[idx]), pname
+    try:
+        return model.get_parameter(name), None, name
+    except AttributeError:
+        return None
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+               max_len: int = 4096, progress: bool = False) -> DecoderLM:
+    folder = Path(folder)
+    spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        model = DecoderLM(spec).to(dtype)  # no memory yet; to_empty allocates once
+    model = model.to_empty(device=device)
+    if spec.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    expected = {n: p.numel() for n, p in model.named_parameters()}
+    loaded: dict[str, int] = dict.fromkeys(expected, 0)
+    files = weight_files(folder)
+    bar = tqdm(total=len(files), desc="loading weights", disable=not progress, unit="file")
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and spec.tie_embeddings:
+                        continue
+                    hit = _target(model, name)
+                    if hit is None:
+                        raise ValueError(f"{path.name}: unexpected tensor {name!r}")
+                    param, rows, pname = hit
+                    dst = param.data[rows] if rows is not None else param.data
+                    src = f.get_tensor(name)
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise ValueError(
+                            f"{name}: checkpoint shape {tuple(src.shape)} != model shape "
+                            f"{tuple(dst.shape)}; config.json does not match the weights"
+                        )
+                    dst.copy_(src)
+                    loaded[pname] += src.numel()
+            bar.update(1)
+    bar.close()
+    missing = [n for n, k in expected.items() if loaded[n] != k]
+    if missing:
+        raise ValueError(f"checkpoint in {folder} lacks tensors for {missing[:5]}")
+    model.build_buffers(torch.device(device), max_len)
+    return model.eval()

@@ -1,0 +1,157 @@
+"""PEFT LoRA adapters: read, validate against the base model, and hold in memory.
+
+Only `adapter_config.json` + `adapter_model.safetensors` are read; pickle files (`.bin`,
+`.pt`) are refused, never opened. Every check happens before anything is kept, so a bad
+adapter loads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraplex.engine.models.spec import ModelSpec
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT target -> (fused module of ours, slice index within it)
+GROUPS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_FLOAT = {torch.float32, torch.float16, torch.bfloat16}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message says why."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int  # largest module rank
+    targets: tuple[str, ...]
+    # (layer, target) -> (A [r, in], B [out, r] with the scale folded in)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    for key, value in patterns.items():
+        if re.search(rf"(^|\.){key}$", module) or re.fullmatch(key, module):
+            return value
+    return default
+
+
+def read_adapter_config(folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    if not path.is_file():
+        raise AdapterError(f"{folder}: adapter_config.json is missing")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{path}: expected a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise AdapterError(f"{path}: DoRA adapters are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{path}: adapters with trained biases are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"{path}: modules_to_save (full-weight modules) are not supported")
+    r = cfg.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise AdapterError(f"{path}: 'r' must be a positive integer, got {r!r}")
+    return cfg
+
+
+def load_adapter(folder: str | Path, spec: ModelSpec, max_rank: int, dtype: torch.dtype,
+                 name: str | None = None) -> LoRAAdapter:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterError(f"adapter folder {folder} does not exist")
+    cfg = read_adapter_config(folder)
+    wpath = folder / "adapter_model.safetensors"
+    if not wpath.is_file():
+        pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        if pickles:
+            raise AdapterError(
+                f"{folder}: only pickle weights ({', '.join(pickles)}); loraplex never unpickles. "
+                "Save the adapter with safetensors (peft's save_pretrained does by default)"
+            )
+        raise AdapterError(f"{folder}: adapter_model.safetensors is missing")
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(wpath), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                m = _KEY.search(key)
+                if m is None:
+                    raise AdapterError(
+                        f"{wpath.name}: tensor {key!r} is not a LoRA weight of a supported "
+                        f"module; supported targets: {', '.join(TARGETS)}"
+                    )
+                layer, module, ab = int(m[1]), m[2], m[3]
+                if module not in GROUPS:
+                    raise AdapterError(
+                        f"{wpath.name}: target module {module!r} is not supported; "
+                        f"supported: {', '.join(TARGETS)}"
+                    )
+                if layer >= spec.num_layers:
+                    raise AdapterError(
+                        f"{key}: layer {layer} but the base model has {spec.num_layers} layers"
+                    )
+                pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+    except SafetensorError as e:
+        raise AdapterError(f"{wpath}: unreadable safetensors file ({e})") from None
+    if not pairs:
+        raise AdapterError(f"{wpath}: holds no LoRA weights")
+
+    r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: needs both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        for t in (a, b):
+            if t.dtype not in _FLOAT or t.dim() != 2:
+                raise AdapterError(f"{where}: expected 2-D float tensors, got {t.dtype} {t.dim()}-D")
+        r = a.shape[0]
+        fin, fout = spec.lora_in_out(module)
+        if a.shape[1] != fin or b.shape[0] != fout or b.shape[1] != r:
+            raise AdapterError(
+                f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                f"base model (expected [r, {fin}] and [{fout}, r]): wrong base model?"
+            )
+        full_name = f"model.layers.{layer}.{module}"
+        r_cfg = _pattern_value(rank_pat, full_name, r_default)
+        if r != r_cfg:
+            raise AdapterError(f"{where}: rank {r} but adapter_config.json says {r_cfg}")
+        if r > max_rank:
+            raise AdapterError(
+                f"{where}: rank {r} exceeds max_lora_rank {max_rank}; raise max_lora_rank"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{where}: weights contain NaN or Inf")
+        alpha = _pattern_value(alpha_pat, full_name, alpha_default)
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if not math.isfinite(scale):
+            raise AdapterError(f"{where}: lora_alpha {alpha!r} gives a non-finite scale")
+        weights[(layer, module)] = (a.to(dtype), (b.float() * scale).to(dtype))
+    targets = tuple(t for t in TARGETS if any(m == t for _, m in weights))
+    rank = max(a.shape[0] for a, _ in weights.values())
+    return LoRAAdapter(name=name or folder.name, rank=rank, targets=targets, weights=weights)

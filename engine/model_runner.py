@@ -1,0 +1,129 @@
+"""Turns a scheduler step into tensors, runs the model and samples.
+
+Rows are ordered by adapter slot so each adapter's rows form one contiguous segment (the
+shape the SGMV ops want); rows without an adapter form segments with slot -1. Only the last
+row of each sequence that completes its tokens this step goes through the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.sequence import Sequence
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    ctx: ForwardContext
+    sample_rows: list[int]  # row of each sampling sequence's last token
+    sample_seqs: list[Sequence]
+
+
+def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
+    s = model.spec
+    elem = model.lm_head.weight.element_size()
+    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: DecoderLM, sampler: Sampler):
+        self.config, self.model, self.sampler = config, model, sampler
+        self.device = model.lm_head.weight.device
+        bs = config.block_size
+        wanted = -(-config.max_model_len // bs) * config.max_num_seqs
+        by_bytes = config.kv_cache_bytes // kv_block_bytes(model, bs)
+        self.num_blocks = config.num_kv_blocks or min(by_bytes, wanted)
+        if self.num_blocks * bs < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks * bs} tokens, fewer than max_model_len "
+                f"{config.max_model_len}: raise kv_cache_bytes / num_kv_blocks or lower "
+                "max_model_len"
+            )
+        s = model.spec
+        shape = (self.num_blocks, bs, s.num_kv_heads, s.head_dim)
+        dtype = model.lm_head.weight.dtype
+        # Zeroed: masked-out scores multiply these values, and 0 * NaN would poison a row.
+        for layer in model.model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * kv_block_bytes(self.model, self.config.block_size)
+
+    def prepare(self, out: SchedulerOutput, slots: dict[int, int]) -> StepBatch:
+        bs = self.config.block_size
+        order = sorted(
+            range(len(out.seqs)), key=lambda i: slots.get(out.seqs[i].adapter_id, -1)
+        )
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_mapping: list[int] = []
+        qsl, seq_lens, tables = [0], [], []
+        segments: list[tuple[int, int, int]] = []
+        sample_rows, sample_seqs = [], []
+        for i in order:
+            seq, n = out.seqs[i], out.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            toks = seq.all_token_ids[start:start + n]
+            ids.extend(toks)
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            row0 = qsl[-1]
+            qsl.append(row0 + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            slot = slots.get(seq.adapter_id, -1)
+            if segments and segments[-1][2] == slot:
+                segments[-1] = (segments[-1][0], row0 + n, slot)
+            else:
+                segments.append((row0, row0 + n, slot))
+            if out.samples(i):
+                sample_rows.append(row0 + n - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                    dtype=torch.int64, device=self.device)
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
+        lora = LoRABatch(segments) if any(s >= 0 for _, _, s in segments) else None
+        return StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            ctx=ForwardContext(attn=attn, lora=lora),
+            sample_rows=sample_rows,
+            sample_seqs=sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, slots: dict[int, int]):
+        """Run one step; returns (sampling sequences, SamplerOutput) or None if none sample."""
+        batch = self.prepare(out, slots)
+        hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        if not batch.sample_seqs:
+            return None
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [rows, vocab]
+        seqs = batch.sample_seqs
+        result = self.sampler(
+            logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+        return seqs, result

@@ -1,0 +1,168 @@
+"""Building blocks of the decoder: norms, rotary embedding, LoRA-aware fused linears, attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine.models.spec import ModelSpec, RopeSpec
+from loraplex.kernels import dispatch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: KV slot of each new token
+    query_start_loc: list[int]  # num_seqs + 1: row range of each sequence's new tokens
+    seq_lens: list[int]  # num_seqs: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+
+
+@dataclass
+class LoRABatch:
+    """Rows grouped by adapter slot: (start_row, end_row, slot), slot -1 = no adapter."""
+
+    segments: list[tuple[int, int, int]]
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    lora: LoRABatch | None  # None when no row has an adapter
+
+
+class RMSNorm(nn.Module):
+    """Llama style (`w * norm(x)`), or Gemma style (`(1 + w) * norm(x)` computed in fp32)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        mid = (1 - smooth) * inv / rope.factor + smooth * inv
+        inv = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        inv = torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, inv)
+    return inv
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table over all positions."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int):
+        super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        self.cos_sin = torch.empty(0)
+
+    def build(self, device: torch.device, max_len: int, shared: dict) -> None:
+        """Tables are shared between layers with the same RoPE and sized to max_len."""
+        key = (self.rope, self.head_dim, max_len)
+        if key not in shared:
+            inv = inv_frequencies(self.rope, self.head_dim).to(device)
+            t = torch.arange(max_len, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, inv)  # [max_len, head_dim / 2]
+            shared[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = shared[key]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [num_tokens, heads, head_dim]
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LoRALinear(nn.Module):
+    """A linear layer whose output is several fused slices (e.g. q|k|v), each a LoRA target.
+
+    The adapter manager installs per-slot stacked weights (`lora_a`, `lora_b`, `lora_widths`;
+    layout in kernels/reference.py); each step's `LoRABatch` says which rows use which slot.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__()
+        self.out_sizes = out_sizes
+        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
+        self.lora_a: torch.Tensor | None = None  # [num_slots, max_width, in]
+        self.lora_b: torch.Tensor | None = None  # [num_slots, max_width, out]
+        self.lora_widths: list[int] = []  # per slot; 0 = this module not targeted
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
+        if lora is not None and self.lora_a is not None:
+            dispatch.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments, self.lora_widths)
+        return y
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.spec = spec
+        self.qkv_proj = LoRALinear(
+            spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias
+        )
+        self.o_proj = LoRALinear(spec.q_size, [spec.hidden_size], spec.o_bias)
+        if spec.gemma:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=True)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=True)
+        self.rotary = Rotary(spec.ropes[layer], spec.head_dim)
+        self.window = spec.windows[layer]
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        s = self.spec
+        qkv = self.qkv_proj(x, ctx.lora)
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.unflatten(-1, (s.num_heads, s.head_dim))  # [num_tokens, heads, head_dim]
+        k = k.unflatten(-1, (s.num_kv_heads, s.head_dim))
+        v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
+        if s.gemma:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        a = ctx.attn
+        dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping)
+        out = torch.empty_like(q)
+        dispatch.paged_attention(
+            out, q, self.k_cache, self.v_cache, a.block_tables, a.query_start_loc, a.seq_lens,
+            s.query_scale, self.window, s.attn_softcap,
+        )
+        return self.o_proj(out.flatten(-2), ctx.lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        i = spec.intermediate_size
+        self.gate_up_proj = LoRALinear(spec.hidden_size, [i, i], spec.mlp_bias)
+        self.down_proj = LoRALinear(i, [spec.hidden_size], spec.mlp_bias)
+        self.act = F.silu if spec.activation == "silu" else (
+            lambda t: F.gelu(t, approximate="tanh")
+        )
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, lora)

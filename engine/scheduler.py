@@ -1,0 +1,153 @@
+"""Continuous batching by token budget.
+
+Each step gives every running sequence up to its remaining tokens (one for a decode, a chunk
+for a prefill) and then admits waiting sequences while the token budget, the sequence cap,
+the adapter-slot cap and the KV pool allow. A sequence samples when a step brings its
+computed tokens up to all of its tokens. When blocks run out, the policy's victim is preempted
+by recompute: its blocks are freed and it waits again with its generated tokens kept.
+
+Invariant: the running sequences use at most `max_loras` distinct adapters, so every
+adapter a step needs fits in a device slot and no adapter in use is ever evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.policy import SchedulingPolicy, make_policy
+from loraplex.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed per seq
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 policy: SchedulingPolicy | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy or make_policy(config.scheduling_policy)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_adapters(self) -> set[int]:
+        return {s.adapter_id for s in self.running if s.adapter_id}
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        # Running sequences first, oldest first; preempt from the policy's end on shortage.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.policy.preemption_victim(self.running)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim in out.seqs:  # already given tokens this step: take them back
+                    i = out.seqs.index(victim)
+                    budget += out.num_new_tokens.pop(i)
+                    out.seqs.pop(i)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+
+        # Then admit waiting sequences; a just-preempted sequence waits for the next step.
+        adapters = self.running_adapters()
+        for seq in self.policy.admission_order(self.waiting):
+            if budget == 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if seq in out.preempted:
+                continue
+            if seq.adapter_id and seq.adapter_id not in adapters and (
+                len(adapters) >= cfg.max_loras
+            ):
+                continue  # its adapter needs a slot; others may still fit
+            blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            n = seq.num_tokens - num_cached
+            if n > budget and not cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.block_manager.allocate_slots(seq, n, blocks):
+                break
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            self.policy.on_admitted(seq)
+            if seq.adapter_id:
+                adapters.add(seq.adapter_id)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance progress; append each sampled token. Returns the sequences that sampled.
+
+        `sampled` maps `seq.seq_no` to its new token id.
+        """
+        stepped = []
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            token = sampled.get(seq.seq_no)
+            if token is not None:
+                seq.output_token_ids.append(token)
+                self.policy.on_tokens(seq, 1)
+                stepped.append(seq)
+        return stepped
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish (or abort) a sequence wherever it is and free everything it holds."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

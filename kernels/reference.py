@@ -1,0 +1,143 @@
+"""Torch reference of every kernel op: the oracle for kernel tests and the engine's CPU path.
+
+Layouts shared with the Triton kernels:
+
+    KV cache (per layer)     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot of token position p of a sequence:   block_table[p // block_size] * block_size
+                                              + p % block_size
+    LoRA slots (per layer, per fused group such as q|k|v):
+        lora_a [num_slots, max_width, in_features]    rows   w0:w0+r_i   = A_i        (slice i)
+        lora_b [num_slots, max_width, out_features]   rows   w0:w0+r_i,
+                                                      cols   off_i:off_i+n_i = (scale_i*B_i)^T
+    i.e. the slices of one adapter sit side by side in the rank dimension (no padding to the
+    maximum rank) and B is block-diagonal over the slices, with the scale folded in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: cache.flat[slot_mapping[t]] = kv[t]; caches changed in place.
+
+    Shape: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
+    k, v [num_tokens, kv_heads, head_dim]; slot_mapping [num_tokens] int64.
+    """
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    # [num_blocks_of_seq, block_size, kv_heads, d] -> [length, kv_heads, d]
+    return cache[block_table].flatten(-4, -3)[..., :length, :, :]
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
+    """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L]."""
+    h, kvh = q.shape[-2], k.shape[-2]
+    q = q.unflatten(-2, (kvh, h // kvh)).float()  # [..., n, KVH, G, d]
+    scores = torch.einsum("...nkgd,...lkd->...kgnl", q, k.float()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = k_pos <= q_pos.unsqueeze(-1)  # [..., n, L]
+    if sliding_window:
+        allowed &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    scores = scores.masked_fill(~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf"))
+    probs = scores.softmax(-1)
+    out = torch.einsum("...kgnl,...lkd->...nkgd", probs, v.float())
+    return out.flatten(-3, -2)
+
+
+def paged_attention(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int],
+    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+) -> None:
+    """Causal attention of each sequence's new queries over its whole cached context.
+
+    Semantics: for sequence i with query rows [qs_i, qs_{i+1}) at positions
+    seq_lens[i] - n_i ... seq_lens[i] - 1, out[row] = softmax(scale * q k^T [masked]) v over
+    key positions 0..seq_lens[i]-1 that are <= the query position and, with a sliding window
+    W, > query position - W. `out` is written in place.
+
+    Shape: out, q [num_tokens, num_heads, head_dim]; k_cache, v_cache as in write_kv_cache;
+    block_tables [num_seqs, max_blocks] int64; query_start_loc: num_seqs + 1 ints;
+    seq_lens: num_seqs ints (context length after this step's tokens).
+    """
+    dev = q.device
+    decode = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if decode:
+        # All one-token queries at once, padded to the longest context.
+        rows = torch.tensor([query_start_loc[i] for i in decode], device=dev)
+        lens = torch.tensor([seq_lens[i] for i in decode], device=dev)
+        max_len = int(lens.max())
+        nb = -(-max_len // k_cache.shape[1])
+        tables = block_tables[decode, :nb]
+        k = _gather_kv(k_cache, tables, max_len)  # [B, L, KVH, d]
+        v = _gather_kv(v_cache, tables, max_len)
+        q_pos = (lens - 1).unsqueeze(-1)  # [B, 1]
+        k_pos = torch.arange(max_len, device=dev)
+        o = _attend(q[rows].unsqueeze(1), k, v, q_pos, k_pos, scale, sliding_window, softcap)
+        # Padding keys sit beyond each sequence's length, which causality already masks.
+        out[rows] = o.squeeze(1).to(out.dtype)
+    decode_set = set(decode)
+    for i in range(len(seq_lens)):
+        if i in decode_set:
+            continue
+        s, e, length = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+        nb = -(-length // k_cache.shape[1])
+        k = _gather_kv(k_cache, block_tables[i, :nb], length)
+        v = _gather_kv(v_cache, block_tables[i, :nb], length)
+        q_pos = torch.arange(length - (e - s), length, device=dev)
+        k_pos = torch.arange(length, device=dev)
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(
+            out.dtype
+        )
+
+
+def sgmv_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, segments: Sequence[tuple[int, int, int]],
+    widths: Sequence[int],
+) -> list[torch.Tensor | None]:
+    """Semantics: t_j = x[s_j:e_j] @ lora_a[slot_j, :widths[slot_j]]^T for each segment j.
+
+    Rows of a segment share one adapter slot; a slot < 0 (no adapter) or width 0 gives None
+    and reads no weights.
+
+    Shape: x [num_tokens, in]; lora_a [num_slots, max_width, in]; segments: (start, end, slot);
+    widths: per slot. Returns per segment [e_j - s_j, widths[slot_j]] or None.
+    """
+    out: list[torch.Tensor | None] = []
+    for s, e, slot in segments:
+        w = widths[slot] if slot >= 0 else 0
+        out.append(F.linear(x[s:e], lora_a[slot, :w]) if w else None)
+    return out
+
+
+def sgmv_expand(
+    y: torch.Tensor, t: Sequence[torch.Tensor | None], lora_b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
+) -> None:
+    """Semantics: y[s_j:e_j] += t_j @ lora_b[slot_j, :widths[slot_j]]; y changed in place.
+
+    Shape: y [num_tokens, out]; t_j [e_j - s_j, widths[slot_j]];
+    lora_b [num_slots, max_width, out] (scale folded in).
+    """
+    for (s, e, slot), tj in zip(segments, t, strict=True):
+        if tj is not None:
+            y[s:e].addmm_(tj, lora_b[slot, : widths[slot]])
+
+
+def lora_apply(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
+) -> None:
+    """y += per-segment LoRA delta (shrink then expand); see sgmv_shrink / sgmv_expand."""
+    sgmv_expand(y, sgmv_shrink(x, lora_a, segments, widths), lora_b, segments, widths)
