@@ -47,7 +47,7 @@ class AdapterManager:
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.refs: dict[int, int] = {}
-        self.hits = self.loads = 0
+        self.hits = self.loads = self.slot_writes = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -103,6 +103,7 @@ class AdapterManager:
         return {lora_id: self.slots.index(lora_id) for lora_id in ids}
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.slot_writes += 1
         with torch.no_grad():
             for layer, mods in enumerate(self.modules):
                 for name, mod in mods.items():

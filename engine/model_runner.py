@@ -26,6 +26,7 @@ class StepBatch:
     ctx: ForwardContext
     sample_rows: list[int]  # row of each sampling sequence's last token
     sample_seqs: list[Sequence]
+    seqs: list[Sequence]  # all sequences, in row order
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
@@ -108,6 +109,7 @@ class ModelRunner:
             ctx=ForwardContext(attn=attn, lora=lora),
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
+            seqs=[out.seqs[i] for i in order],
         )
 
     @torch.inference_mode()

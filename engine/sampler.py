@@ -1,0 +1,232 @@
+"""Turns one step's logits into next tokens, batched across requests with mixed parameters.
+
+Per row, in order: repetition penalty → frequency/presence penalties → min_tokens masking of
+EOS/stop ids → greedy rows take the argmax; the others go through temperature → top_k →
+top_p → min_p and are drawn with the exponential race `argmax(probs / E)`, `E ~ Exp(1)`,
+whose noise for a seeded request comes from that request's own generator, so its tokens do
+not depend on which other requests share the batch. Reported logprobs are those of the raw
+model distribution (before penalties, temperature and truncation), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per input row. Rows whose params have `logprobs=None` get None entries."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]  # the chosen token's logprob
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), best first
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """The per-request generator the engine keeps for the request's lifetime (None: unseeded)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
+        """`seed` fixes the generator shared by unseeded requests (tests); None: random."""
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [rows, vocab], any float dtype
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        rows, vocab = logits.shape
+        assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == rows
+        masked = self._min_tokens_mask(params, output_ids, vocab)
+        if not masked[0] and all(p.greedy and not p.has_penalties for p in params):
+            # Hot path: argmax is exact in any float dtype, so no float32 copy is needed.
+            token_ids = logits.argmax(dim=-1)  # [rows]
+        else:
+            x = logits.to(torch.float32, copy=True)  # [rows, vocab]
+            self._apply_penalties(x, params, prompt_ids, output_ids)
+            if masked[0]:
+                rows_t, cols_t = torch.tensor(masked, device=x.device)  # [2, num_masked]
+                x[rows_t, cols_t] = _NEG_INF
+            token_ids = x.argmax(dim=-1)  # [rows]
+            sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+            if sample_rows:
+                idx = torch.tensor(sample_rows, device=x.device)
+                token_ids[idx] = self._sample(
+                    x[idx],
+                    [params[i] for i in sample_rows],
+                    [generators[i] for i in sample_rows],
+                )
+        ids = token_ids.tolist()
+        chosen, top = self._logprobs(logits, params, token_ids)
+        return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
+
+    def _min_tokens_mask(
+        self, params: list[SamplingParams], output_ids: list[list[int]], vocab: int
+    ) -> tuple[list[int], list[int]]:
+        """(row, token) pairs that may not be produced yet because min_tokens is not reached."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, p in enumerate(params):
+            if len(output_ids[i]) >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= self.eos_token_ids
+            # Ids past the logits' width cannot be produced anyway.
+            banned = sorted(t for t in banned if t < vocab)
+            rows += [i] * len(banned)
+            cols += banned
+        return rows, cols
+
+    def _apply_penalties(
+        self,
+        x: torch.Tensor,  # [rows, vocab] float32, changed in place
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> None:
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep:
+            idx = torch.tensor(rep, device=x.device)
+            seen = (
+                _token_counts([prompt_ids[i] + output_ids[i] for i in rep], x.shape[1], x.device)
+                > 0
+            )  # [len(rep), vocab]
+            r = _column([params[i].repetition_penalty for i in rep], x.device)  # [len(rep), 1]
+            sub = x[idx]
+            x[idx] = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+
+        pen = [
+            i
+            for i, p in enumerate(params)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        ]
+        if pen:
+            idx = torch.tensor(pen, device=x.device)
+            counts = _token_counts([output_ids[i] for i in pen], x.shape[1], x.device)
+            freq = _column([params[i].frequency_penalty for i in pen], x.device)
+            pres = _column([params[i].presence_penalty for i in pen], x.device)
+            x[idx] -= freq * counts + pres * (counts > 0)
+
+    def _sample(
+        self,
+        x: torch.Tensor,  # [rows, vocab] float32 penalised logits of the sampling rows
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [rows] int64
+        rows, vocab = x.shape
+        x = x / _column([p.temperature for p in params], x.device)
+
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_p:
+            x = _top_k_top_p(x, top_k, [p.top_p for p in params])
+        elif min(top_k) < vocab:
+            k_max = max(k for k in top_k if k < vocab)
+            k = torch.tensor(top_k, device=x.device)  # [rows]
+            kth = x.topk(k_max, dim=-1).values  # [rows, k_max], best first
+            kth = kth.gather(1, (k.clamp(max=k_max) - 1)[:, None])  # [rows, 1]
+            kth[k >= vocab] = _NEG_INF  # rows without top_k keep everything
+            x = x.masked_fill(x < kth, _NEG_INF)
+
+        probs = torch.softmax(x, dim=-1)  # [rows, vocab]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = _column([p.min_p for p in params], x.device)
+            floor = min_p * probs.max(dim=-1, keepdim=True).values  # [rows, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+
+        noise = torch.empty_like(probs)  # [rows, vocab] ~ Exp(1)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == rows:
+            noise.exponential_(generator=self._default_generator(x.device))
+        elif unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=x.device).exponential_(
+                generator=self._default_generator(x.device)
+            )
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        # A zero draw would turn 0/0 into NaN for filtered tokens.
+        return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+    def _logprobs(
+        self, logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        rows = len(params)
+        chosen: list[float | None] = [None] * rows
+        top: list[list[tuple[int, float]] | None] = [None] * rows
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
+            return chosen, top
+        idx = torch.tensor(asked, device=logits.device)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [len(asked), vocab]
+        chosen_lp = lp.gather(1, token_ids[idx][:, None]).squeeze(1).tolist()
+        k_max = max(params[i].logprobs or 0 for i in asked)
+        top_vals, top_ids = lp.topk(k_max, dim=-1)  # [len(asked), k_max], sorted
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(asked):
+            k = params[i].logprobs or 0
+            chosen[i] = chosen_lp[j]
+            top[i] = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
+        return chosen, top
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._default_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._default_generators[device] = gen
+        return gen
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:  # [len(values), 1]
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each sequence: [len(seqs), vocab] float32."""
+    width = max(1, max(len(s) for s in seqs))
+    # Padding points at an extra column that is dropped, so rows of any length share a tensor.
+    padded = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], device=device)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks to -inf what top_k and then top_p drop; one sort serves both. x: [rows, vocab]."""
+    vocab = x.shape[1]
+    width = max(top_k)
+    if width < vocab:
+        # Every row truncates to at most `width` tokens: a partial sort is much cheaper.
+        sorted_x, order = x.topk(width, dim=-1)  # [rows, width], best first
+    else:
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [rows, vocab]
+    k = torch.tensor(top_k, device=x.device)[:, None]  # [rows, 1]
+    rank = torch.arange(width, device=x.device)[None, :]  # [1, width]
+    sorted_x = sorted_x.masked_fill(rank >= k, _NEG_INF)
+    probs = torch.softmax(sorted_x, dim=-1)  # renormalised over the top_k survivors
+    mass_before = probs.cumsum(dim=-1) - probs  # [rows, width]
+    # p = 1 must keep everything, even where rounding pushes the running sum to 1.
+    p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=x.device)
+    sorted_x = sorted_x.masked_fill(mass_before >= p[:, None], _NEG_INF)
+    return torch.full_like(x, _NEG_INF).scatter_(1, order, sorted_x)

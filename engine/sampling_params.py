@@ -1,0 +1,170 @@
+"""Per-request decoding options, in the shape users know from vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Below this a temperature divides logits into overflow; such requests are decoded greedily.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop; checks itself on construction.
+
+    `temperature=0` (or `top_k=1`) decodes greedily. Penalties follow OpenAI
+    (`presence_penalty`, `frequency_penalty`: generated tokens only) and Hugging Face
+    (`repetition_penalty`: prompt and generated tokens, positive logits divided, negative
+    multiplied). `stop` and `stop_token_ids` are normalised to lists.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._normalise_stops()
+        self._check_ranges()
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax of the penalised logits (no randomness used)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def _check_types(self) -> None:
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        for name, optional in (
+            ("n", False),
+            ("top_k", False),
+            ("min_tokens", False),
+            ("max_tokens", True),
+            ("logprobs", True),
+            ("seed", True),
+        ):
+            value = getattr(self, name)
+            if not (_is_int(value) or (optional and value is None)):
+                allowed = "an integer or None" if optional else "an integer"
+                raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _normalise_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, list | tuple):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(
+                    f"stop must contain only non-empty strings, got {s!r}; "
+                    "remove it or use stop_token_ids for token ids"
+                )
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, list | tuple):
+            ids = list(ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        self.stop_token_ids = ids
+
+    def _check_ranges(self) -> None:
+        if self.n != 1:
+            raise ValueError(
+                f"n={self.n} is not supported: only one completion per request (n=1); "
+                "send the request several times with different seeds instead"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to turn nucleus sampling off"
+            )
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to turn it off, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(
+                    f"{name} must be in [-2, 2] (0 turns it off), got {getattr(self, name)}"
+                )
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens must be >= 1, or None to generate up to the context limit, "
+                f"got {self.max_tokens}"
+            )
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens}); raise max_tokens or lower min_tokens"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be between 0 and {MAX_LOGPROBS} (0 returns only the chosen "
+                f"token's), got {self.logprobs}"
+            )
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")

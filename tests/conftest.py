@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random models and PEFT adapters, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.utils.factories import make_adapter, make_tiny_model  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Four adapters that differ in rank, targets and scaling, for mixed batches.
+ADAPTER_SPECS = {
+    "qv4": dict(r=4, alpha=8, targets=("q_proj", "v_proj")),
+    "attn8": dict(r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "mlp16": dict(r=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True),
+    "all2": dict(
+        r=2, alpha=4,
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        kind: make_tiny_model(kind, root / kind, seed=i, shard=(kind == "qwen2"))
+        for i, kind in enumerate(("llama", "qwen2", "gemma3", "mistral"))
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """kind -> adapter name -> folder."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        kind: {
+            name: make_adapter(base, root / kind / name, seed=10 + j, **spec)
+            for j, (name, spec) in enumerate(ADAPTER_SPECS.items())
+        }
+        for kind, base in tiny_models.items()
+    }

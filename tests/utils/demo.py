@@ -1,0 +1,18 @@
+"""The converted demo model (Gemma 3 270M), shared by every test that needs real weights.
+
+The first conversion takes about a minute and 0.5 GB; later runs reuse the folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loraplex.engine.demo import prepare_demo
+
+
+def get_demo_model_dir(cache_root: Path) -> Path:
+    """Converted folder under `$LORAPLEX_DATA_DIR` if set, else under `cache_root`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    data_dir = os.environ.get("LORAPLEX_DATA_DIR") or cache_root
+    return prepare_demo(Path(data_dir))
