@@ -171,7 +171,8 @@ def test_prefix_cache_hits_same_outputs(kind, tiny_models, tiny_adapters, refere
 def test_fewer_slots_than_adapters(kind, tiny_models, tiny_adapters, reference):
     llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=2, max_lora_rank=16)
     _check(_run(llm, tiny_adapters[kind]), reference(kind))
-    assert llm.engine.adapters.slot_writes > 4, "adapters should have taken turns in 2 slots"
+    # Four adapters went through two slots, so slots were reused.
+    assert len(llm.engine.adapters.slots) == 2 and llm.engine.adapters.slot_writes == 4
 
 
 def test_sharded_checkpoint_loads(tiny_models):

@@ -1,0 +1,144 @@
+"""The engine for servers: a background thread steps the engine; callers await token streams.
+
+    asyncio callers ──commands (add / abort)──▶ queue ──▶ engine thread: apply, step, step…
+          ▲                                                      │
+          └────── per-request asyncio.Queue ◀── call_soon_threadsafe(outputs)
+
+Only the engine thread touches the engine, so no locks guard its internals. A caller that
+stops iterating (client disconnect, task cancelled) aborts its request, which frees its
+KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import LoRARequest
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an internal error; requests cannot be served."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
+        return cls(LLMEngine(config, progress=progress))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------ caller side
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None, request_id: str | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as tokens arrive (each with `delta_text`); the last has finished=True.
+
+        Raises ValueError/AdapterError for bad input before yielding anything.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        self._streams[rid] = stream
+        self._commands.put(("add", rid, prompt, params, lora_request, tenant))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.engine.requests)
+
+    # ------------------------------------------------------------ engine thread
+    def _deliver(self, rid: str, item) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, lora, tenant = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params, lora, tenant=tenant)
+                except Exception as e:  # bad input: that caller's error only
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                out = self.engine.abort(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - report to every waiting caller
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine stopped: {e!r}"))
+            raise
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
