@@ -7,7 +7,6 @@ import torch
 from safetensors import safe_open
 
 from loraplex.engine import demo
-from tests.utils.demo import get_demo_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -18,11 +17,6 @@ TEXTS = [
     "  two  spaces\n\ttab and Ünïcödé ß ø «quotes» 👍🏽",
     "<start_of_turn>user\nHi<end_of_turn>",
 ]
-
-
-@pytest.fixture(scope="session")
-def demo_model_dir(request: pytest.FixtureRequest) -> Path:
-    return get_demo_model_dir(request.config.cache.mkdir("loraplex-data"))
 
 
 def test_folder_loads_in_transformers_and_speaks_english(demo_model_dir: Path) -> None:
