@@ -8,6 +8,11 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
 
 __all__ = [
-    "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest", "RequestOutput",
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "LoRARequest",
+    "RequestOutput",
     "SamplingParams",
 ]

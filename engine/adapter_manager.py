@@ -32,16 +32,20 @@ class AdapterManager:
         self.modules: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
             mods = {
-                "qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
+                "qkv_proj": layer.self_attn.qkv_proj,
+                "o_proj": layer.self_attn.o_proj,
+                "gate_up_proj": layer.mlp.gate_up_proj,
+                "down_proj": layer.mlp.down_proj,
             }
             for name, mod in mods.items():
                 width = _SLICES[name] * max_rank
                 dev = mod.weight.device
-                mod.lora_a = torch.zeros(max_loras, width, mod.weight.shape[1],
-                                         dtype=self.dtype, device=dev)
-                mod.lora_b = torch.zeros(max_loras, width, mod.weight.shape[0],
-                                         dtype=self.dtype, device=dev)
+                mod.lora_a = torch.zeros(
+                    max_loras, width, mod.weight.shape[1], dtype=self.dtype, device=dev
+                )
+                mod.lora_b = torch.zeros(
+                    max_loras, width, mod.weight.shape[0], dtype=self.dtype, device=dev
+                )
                 mod.lora_widths = [0] * max_loras
             self.modules.append(mods)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
@@ -59,8 +63,9 @@ class AdapterManager:
         """Load (or find) an adapter for a new request and pin it in host memory."""
         adapter = self.host.get(lora.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(lora.lora_path, self.spec, self.max_rank, self.dtype,
-                                   name=lora.lora_name)
+            adapter = load_adapter(
+                lora.lora_path, self.spec, self.max_rank, self.dtype, name=lora.lora_name
+            )
             self.loads += 1
             self.host[lora.lora_int_id] = adapter
         else:
@@ -94,9 +99,7 @@ class AdapterManager:
         for lora_id in ids:
             if lora_id in self.slots:
                 continue
-            slot = next(
-                (i for i, s in enumerate(self.slots) if s is None or s not in ids), None
-            )
+            slot = next((i for i, s in enumerate(self.slots) if s is None or s not in ids), None)
             assert slot is not None
             self._write_slot(slot, self.host[lora_id])
             self.slots[slot] = lora_id
@@ -118,7 +121,7 @@ class AdapterManager:
                         a, b = w  # [r, in], [out_i, r]
                         r = a.shape[0]
                         off = sum(mod.out_sizes[:idx])
-                        mod.lora_a[slot, width:width + r] = a
-                        mod.lora_b[slot, width:width + r, off:off + b.shape[0]] = b.T
+                        mod.lora_a[slot, width : width + r] = a
+                        mod.lora_b[slot, width : width + r, off : off + b.shape[0]] = b.T
                         width += r
                     mod.lora_widths[slot] = width

@@ -57,8 +57,11 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ caller side
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None, request_id: str | None = None,
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        request_id: str | None = None,
         tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (each with `delta_text`); the last has finished=True.

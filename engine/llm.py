@@ -40,8 +40,11 @@ class LLM:
                 f"quantization={quantization!r} is not available yet; use quantization=None"
             )
         config = EngineConfig(
-            model=resolve_model(model), dtype=dtype, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, **engine_options,
+            model=resolve_model(model),
+            dtype=dtype,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            **engine_options,
         )
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()

@@ -39,8 +39,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False):
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model)
-        self.model = load_model(config.model, config.torch_dtype, config.device,
-                                max_len=config.max_model_len, progress=progress)
+        self.model = load_model(
+            config.model,
+            config.torch_dtype,
+            config.device,
+            max_len=config.max_model_len,
+            progress=progress,
+        )
         spec = self.model.spec
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(config, self.model, Sampler(self.eos_token_ids, seed=config.seed))
@@ -56,8 +61,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None, tenant: str | None = None,
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing."""
         params = params or SamplingParams()
@@ -84,8 +93,9 @@ class LLMEngine:
             )
         if lora_request is not None:
             self.adapters.acquire(lora_request)  # validates; raises before anything is queued
-        seq = Sequence(request_id, ids, params, lora=lora_request, tenant=tenant,
-                       arrival=time.monotonic())
+        seq = Sequence(
+            request_id, ids, params, lora=lora_request, tenant=tenant, arrival=time.monotonic()
+        )
         stops = params.stop or []
         self.requests[request_id] = _Request(
             seq=seq,
@@ -139,7 +149,7 @@ class LLMEngine:
             if token in self.eos_token_ids and not p.ignore_eos:
                 return self._finish(req, "stop", None)
             if p.stop:
-                window = req.text[-(req.stop_holdback + 64 + 1) * 2:]
+                window = req.text[-(req.stop_holdback + 64 + 1) * 2 :]
                 base = len(req.text) - len(window)
                 hits = [(window.find(s), s) for s in p.stop if s in window]
                 if hits:
@@ -167,16 +177,19 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         finished = seq.is_finished
-        visible = len(req.text) if finished else max(req.sent_text, len(req.text) - req.stop_holdback)
-        delta_text = req.text[req.sent_text:visible]
+        # Hold back a possible stop string's prefix until it is known not to complete.
+        visible = len(req.text) if finished else len(req.text) - req.stop_holdback
+        visible = max(req.sent_text, visible)
+        delta_text = req.text[req.sent_text : visible]
         req.sent_text = max(req.sent_text, visible)
-        delta_ids = seq.output_token_ids[req.sent_tokens:]
+        delta_ids = seq.output_token_ids[req.sent_tokens :]
         req.sent_tokens = len(seq.output_token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = []
-            for tok, lp, top in zip(seq.output_token_ids, seq.logprobs, seq.top_logprobs,
-                                    strict=False):
+            for tok, lp, top in zip(
+                seq.output_token_ids, seq.logprobs, seq.top_logprobs, strict=False
+            ):
                 entry = {tok: lp}
                 entry.update({t: v for t, v in top if t != tok})
                 logprobs.append(entry)
@@ -186,12 +199,17 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt=req.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(
-                index=0, text=req.text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=logprobs,
-                cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
-            )],
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=req.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=logprobs,
+                    cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
+                )
+            ],
             finished=finished,
             num_cached_tokens=seq.num_cached_tokens,
             lora_name=seq.lora.lora_name if seq.lora else None,

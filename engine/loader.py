@@ -18,8 +18,11 @@ from loraplex.engine.models.spec import ModelSpec, spec_from_config
 
 # HF projection name -> (our fused module, slice index)
 FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -44,7 +47,7 @@ def weight_files(folder: Path) -> list[Path]:
 def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
     """Our parameter (and row slice of it) for a checkpoint tensor name."""
     if name.startswith("language_model."):
-        name = name[len("language_model."):]
+        name = name[len("language_model.") :]
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in FUSED:
         fused, idx = FUSED[parts[-2]]
@@ -59,8 +62,13 @@ def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, slice | None, st
         return None
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               max_len: int = 4096, progress: bool = False) -> DecoderLM:
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    max_len: int = 4096,
+    progress: bool = False,
+) -> DecoderLM:
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):

@@ -21,8 +21,12 @@ from loraplex.engine.models.spec import ModelSpec
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT target -> (fused module of ours, slice index within it)
 GROUPS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -77,8 +81,9 @@ def read_adapter_config(folder: Path) -> dict:
     return cfg
 
 
-def load_adapter(folder: str | Path, spec: ModelSpec, max_rank: int, dtype: torch.dtype,
-                 name: str | None = None) -> LoRAAdapter:
+def load_adapter(
+    folder: str | Path, spec: ModelSpec, max_rank: int, dtype: torch.dtype, name: str | None = None
+) -> LoRAAdapter:
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterError(f"adapter folder {folder} does not exist")
@@ -129,7 +134,9 @@ def load_adapter(folder: str | Path, spec: ModelSpec, max_rank: int, dtype: torc
         a, b = ab["A"], ab["B"]
         for t in (a, b):
             if t.dtype not in _FLOAT or t.dim() != 2:
-                raise AdapterError(f"{where}: expected 2-D float tensors, got {t.dtype} {t.dim()}-D")
+                raise AdapterError(
+                    f"{where}: expected 2-D float tensors, got {t.dtype} {t.dim()}-D"
+                )
         r = a.shape[0]
         fin, fout = spec.lora_in_out(module)
         if a.shape[1] != fin or b.shape[0] != fout or b.shape[1] != r:

@@ -63,9 +63,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput, slots: dict[int, int]) -> StepBatch:
         bs = self.config.block_size
-        order = sorted(
-            range(len(out.seqs)), key=lambda i: slots.get(out.seqs[i].adapter_id, -1)
-        )
+        order = sorted(range(len(out.seqs)), key=lambda i: slots.get(out.seqs[i].adapter_id, -1))
         ids: list[int] = []
         pos: list[int] = []
         slot_mapping: list[int] = []
@@ -75,7 +73,7 @@ class ModelRunner:
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
             start = seq.num_computed_tokens
-            toks = seq.all_token_ids[start:start + n]
+            toks = seq.all_token_ids[start : start + n]
             ids.extend(toks)
             pos.extend(range(start, start + n))
             table = seq.block_table
@@ -93,8 +91,9 @@ class ModelRunner:
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                    dtype=torch.int64, device=self.device)
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=self.device
+        )
         dev = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),

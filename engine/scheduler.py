@@ -36,8 +36,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 policy: SchedulingPolicy | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        policy: SchedulingPolicy | None = None,
+    ):
         self.config = config
         self.block_manager = block_manager
         self.policy = policy or make_policy(config.scheduling_policy)
@@ -98,8 +102,10 @@ class Scheduler:
                 break
             if seq in out.preempted:
                 continue
-            if seq.adapter_id and seq.adapter_id not in adapters and (
-                len(adapters) >= cfg.max_loras
+            if (
+                seq.adapter_id
+                and seq.adapter_id not in adapters
+                and (len(adapters) >= cfg.max_loras)
             ):
                 continue  # its adapter needs a slot; others may still fit
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)

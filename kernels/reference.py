@@ -22,7 +22,10 @@ import torch.nn.functional as F
 
 
 def write_kv_cache(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Semantics: cache.flat[slot_mapping[t]] = kv[t]; caches changed in place.
@@ -56,9 +59,16 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
 
 
 def paged_attention(
-    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int],
-    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
 
@@ -97,13 +107,13 @@ def paged_attention(
         v = _gather_kv(v_cache, block_tables[i, :nb], length)
         q_pos = torch.arange(length - (e - s), length, device=dev)
         k_pos = torch.arange(length, device=dev)
-        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(
-            out.dtype
-        )
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
 
 
 def sgmv_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, segments: Sequence[tuple[int, int, int]],
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
     widths: Sequence[int],
 ) -> list[torch.Tensor | None]:
     """Semantics: t_j = x[s_j:e_j] @ lora_a[slot_j, :widths[slot_j]]^T for each segment j.
@@ -122,8 +132,11 @@ def sgmv_shrink(
 
 
 def sgmv_expand(
-    y: torch.Tensor, t: Sequence[torch.Tensor | None], lora_b: torch.Tensor,
-    segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
+    y: torch.Tensor,
+    t: Sequence[torch.Tensor | None],
+    lora_b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    widths: Sequence[int],
 ) -> None:
     """Semantics: y[s_j:e_j] += t_j @ lora_b[slot_j, :widths[slot_j]]; y changed in place.
 
@@ -136,8 +149,12 @@ def sgmv_expand(
 
 
 def lora_apply(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    widths: Sequence[int],
 ) -> None:
     """y += per-segment LoRA delta (shrink then expand); see sgmv_shrink / sgmv_expand."""
     sgmv_expand(y, sgmv_shrink(x, lora_a, segments, widths), lora_b, segments, widths)

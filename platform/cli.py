@@ -11,18 +11,27 @@ def _generate(args: argparse.Namespace) -> int:
     from loraplex.engine import LLM, LoRARequest, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_lora_rank=args.max_lora_rank, progress=True,
-              max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_lora_rank=args.max_lora_rank,
+        progress=True,
+        max_model_len=args.max_model_len,
+    )
     load_s = time.perf_counter() - t0
     lora = LoRARequest("adapter", 1, args.adapter) if args.adapter else None
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
     t1 = time.perf_counter()
     out = llm.generate([args.prompt], params, lora)[0].outputs[0]
     gen_s = time.perf_counter() - t1
     print(args.prompt + out.text)
-    print(f"[{len(out.token_ids)} tokens in {gen_s:.2f}s ({len(out.token_ids) / gen_s:.1f} tok/s), "
-          f"finish={out.finish_reason}, load {load_s:.1f}s]", file=sys.stderr)
+    print(
+        f"[{len(out.token_ids)} tokens in {gen_s:.2f}s ({len(out.token_ids) / gen_s:.1f} tok/s), "
+        f"finish={out.finish_reason}, load {load_s:.1f}s]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -23,7 +23,8 @@ ADAPTER_SPECS = {
     "attn8": dict(r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
     "mlp16": dict(r=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True),
     "all2": dict(
-        r=2, alpha=4,
+        r=2,
+        alpha=4,
         targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     ),
 }

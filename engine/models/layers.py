@@ -147,8 +147,16 @@ class Attention(nn.Module):
         dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping)
         out = torch.empty_like(q)
         dispatch.paged_attention(
-            out, q, self.k_cache, self.v_cache, a.block_tables, a.query_start_loc, a.seq_lens,
-            s.query_scale, self.window, s.attn_softcap,
+            out,
+            q,
+            self.k_cache,
+            self.v_cache,
+            a.block_tables,
+            a.query_start_loc,
+            a.seq_lens,
+            s.query_scale,
+            self.window,
+            s.attn_softcap,
         )
         return self.o_proj(out.flatten(-2), ctx.lora)
 
@@ -159,8 +167,8 @@ class MLP(nn.Module):
         i = spec.intermediate_size
         self.gate_up_proj = LoRALinear(spec.hidden_size, [i, i], spec.mlp_bias)
         self.down_proj = LoRALinear(i, [spec.hidden_size], spec.mlp_bias)
-        self.act = F.silu if spec.activation == "silu" else (
-            lambda t: F.gelu(t, approximate="tanh")
+        self.act = (
+            F.silu if spec.activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
         )
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:

@@ -68,8 +68,12 @@ class ModelSpec:
         """(in_features, out_features) of a PEFT target module name such as `q_proj`."""
         h, i = self.hidden_size, self.intermediate_size
         return {
-            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i),
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
             "down_proj": (i, h),
         }[module]
 
@@ -116,8 +120,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         use = cfg.get("use_sliding_window", False)
         first = cfg.get("max_window_layers", n_layers)
         layer_types = [
-            "sliding_attention" if use and i >= first else "full_attention"
-            for i in range(n_layers)
+            "sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)
         ]
     if layer_types is None:
         layer_types = ["sliding_attention" if window else "full_attention"] * n_layers

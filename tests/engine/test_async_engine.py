@@ -29,14 +29,19 @@ async def _collect(engine, prompt, params, lora=None):
 
 def test_concurrent_streams_match_offline(aengine, tiny_models, tiny_adapters):
     adapters = tiny_adapters["llama"]
-    loras = [None, LoRARequest("qv4", 1, str(adapters["qv4"])),
-             LoRARequest("attn8", 2, str(adapters["attn8"])), None]
+    loras = [
+        None,
+        LoRARequest("qv4", 1, str(adapters["qv4"])),
+        LoRARequest("attn8", 2, str(adapters["attn8"])),
+        None,
+    ]
     prompts = ["The quick brown fox", "Once upon a time", "The capital of France", "Numbers"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def main():
-        return await asyncio.gather(*(_collect(aengine, p, params, lo)
-                                      for p, lo in zip(prompts, loras, strict=True)))
+        return await asyncio.gather(
+            *(_collect(aengine, p, params, lo) for p, lo in zip(prompts, loras, strict=True))
+        )
 
     results = asyncio.run(main())
     offline = LLMEngine(EngineConfig(str(tiny_models["llama"]), dtype="float32"))
@@ -77,10 +82,12 @@ def test_bad_request_fails_only_itself(aengine, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{not json")
 
     async def main():
-        bad = _collect(aengine, "hello", SamplingParams(max_tokens=4),
-                       LoRARequest("bad", 9, str(tmp_path)))
-        good = _collect(aengine, "hello", SamplingParams(temperature=0, max_tokens=4,
-                                                         ignore_eos=True))
+        bad = _collect(
+            aengine, "hello", SamplingParams(max_tokens=4), LoRARequest("bad", 9, str(tmp_path))
+        )
+        good = _collect(
+            aengine, "hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
         return await asyncio.gather(bad, good, return_exceptions=True)
 
     bad, good = asyncio.run(main())

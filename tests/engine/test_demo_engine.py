@@ -25,7 +25,7 @@ def test_greedy_continuation_equals_transformers(demo_model_dir):
         ids = torch.tensor([tok.encode(prompt)])
         with torch.no_grad():
             ref = hf.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
-        ref_ids = ref[0, ids.shape[1]:].tolist()
+        ref_ids = ref[0, ids.shape[1] :].tolist()
         assert out.outputs[0].token_ids == ref_ids, (out.outputs[0].text, tok.decode(ref_ids))
         assert out.outputs[0].text == tok.decode(ref_ids)
     assert "Paris" in ours[0].outputs[0].text or "France" in ours[0].outputs[0].text

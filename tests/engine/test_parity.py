@@ -23,8 +23,10 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     prefix = torch.randint(5, 500, (20,), generator=g).tolist()  # shared across adapters
-    return [prefix + torch.randint(5, 500, (1 + 2 * i,), generator=g).tolist()
-            for i in range(len(ROW_ADAPTERS))]
+    return [
+        prefix + torch.randint(5, 500, (1 + 2 * i,), generator=g).tolist()
+        for i in range(len(ROW_ADAPTERS))
+    ]
 
 
 @torch.no_grad()
@@ -71,6 +73,7 @@ def reference(tiny_models, tiny_adapters):
         if kind not in _REF_CACHE:
             _REF_CACHE[kind] = _hf_reference(tiny_models[kind], tiny_adapters[kind])
         return _REF_CACHE[kind]
+
     return get
 
 
@@ -93,7 +96,7 @@ def _run(llm: LLM, adapters: dict, prompts=None):
         for j, seq in enumerate(state["batch"].seqs):
             n = qsl[j + 1] - qsl[j]
             if positions[qsl[j]] == 0 and n == seq.num_prompt_tokens:
-                prefill[seq.request_id] = orig_logits(hidden[qsl[j]:qsl[j + 1]])
+                prefill[seq.request_id] = orig_logits(hidden[qsl[j] : qsl[j + 1]])
         return hidden
 
     def compute_logits(hidden):
@@ -123,7 +126,9 @@ def _check(rows, ref, full_prefill: bool = True):
         assert len(logits) == STEPS
         for step in range(LOGIT_STEPS):
             torch.testing.assert_close(
-                logits[step], r["logits"][step], **TOL,
+                logits[step],
+                r["logits"][step],
+                **TOL,
                 msg=lambda m, i=i, step=step: f"row {i} step {step}: {m}",
             )
         if full_prefill:
@@ -141,15 +146,27 @@ def test_mixed_adapter_batch_matches_hf_peft(kind, tiny_models, tiny_adapters, r
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_chunked_prefill_same_outputs(kind, tiny_models, tiny_adapters, reference):
-    llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16,
-              max_num_batched_tokens=7)
+    llm = LLM(
+        str(tiny_models[kind]),
+        dtype="float32",
+        max_loras=4,
+        max_lora_rank=16,
+        max_num_batched_tokens=7,
+    )
     _check(_run(llm, tiny_adapters[kind]), reference(kind), full_prefill=False)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_preemption_same_outputs(kind, tiny_models, tiny_adapters, reference):
-    llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16,
-              max_model_len=80, num_kv_blocks=10, block_size=8)
+    llm = LLM(
+        str(tiny_models[kind]),
+        dtype="float32",
+        max_loras=4,
+        max_lora_rank=16,
+        max_model_len=80,
+        num_kv_blocks=10,
+        block_size=8,
+    )
     rows = _run(llm, tiny_adapters[kind])
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
     _check(rows, reference(kind), full_prefill=False)
@@ -158,8 +175,7 @@ def test_preemption_same_outputs(kind, tiny_models, tiny_adapters, reference):
 
 @pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
 def test_prefix_cache_hits_same_outputs(kind, tiny_models, tiny_adapters, reference):
-    llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16,
-              block_size=8)
+    llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16, block_size=8)
     _check(_run(llm, tiny_adapters[kind]), reference(kind))
     queries = llm.engine.block_manager.prefix_hits
     rows = _run(llm, tiny_adapters[kind])  # same prompts again: served from the cache
