@@ -42,6 +42,7 @@ class BlockManager:
         self._keys: dict[int, list[bytes]] = {}  # seq_no -> keys of its full blocks
         self.prefix_hits = 0
         self.prefix_queries = 0
+        self.prefix_cached_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,7 +79,6 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        self.prefix_queries += 1
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for key in self._keys_for(seq, max_blocks):
@@ -86,9 +86,13 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        if hits:
-            self.prefix_hits += 1
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_cached_tokens: int) -> None:
+        """Count one admitted sequence's prefix-cache lookup (for hit-rate metrics)."""
+        self.prefix_queries += 1
+        self.prefix_hits += num_cached_tokens > 0
+        self.prefix_cached_tokens += num_cached_tokens
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None

@@ -29,7 +29,7 @@ GROUPS = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 
 
@@ -51,8 +51,9 @@ class LoRAAdapter:
 
 
 def _pattern_value(patterns: dict, module: str, default):
+    """peft's rule: a pattern key matches a module name that ends with it (as a regex)."""
     for key, value in patterns.items():
-        if re.search(rf"(^|\.){key}$", module) or re.fullmatch(key, module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
 
@@ -99,6 +100,7 @@ def load_adapter(
         raise AdapterError(f"{folder}: adapter_model.safetensors is missing")
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    parents: dict[str, str] = {}
     try:
         with safe_open(str(wpath), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -108,7 +110,7 @@ def load_adapter(
                         f"{wpath.name}: tensor {key!r} is not a LoRA weight of a supported "
                         f"module; supported targets: {', '.join(TARGETS)}"
                     )
-                layer, module, ab = int(m[1]), m[2], m[3]
+                layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
                 if module not in GROUPS:
                     raise AdapterError(
                         f"{wpath.name}: target module {module!r} is not supported; "
@@ -118,6 +120,7 @@ def load_adapter(
                     raise AdapterError(
                         f"{key}: layer {layer} but the base model has {spec.num_layers} layers"
                     )
+                parents[module] = parent
                 pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
     except SafetensorError as e:
         raise AdapterError(f"{wpath}: unreadable safetensors file ({e})") from None
@@ -144,7 +147,7 @@ def load_adapter(
                 f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
                 f"base model (expected [r, {fin}] and [{fout}, r]): wrong base model?"
             )
-        full_name = f"model.layers.{layer}.{module}"
+        full_name = f"model.layers.{layer}.{parents[module]}.{module}"
         r_cfg = _pattern_value(rank_pat, full_name, r_default)
         if r != r_cfg:
             raise AdapterError(f"{where}: rank {r} but adapter_config.json says {r_cfg}")

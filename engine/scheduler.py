@@ -95,13 +95,14 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
 
-        # Then admit waiting sequences; a just-preempted sequence waits for the next step.
+        # Then admit waiting sequences, unless this step had to preempt: blocks are short,
+        # and a newer request must not take the blocks an older one just gave up.
+        if out.preempted:
+            return out
         adapters = self.running_adapters()
         for seq in self.policy.admission_order(self.waiting):
             if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
-            if seq in out.preempted:
-                continue
             if (
                 seq.adapter_id
                 and seq.adapter_id not in adapters
@@ -115,6 +116,7 @@ class Scheduler:
             n = min(n, budget)
             if not self.block_manager.allocate_slots(seq, n, blocks):
                 break
+            self.block_manager.record_prefix_lookup(num_cached)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
