@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("loraplex.engine")
+
+
+@functools.cache
+def cpu_has_native_half(dtype: str) -> bool:
+    """Whether this CPU multiplies `dtype` matrices in hardware (else ~7x slower emulation)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    wanted = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp16", "amx_fp16"}}
+    return bool(flags & wanted.get(dtype, set()))
 
 
 @dataclass
@@ -28,6 +43,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # None: 4 x max_loras
     scheduling_policy: str = "fcfs"
+    # On a CPU without bf16/fp16 matmul instructions, compute in float32 (None: decide from
+    # the CPU's flags). Twice the weight memory, several times the speed.
+    cpu_float32_compute: bool | None = None
     seed: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -41,6 +59,19 @@ class EngineConfig:
             self.dtype = declared if declared in _DTYPES else "float32"
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.cpu_float32_compute is None:
+            self.cpu_float32_compute = (
+                self.device == "cpu"
+                and self.dtype != "float32"
+                and not cpu_has_native_half(self.dtype)
+            )
+        if self.cpu_float32_compute and self.dtype != "float32":
+            log.warning(
+                "this CPU has no native %s matmul: computing in float32 "
+                "(pass cpu_float32_compute=False to force %s)",
+                self.dtype,
+                self.dtype,
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two between 8 and 128")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -71,4 +102,5 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        """The dtype weights, activations and the KV cache are held in."""
+        return torch.float32 if self.cpu_float32_compute else _DTYPES[self.dtype]

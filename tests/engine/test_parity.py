@@ -220,7 +220,9 @@ def test_half_precision_tracks_float32(dtype, tiny_models, tiny_adapters):
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
     lora = [LoRARequest("attn8", 2, str(adapters["attn8"])), None]
     ref = LLM(str(tiny_models["llama"]), dtype="float32").generate(prompts, params, lora)
-    half = LLM(str(tiny_models["llama"]), dtype=dtype).generate(prompts, params, lora)
+    half_llm = LLM(str(tiny_models["llama"]), dtype=dtype, cpu_float32_compute=False)
+    assert half_llm.engine.model.lm_head.weight.dtype != torch.float32
+    half = half_llm.generate(prompts, params, lora)
     assert half[0].outputs[0].token_ids  # ran end to end in half precision
     for r, h in zip(ref, half, strict=True):
         top_r, top_h = r.outputs[0].logprobs[0], h.outputs[0].logprobs[0]
