@@ -14,7 +14,7 @@ import torch
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
 
@@ -120,6 +120,9 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [rows, vocab]
         seqs = batch.sample_seqs
+        for s in seqs:
+            if s.generator is None and s.params.seed is not None:
+                s.generator = make_generator(s.params.seed, logits.device)
         result = self.sampler(
             logits,
             [s.params for s in seqs],

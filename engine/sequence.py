@@ -55,14 +55,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # made on the logits' device at first sample
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     seq_no: int = field(default_factory=lambda: next(_ids))
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def all_token_ids(self) -> list[int]:
