@@ -31,6 +31,23 @@ class _Stream:
     queue: asyncio.Queue
 
 
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks held
+    kv_blocks: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    adapter_hits: int
+    adapter_loads: int
+    adapters_in_host: int
+    adapter_slots_used: int
+    adapter_slots: int
+    alive: bool
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an internal error; requests cannot be served."""
 
@@ -103,6 +120,26 @@ class AsyncLLMEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self.engine.requests)
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics; read without locking, so counts may be one step stale."""
+        e = self.engine
+        bm, ad = e.block_manager, e.adapters
+        return EngineStats(
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            kv_usage=bm.usage,
+            kv_blocks=bm.num_blocks,
+            preemptions=e.scheduler.num_preemptions,
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+            adapter_hits=ad.hits,
+            adapter_loads=ad.loads,
+            adapters_in_host=len(ad.host),
+            adapter_slots_used=sum(s is not None for s in ad.slots),
+            adapter_slots=len(ad.slots),
+            alive=self.error is None and self._thread.is_alive(),
+        )
 
     # ------------------------------------------------------------ engine thread
     def _deliver(self, rid: str, item) -> None:

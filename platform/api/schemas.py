@@ -1,0 +1,176 @@
+"""OpenAI-compatible request bodies and their translation into engine SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.api.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # The openai client sends only what the caller set; unknown fields are ignored as OpenAI does.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = Field(default=None, max_length=256)
+    logit_bias: dict[str, float] | None = None
+    # Extensions in vLLM's style.
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n > 1 is not supported; send several requests", "unsupported", "n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "unsupported", "logit_bias")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self.check_supported()
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_value") from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "prompt must not be empty", "invalid_value", "prompt")
+            return p
+        if p and all(isinstance(t, int) for t in p):
+            return list(p)
+        raise APIError(
+            400,
+            "send one prompt per request (a string or a list of token ids)",
+            "unsupported",
+            "prompt",
+        )
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", "unsupported", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "unsupported", "suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of > 1 is not supported", "unsupported", "best_of")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise APIError(
+                    400,
+                    f"content parts of type {part.type!r} are not supported",
+                    "unsupported",
+                    "messages",
+                )
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", "unsupported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(
+                400,
+                "only response_format type 'text' is supported",
+                "unsupported",
+                "response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(
+                400, "top_logprobs requires logprobs=true", "invalid_value", "top_logprobs"
+            )
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
