@@ -50,12 +50,33 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
+
+
 def _pattern_value(patterns: dict, module: str, default):
-    """peft's rule: a pattern key matches a module name that ends with it (as a regex)."""
+    """peft's rule: a key matches a module name that ends with it at a dot boundary.
+
+    peft treats keys as regexes; we accept only plain dotted names (checked on load), so an
+    uploaded config cannot make matching run for ever.
+    """
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if module == key or module.endswith("." + key):
             return value
     return default
+
+
+def _check_patterns(cfg: dict, path: Path) -> None:
+    for field, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pat = cfg.get(field) or {}
+        if not isinstance(pat, dict):
+            raise AdapterError(f"{path}: {field} must be an object of module name -> value")
+        for key, value in pat.items():
+            if not _PLAIN_NAME.match(key):
+                raise AdapterError(
+                    f"{path}: {field} key {key[:60]!r}: only plain module names are supported"
+                )
+            if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+                raise AdapterError(f"{path}: {field}[{key!r}] must be a positive number")
 
 
 def read_adapter_config(folder: Path) -> dict:
@@ -76,8 +97,12 @@ def read_adapter_config(folder: Path) -> dict:
         raise AdapterError(f"{path}: adapters with trained biases are not supported")
     if cfg.get("modules_to_save"):
         raise AdapterError(f"{path}: modules_to_save (full-weight modules) are not supported")
+    alpha = cfg.get("lora_alpha", 1)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise AdapterError(f"{path}: 'lora_alpha' must be a positive number, got {alpha!r}")
+    _check_patterns(cfg, path)
     r = cfg.get("r")
-    if not isinstance(r, int) or r < 1:
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 65536:
         raise AdapterError(f"{path}: 'r' must be a positive integer, got {r!r}")
     return cfg
 

@@ -1,0 +1,144 @@
+"""The adapter store interface, the content digest, and `make_store` for a store URL.
+
+An adapter is stored as exactly two files, `adapter_config.json` and
+`adapter_model.safetensors`, under a key derived from the sha256 of both (`adapter_digest`).
+Keys are opaque and relative to the store's root, so moving a bucket prefix or a data folder
+is a settings change, not a registry migration; today both stores use the digest itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import urlparse
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# Fixed order: the digest must not depend on how a folder lists its files.
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+MiB = 1024 * 1024
+_CHUNK = MiB
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+class StoreError(RuntimeError):
+    """The store cannot do what was asked; the message says what to check."""
+
+
+class AdapterNotFound(StoreError):
+    """No complete adapter under this key."""
+
+
+def check_digest(digest: str) -> str:
+    # Digests become folder names and object keys: only 64 lowercase hex characters get there.
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise ValueError(f"not a sha256 hex digest: {digest!r}")
+    return digest
+
+
+def adapter_digest(folder: str | Path) -> str:
+    """sha256 over `len(name) | name | len(data) | data` of both adapter files, lengths as u64.
+
+    Length prefixes make the encoding unambiguous (no two folders hash the same bytes);
+    files are streamed, so a large adapter is never held in memory.
+    """
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        path = folder / name
+        raw = name.encode()
+        size = path.stat().st_size
+        h.update(struct.pack(">Q", len(raw)) + raw + struct.pack(">Q", size))
+        seen = 0
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                seen += len(chunk)
+        if seen != size:
+            raise StoreError(f"{path} changed while it was being hashed")
+    return h.hexdigest()
+
+
+def verify_digest(folder: Path, digest: str) -> None:
+    """Refuse to file content under a digest it does not have (it would poison the store)."""
+    actual = adapter_digest(folder)
+    if actual != digest:
+        raise ValueError(f"{folder} has sha256 {actual}, not the {digest} it is being stored as")
+
+
+class AdapterStore(ABC):
+    """Where adapters live durably. All methods are safe to call from several threads."""
+
+    @abstractmethod
+    def put(self, folder: Path, digest: str) -> str:
+        """Store `folder`'s two adapter files as `digest`; returns the key. Idempotent."""
+
+    @abstractmethod
+    def fetch(self, key: str, dest: Path) -> Path:
+        """Write the adapter into the new folder `dest` (it appears complete or not at all)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the adapter; deleting a missing key is not an error."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """True when a complete adapter is stored under `key`."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise StoreError unless the store is reachable and writable (run at startup)."""
+
+    @staticmethod
+    def _check_dest(dest: Path) -> Path:
+        dest = Path(dest)
+        if dest.exists():
+            raise StoreError(f"fetch destination {dest} already exists")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        return dest
+
+
+def make_store(
+    store_url: str | Path,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    multipart_threshold: int = 8 * MiB,
+) -> AdapterStore:
+    """A store for `s3://bucket/prefix`, `file:///abs/path` or a plain folder path."""
+    text = str(store_url)
+    parsed = urlparse(text)
+    if parsed.scheme == "s3":
+        from loraplex.platform.store.s3 import S3Store
+
+        if not parsed.netloc:
+            raise StoreError(f"store URL {text!r} names no bucket; expected s3://bucket/prefix")
+        return S3Store(
+            parsed.netloc,
+            parsed.path.strip("/"),
+            endpoint_url=endpoint_url,
+            region=region,
+            access_key=access_key,
+            secret_key=secret_key,
+            multipart_threshold=multipart_threshold,
+        )
+
+    from loraplex.platform.store.local import LocalStore
+
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise StoreError(
+                f"store URL {text!r}: file URLs need an absolute path, e.g. file:///srv/adapters"
+            )
+        return LocalStore(Path(parsed.path))
+    if parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive, a plain path
+        raise StoreError(
+            f"store URL {text!r}: unsupported scheme {parsed.scheme!r}; "
+            "use a folder path, file:///path or s3://bucket/prefix"
+        )
+    return LocalStore(Path(text).expanduser())
