@@ -181,4 +181,6 @@ class AsyncLLMEngine:
             raise
         finally:
             for rid in list(self.engine.requests):
-                self.engine.abort(rid)
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver(rid, out)

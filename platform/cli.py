@@ -42,6 +42,86 @@ def _prepare_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace):
+    from loraplex.platform.settings import Settings
+
+    overrides = {
+        k: v
+        for k, v in {
+            "host": getattr(args, "host", None),
+            "port": getattr(args, "port", None),
+            "model": getattr(args, "model", None),
+        }.items()
+        if v is not None
+    }
+    return Settings(**overrides)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from loraplex.platform.db.session import upgrade
+
+    settings = _settings(args)
+    if settings.database_url.startswith("sqlite:///"):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    print(f"database at head: {settings.database_url.split('@')[-1]}")
+    return 0
+
+
+def _bootstrap_demo(settings) -> tuple[str | None, str]:
+    """Create the `demo` tenant and its first key if missing; returns (secret or None, name)."""
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.session import make_engine, make_sessionmaker
+
+    db = make_engine(settings.database_url)
+    with make_sessionmaker(db)() as session:
+        tenant = crud.get_tenant_by_name(session, name="demo")
+        if tenant is not None:
+            return None, "demo"
+        tenant = crud.create_tenant(session, name="demo")
+        secret, _ = crud.create_key(session, tenant_id=tenant.id, name="demo")
+    db.dispose()
+    return secret, "demo"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.platform.db.session import upgrade
+    from loraplex.platform.main import create_app
+
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    embedded = settings.database_url == f"sqlite:///{settings.data_dir / 'loraplex.db'}"
+    if embedded:  # the embedded default migrates itself; shared databases need `db upgrade`
+        upgrade(settings.database_url)
+    app = create_app(settings)
+    state = app.state.lp
+    base = f"http://{settings.host}:{settings.port}"
+    secret, tenant = _bootstrap_demo(settings) if embedded else (None, "")
+    if settings.admin_key is None:
+        print(f"admin key (dev mode, shown once): {state.admin_key}")
+    if secret:
+        print(f"tenant '{tenant}' API key (shown once): {secret}")
+        print(
+            f"""
+try it:
+  curl {base}/v1/completions -H "Authorization: Bearer {secret}" \\
+    -H "Content-Type: application/json" \\
+    -d '{{"model": "{state.model_name}", "prompt": "The capital of France is", "max_tokens": 16}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{secret}'); \\
+print(c.completions.create(model='{state.model_name}', prompt='The capital of France is', \\
+max_tokens=16).choices[0].text)"
+""",
+            flush=True,
+        )
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=15
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loraplex", description="multi-tenant LoRA serving")
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--model", help="model folder or 'demo' (default: settings)")
+    s.set_defaults(func=_serve)
+
+    db = sub.add_parser("db", help="database schema")
+    dbsub = db.add_subparsers(dest="db_command", required=True)
+    up = dbsub.add_parser("upgrade", help="migrate the database to the latest schema")
+    up.set_defaults(func=_db_upgrade)
 
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)

@@ -1,0 +1,88 @@
+"""Request dependencies: the app's state, a DB session, the calling tenant, the admin check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.models.spec import ModelSpec
+from loraplex.platform.api.errors import APIError
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import ApiKey, Tenant
+from loraplex.platform.metrics import Metrics
+from loraplex.platform.security import constant_time_equals
+from loraplex.platform.settings import Settings
+from loraplex.platform.store import AdapterCache, AdapterStore
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    sessions: sessionmaker
+    store: AdapterStore
+    cache: AdapterCache
+    metrics: Metrics
+    admin_key: str
+    model_name: str = ""  # the public name of the base model in `model`
+    spec: ModelSpec | None = None
+    engine: AsyncLLMEngine | None = None  # None until the model is loaded
+    accepting: bool = True  # False while shutting down
+    inflight: set = field(default_factory=set)
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.lp
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError(
+            401, "missing API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+        )
+    return token.strip()
+
+
+@dataclass
+class Caller:
+    tenant: Tenant
+    key: ApiKey
+
+
+def current_caller(request: Request, state: StateDep, session: SessionDep) -> Caller:
+    token = _bearer(request)
+    found = crud.authenticate(session, token)
+    if found is None:
+        raise APIError(401, "invalid, revoked or expired API key", "invalid_api_key")
+    tenant, key = found
+    session.expunge_all()  # plain objects from here on; the session closes with the request
+    return Caller(tenant=tenant, key=key)
+
+
+CallerDep = Annotated[Caller, Depends(current_caller)]
+
+
+def require_admin(request: Request, state: StateDep) -> None:
+    token = _bearer(request)
+    if not constant_time_equals(token, state.admin_key):
+        raise APIError(403, "admin routes need the admin key", "forbidden")
+
+
+AdminDep = Depends(require_admin)

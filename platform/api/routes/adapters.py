@@ -1,0 +1,170 @@
+"""A tenant's adapters: upload (validated before anything is kept), list, get, delete."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from fastapi import APIRouter, Request
+from starlette.datastructures import UploadFile
+
+from loraplex.platform import quotas
+from loraplex.platform.api.deps import CallerDep, StateDep
+from loraplex.platform.api.errors import APIError
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.uploads import (
+    UploadError,
+    areceive_files,
+    upload_workspace,
+    validate_adapter,
+)
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def adapter_public(a) -> dict:
+    return {
+        "id": a.name,
+        "object": "adapter",
+        "name": a.name,
+        "base_model": a.base_model,
+        "rank": a.rank,
+        "alpha": a.alpha,
+        "targets": list(a.targets),
+        "bytes": a.bytes,
+        "sha256": a.sha256,
+        "status": str(a.status),
+        "created_at": a.created_at.isoformat(),
+        "last_used_at": a.last_used_at.isoformat() if a.last_used_at else None,
+    }
+
+
+@router.post("", status_code=201)
+async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
+    settings = state.settings
+    limit = settings.max_upload_bytes
+    with state.sessions() as session:
+        quota = crud.get_quota(session, tenant_id=caller.tenant.id)
+    if quota is not None and quota.max_adapter_bytes is not None:
+        limit = min(limit, quota.max_adapter_bytes)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:
+        raise APIError(
+            413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", "too_large"
+        )
+    form = await request.form(max_files=4, max_fields=4)
+    name = form.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise APIError(
+            400,
+            "form field 'name' is required: 1-64 letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit",
+            "invalid_name",
+            "name",
+        )
+    if name == state.model_name:
+        raise APIError(
+            400, f"'{name}' is the base model's name; choose another", "invalid_name", "name"
+        )
+    parts = [(f.filename or "", f) for _, f in form.multi_items() if isinstance(f, UploadFile)]
+    if not parts:
+        raise APIError(
+            400,
+            "no files: send adapter_config.json and adapter_model.safetensors, "
+            "or one .tar.gz/.zip of a PEFT folder",
+            "missing_file",
+        )
+    max_rank = state.engine.engine.config.max_lora_rank if state.engine else settings.max_lora_rank
+    if quota is not None and quota.max_rank is not None:
+        max_rank = min(max_rank, quota.max_rank)
+    tmp_root = settings.data_dir / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    try:
+        with upload_workspace(tmp_root) as ws:
+            folder = await areceive_files(parts, ws, max_bytes=limit)
+            info = await asyncio.to_thread(
+                validate_adapter,
+                folder,
+                state.spec,
+                max_rank=max_rank,
+                base_model_name=state.model_name,
+                max_bytes=limit,
+            )
+            row = await asyncio.to_thread(_store_and_register, state, caller, name, folder, info)
+    except UploadError as e:
+        state.metrics.uploads.labels("refused").inc()
+        raise APIError(e.status_code, e.message, e.code) from None
+    finally:
+        await form.close()
+    state.metrics.uploads.labels("ok").inc()
+    return adapter_public(row)
+
+
+def _store_and_register(state, caller, name, folder, info):
+    with state.sessions() as session:
+        if crud.get_adapter(session, tenant_id=caller.tenant.id, name=name) is not None:
+            raise APIError(
+                409,
+                f"an adapter named '{name}' already exists; delete it first",
+                "adapter_exists",
+                "name",
+            )
+        decision = quotas.check_adapter_quota(
+            session, caller.tenant.id, rank=info.rank, bytes=info.nbytes
+        )
+        if not decision.allowed:
+            raise APIError(403, decision.reason or "adapter quota exceeded", "quota_exceeded")
+        key = state.store.put(folder, info.digest)
+        try:
+            return crud.create_adapter(
+                session,
+                tenant_id=caller.tenant.id,
+                name=name,
+                base_model=state.model_name,
+                rank=info.rank,
+                alpha=info.alpha,
+                targets=list(info.targets),
+                bytes=info.nbytes,
+                sha256=info.digest,
+                storage_key=key,
+                status=AdapterStatus.ready,
+            )
+        except Exception as e:
+            session.rollback()
+            # Nothing half-written: the object goes unless another adapter shares it.
+            if crud.count_adapters_with_sha256(session, sha256=info.digest) == 0:
+                state.store.delete(key)
+            if isinstance(e, crud.Conflict):
+                raise APIError(409, str(e), "adapter_exists", "name") from None
+            raise
+
+
+@router.get("")
+def list_adapters(state: StateDep, caller: CallerDep):
+    with state.sessions() as session:
+        rows = crud.list_adapters(session, tenant_id=caller.tenant.id)
+        return {"object": "list", "data": [adapter_public(a) for a in rows]}
+
+
+@router.get("/{name}")
+def get_adapter(name: str, state: StateDep, caller: CallerDep):
+    with state.sessions() as session:
+        row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=name)
+        if row is None:
+            raise APIError(404, f"no adapter named '{name}'", "adapter_not_found")
+        return adapter_public(row)
+
+
+@router.delete("/{name}")
+def delete_adapter(name: str, state: StateDep, caller: CallerDep):
+    with state.sessions() as session:
+        row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=name, include_deleted=True)
+        if row is None:
+            raise APIError(404, f"no adapter named '{name}'", "adapter_not_found")
+        digest, key = row.sha256, row.storage_key
+        crud.delete_adapter(session, tenant_id=caller.tenant.id, name=name)
+        if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
+            state.store.delete(key)
+        return {"id": name, "object": "adapter", "deleted": True}

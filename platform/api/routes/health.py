@@ -1,0 +1,38 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from loraplex.platform.api.deps import StateDep
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz")
+def healthz(state: StateDep):
+    """The process is alive (the engine thread too, once started)."""
+    engine = state.engine
+    if engine is not None and not engine.stats().alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(state: StateDep):
+    """Ready to serve: model loaded and not shutting down."""
+    if state.engine is None or not state.accepting:
+        reason = "shutting down" if not state.accepting else "loading model"
+        return JSONResponse({"status": reason}, status_code=503)
+    return {"status": "ready", "model": state.model_name}
+
+
+@router.get("/metrics")
+def metrics(state: StateDep):
+    m = state.metrics
+    m.model_loaded.set(1 if state.engine is not None else 0)
+    if state.engine is not None:
+        m.refresh(state.engine.stats())
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

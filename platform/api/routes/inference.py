@@ -1,0 +1,298 @@
+"""OpenAI-compatible inference: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from loraplex.engine.outputs import RequestOutput
+from loraplex.platform.api.deps import CallerDep, StateDep
+from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
+
+router = APIRouter(prefix="/v1", tags=["inference"])
+
+
+@router.get("/models")
+def list_models(state: StateDep, caller: CallerDep):
+    created = int(time.time())
+    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "loraplex"}]
+    with state.sessions() as session:
+        for a in crud.list_adapters(session, tenant_id=caller.tenant.id):
+            if a.status == AdapterStatus.ready:
+                data.append(
+                    {
+                        "id": a.name,
+                        "object": "model",
+                        "created": int(a.created_at.timestamp()),
+                        "owned_by": caller.tenant.name,
+                        "parent": state.model_name,
+                        "root": state.model_name,
+                    }
+                )
+    return {"object": "list", "data": data}
+
+
+def _usage(job: Job) -> dict:
+    return {
+        "prompt_tokens": len(job.prompt_ids),
+        "completion_tokens": job.sent_tokens,
+        "total_tokens": len(job.prompt_ids) + job.sent_tokens,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
+
+
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tok, out: RequestOutput, start: int, end: int) -> dict | None:
+    lps = out.outputs[0].logprobs
+    if lps is None:
+        return None
+    ids = out.outputs[0].token_ids[start:end]
+    entries = lps[start:end]
+    return {
+        "tokens": [_token_text(tok, t) for t in ids],
+        "token_logprobs": [e.get(t) for t, e in zip(ids, entries, strict=True)],
+        "top_logprobs": [{_token_text(tok, k): v for k, v in e.items()} for e in entries],
+        "text_offset": [],
+    }
+
+
+def _chat_logprobs(tok, out: RequestOutput, start: int, end: int, top: int) -> dict | None:
+    lps = out.outputs[0].logprobs
+    if lps is None:
+        return None
+    content = []
+    for t, e in zip(out.outputs[0].token_ids[start:end], lps[start:end], strict=True):
+        text = _token_text(tok, t)
+        alts = sorted(e.items(), key=lambda kv: -kv[1])[:top]
+        content.append(
+            {
+                "token": text,
+                "logprob": e.get(t),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": _token_text(tok, k),
+                        "logprob": v,
+                        "bytes": list(_token_text(tok, k).encode()),
+                    }
+                    for k, v in alts
+                ],
+            }
+        )
+    return {"content": content}
+
+
+async def _run_to_end(service: InferenceService, job: Job, request: Request) -> RequestOutput:
+    """Collect a non-streamed request, aborting it if the client goes away."""
+
+    async def consume():
+        last = None
+        async for out in service.outputs(job):
+            last = out
+        return last
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            break
+    try:
+        last = await task
+    except asyncio.CancelledError:
+        await service.finish(job, "aborted")
+        raise
+    except BaseException:
+        await service.finish(job, "error")
+        raise
+    job.sent_tokens = len(last.outputs[0].token_ids)
+    await service.finish(job, "ok")
+    return last
+
+
+async def _sse(
+    service: InferenceService,
+    job: Job,
+    first: RequestOutput | None,
+    rest: AsyncIterator[RequestOutput],
+    render,
+    include_usage: bool,
+):
+    """Server-sent events; tokens count as delivered once their chunk has been sent."""
+    status = "aborted"
+    try:
+        outs = [first] if first is not None else []
+        while True:
+            for out in outs:
+                chunk, n = render(out)
+                if chunk is not None:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                job.sent_tokens += n  # reached only after the send above completed
+            if outs and outs[-1].finished:
+                break
+            try:
+                outs = [await rest.__anext__()]
+            except StopAsyncIteration:
+                break
+        status = "ok"
+        if include_usage:
+            yield f"data: {json.dumps(render(None, usage=_usage(job))[0])}\n\n"
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        status = "error"
+        yield f"data: {json.dumps({'error': {'message': e.message, 'code': e.code}})}\n\n"
+    finally:
+        await rest.aclose()
+        await service.finish(job, status)
+
+
+async def _start_stream(service, job):
+    """Run until the first output so bad input still gets a proper HTTP error."""
+    stream = service.outputs(job)
+    try:
+        first = await stream.__anext__()
+    except BaseException:
+        await stream.aclose()
+        await service.finish(job, "error")
+        raise
+    return first, stream
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionRequest, request: Request, state: StateDep, caller: CallerDep
+):
+    service = InferenceService(state)
+    body.check_supported()
+    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
+    prompt_ids = service.encode_prompt(body.single_prompt())
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    job = await service.start(caller, "completions", body.model, prompt_ids, params, lora, adapter)
+    tok = state.engine.tokenizer
+    created = int(time.time())
+
+    def render(out: RequestOutput | None, usage: dict | None = None):
+        base = {
+            "id": job.request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+        }
+        if out is None:
+            return {**base, "choices": [], "usage": usage}, 0
+        n = len(out.delta_token_ids)
+        start = len(out.outputs[0].token_ids) - n
+        choice = {
+            "index": 0,
+            "text": out.delta_text,
+            "logprobs": _completion_logprobs(tok, out, start, start + n),
+            "finish_reason": out.outputs[0].finish_reason if out.finished else None,
+        }
+        if not n and not out.finished and not out.delta_text:
+            return None, 0
+        return {**base, "choices": [choice]}, n
+
+    if body.stream:
+        first, rest = await _start_stream(service, job)
+        return StreamingResponse(
+            _sse(service, job, first, rest, render, body.include_usage),
+            media_type="text/event-stream",
+        )
+    last = await _run_to_end(service, job, request)
+    out = last.outputs[0]
+    return {
+        "id": job.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+                "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids)),
+            }
+        ],
+        "usage": _usage(job),
+    }
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, caller: CallerDep
+):
+    service = InferenceService(state)
+    body.check_supported()
+    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
+    text, fallback = service.chat_prompt(body.chat_messages())
+    prompt_ids = service.encode_prompt(text, templated=True)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = body.top_logprobs or 0
+    params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    if fallback:  # the plain format must not run on into the next turn
+        params.stop = [*params.stop, FALLBACK_STOP]
+    job = await service.start(caller, "chat", body.model, prompt_ids, params, lora, adapter)
+    tok = state.engine.tokenizer
+    created = int(time.time())
+    sent_role = False
+
+    def render(out: RequestOutput | None, usage: dict | None = None):
+        nonlocal sent_role
+        base = {
+            "id": job.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+        }
+        if out is None:
+            return {**base, "choices": [], "usage": usage}, 0
+        n = len(out.delta_token_ids)
+        start = len(out.outputs[0].token_ids) - n
+        delta = {"content": out.delta_text}
+        if not sent_role:
+            delta["role"], sent_role = "assistant", True
+        elif not out.delta_text and not out.finished:
+            return None, n
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs(tok, out, start, start + n, top),
+            "finish_reason": out.outputs[0].finish_reason if out.finished else None,
+        }
+        return {**base, "choices": [choice]}, n
+
+    if body.stream:
+        first, rest = await _start_stream(service, job)
+        return StreamingResponse(
+            _sse(service, job, first, rest, render, body.include_usage),
+            media_type="text/event-stream",
+        )
+    last = await _run_to_end(service, job, request)
+    out = last.outputs[0]
+    return {
+        "id": job.request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top),
+                "finish_reason": out.finish_reason,
+            }
+        ],
+        "usage": _usage(job),
+    }

@@ -1,0 +1,355 @@
+"""Registry operations the API and the CLI call: tenants, quotas, API keys, adapters.
+
+Every function takes the session first and everything else by keyword, validates its input
+through `schemas` (a pydantic `ValidationError` is a `ValueError`), and commits its own
+change. Adapter lookups always take the tenant: a tenant can only ever reach its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import NamedTuple
+
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from loraplex.platform.db.models import (
+    Adapter,
+    AdapterStatus,
+    ApiKey,
+    Quota,
+    Tenant,
+    TenantStatus,
+    utcnow,
+)
+from loraplex.platform.db.schemas import (
+    AdapterCreate,
+    ApiKeyCreate,
+    ApiKeyPublic,
+    QuotaBase,
+    TenantCreate,
+    TenantUpdate,
+)
+from loraplex.platform.security import KEY_PREFIX, constant_time_equals, hash_key, new_api_key
+
+# last_used_at is for humans ("is this key still in use?"); writing it on every request
+# would turn each read-only request into a write on the key's row.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+class NotFound(LookupError):
+    """The row does not exist (or belongs to another tenant, which callers cannot tell)."""
+
+
+class Conflict(ValueError):
+    """A unique name is already taken."""
+
+
+# --- tenants -------------------------------------------------------------------------------
+
+
+def create_tenant(
+    session: Session,
+    *,
+    name: str,
+    weight: float = 1.0,
+    price_prompt_per_1k: Decimal | int | str = 0,
+    price_completion_per_1k: Decimal | int | str = 0,
+) -> Tenant:
+    """A new active tenant; prices are per 1000 tokens (Decimal or a decimal string)."""
+    data = TenantCreate(
+        name=name,
+        weight=weight,
+        price_prompt_per_1k=price_prompt_per_1k,  # pydantic parses strings to exact Decimals
+        price_completion_per_1k=price_completion_per_1k,
+    )
+    tenant = Tenant(**data.model_dump())
+    session.add(tenant)
+    try:
+        session.commit()
+    except IntegrityError as e:
+        session.rollback()
+        raise Conflict(f"a tenant named {data.name!r} already exists") from e
+    return tenant
+
+
+def get_tenant(session: Session, *, tenant_id: int) -> Tenant | None:
+    return session.get(Tenant, tenant_id)
+
+
+def get_tenant_by_name(session: Session, *, name: str) -> Tenant | None:
+    return session.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+
+
+def list_tenants(session: Session, *, status: TenantStatus | None = None) -> list[Tenant]:
+    query = select(Tenant).order_by(Tenant.name)
+    if status is not None:
+        query = query.where(Tenant.status == status)
+    return list(session.scalars(query))
+
+
+def update_tenant(
+    session: Session,
+    *,
+    tenant_id: int,
+    weight: float | None = None,
+    price_prompt_per_1k: Decimal | int | str | None = None,
+    price_completion_per_1k: Decimal | int | str | None = None,
+    status: TenantStatus | str | None = None,
+) -> Tenant:
+    """Change the given fields; None leaves a field as it is."""
+    data = TenantUpdate(
+        weight=weight,
+        price_prompt_per_1k=price_prompt_per_1k,
+        price_completion_per_1k=price_completion_per_1k,
+        status=status,
+    )
+    tenant = _tenant_or_raise(session, tenant_id)
+    for field, value in data.model_dump(exclude_none=True).items():
+        setattr(tenant, field, value)
+    session.commit()
+    return tenant
+
+
+def _tenant_or_raise(session: Session, tenant_id: int) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant with id {tenant_id}")
+    return tenant
+
+
+# --- quotas --------------------------------------------------------------------------------
+
+
+def set_quota(
+    session: Session,
+    *,
+    tenant_id: int,
+    requests_per_min: int | None = None,
+    tokens_per_min: int | None = None,
+    tokens_per_month: int | None = None,
+    max_adapters: int | None = None,
+    max_adapter_bytes: int | None = None,
+    max_rank: int | None = None,
+) -> Quota:
+    """Replace all the tenant's limits at once; a limit left None is unlimited."""
+    data = QuotaBase(
+        requests_per_min=requests_per_min,
+        tokens_per_min=tokens_per_min,
+        tokens_per_month=tokens_per_month,
+        max_adapters=max_adapters,
+        max_adapter_bytes=max_adapter_bytes,
+        max_rank=max_rank,
+    )
+    _tenant_or_raise(session, tenant_id)
+    quota = session.get(Quota, tenant_id) or Quota(tenant_id=tenant_id)
+    for field, value in data.model_dump().items():
+        setattr(quota, field, value)
+    session.add(quota)
+    session.commit()
+    return quota
+
+
+def get_quota(session: Session, *, tenant_id: int) -> Quota | None:
+    """The tenant's limits; None when it has none (unlimited)."""
+    return session.get(Quota, tenant_id)
+
+
+# --- API keys ------------------------------------------------------------------------------
+
+
+def create_key(
+    session: Session, *, tenant_id: int, name: str = "default", expires_at: datetime | None = None
+) -> tuple[str, ApiKey]:
+    """A new key for the tenant: (the secret, to show exactly once; the stored row)."""
+    data = ApiKeyCreate(name=name, expires_at=expires_at)
+    _tenant_or_raise(session, tenant_id)
+    secret, prefix, digest = new_api_key()
+    key = ApiKey(
+        tenant_id=tenant_id,
+        name=data.name,
+        prefix=prefix,
+        key_hash=digest,
+        expires_at=data.expires_at,
+    )
+    session.add(key)
+    session.commit()
+    return secret, key
+
+
+def authenticate(
+    session: Session, secret: str, *, now: datetime | None = None
+) -> tuple[Tenant, ApiKey] | None:
+    """The tenant and key a bearer secret belongs to, or None for unknown, revoked or expired
+    keys and suspended tenants (callers answer all of these alike, so nothing leaks)."""
+    if not secret.startswith(KEY_PREFIX):
+        return None
+    digest = hash_key(secret)
+    row = session.execute(
+        select(ApiKey, Tenant).join(Tenant).where(ApiKey.key_hash == digest)
+    ).first()
+    if row is None:
+        return None
+    key, tenant = row
+    now = now or utcnow()
+    if (
+        not constant_time_equals(key.key_hash, digest)
+        or key.revoked_at is not None
+        or (key.expires_at is not None and key.expires_at <= now)
+        or tenant.status != TenantStatus.active
+    ):
+        return None
+    if key.last_used_at is None or now - key.last_used_at >= LAST_USED_RESOLUTION:
+        key.last_used_at = now
+        session.commit()
+    return tenant, key
+
+
+def revoke_key(
+    session: Session, *, key_id: int, tenant_id: int | None = None, now: datetime | None = None
+) -> ApiKey:
+    """Revoke a key (idempotent). With `tenant_id`, another tenant's key is NotFound."""
+    key = session.get(ApiKey, key_id)
+    if key is None or (tenant_id is not None and key.tenant_id != tenant_id):
+        raise NotFound(f"no API key with id {key_id}")
+    if key.revoked_at is None:
+        key.revoked_at = now or utcnow()
+        session.commit()
+    return key
+
+
+def list_keys(session: Session, *, tenant_id: int) -> list[ApiKeyPublic]:
+    """The tenant's keys, revoked ones included, as public views (no hash)."""
+    keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id))
+    return [ApiKeyPublic.model_validate(key) for key in keys]
+
+
+# --- adapters ------------------------------------------------------------------------------
+
+
+class AdapterTotals(NamedTuple):
+    count: int
+    bytes: int
+
+
+def create_adapter(
+    session: Session,
+    *,
+    tenant_id: int,
+    name: str,
+    base_model: str,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] | str,
+    bytes: int,
+    sha256: str,
+    storage_key: str,
+    status: AdapterStatus | str = AdapterStatus.ready,
+) -> Adapter:
+    """Register an adapter whose files are already validated and stored, in one transaction.
+
+    `targets` is a list of module names or a comma-separated string. Raises Conflict when the
+    tenant already has an adapter of that name, NotFound for an unknown tenant.
+    """
+    data = AdapterCreate(
+        name=name,
+        base_model=base_model,
+        rank=rank,
+        alpha=alpha,
+        targets=targets.split(",") if isinstance(targets, str) else list(targets),
+        bytes=bytes,
+        sha256=sha256,
+        storage_key=storage_key,
+        status=status,
+    )
+    _tenant_or_raise(session, tenant_id)
+    adapter = Adapter(tenant_id=tenant_id, **data.model_dump())
+    session.add(adapter)
+    try:
+        session.commit()
+    except IntegrityError as e:
+        session.rollback()
+        raise Conflict(
+            f"an adapter named {data.name!r} already exists: delete it first or choose another name"
+        ) from e
+    return adapter
+
+
+def get_adapter(
+    session: Session, *, tenant_id: int, name: str, include_deleted: bool = False
+) -> Adapter | None:
+    query = select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+    if not include_deleted:
+        query = query.where(Adapter.status != AdapterStatus.deleted)
+    return session.scalars(query).one_or_none()
+
+
+def list_adapters(
+    session: Session,
+    *,
+    tenant_id: int | None,
+    status: AdapterStatus | None = None,
+    include_deleted: bool = False,
+) -> list[Adapter]:
+    """One tenant's adapters, or every tenant's with `tenant_id=None` (admin only)."""
+    query = select(Adapter).order_by(Adapter.tenant_id, Adapter.name)
+    if tenant_id is not None:
+        query = query.where(Adapter.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Adapter.status == status)
+    elif not include_deleted:
+        query = query.where(Adapter.status != AdapterStatus.deleted)
+    return list(session.scalars(query))
+
+
+def mark_adapter_deleted(session: Session, *, tenant_id: int, name: str) -> Adapter:
+    """Hide the adapter from the tenant and the engine while its stored files are removed."""
+    adapter = get_adapter(session, tenant_id=tenant_id, name=name)
+    if adapter is None:
+        raise NotFound(f"no adapter named {name!r}")
+    adapter.status = AdapterStatus.deleted
+    session.commit()
+    return adapter
+
+
+def delete_adapter(session: Session, *, tenant_id: int, name: str) -> Adapter:
+    """Remove the row (frees the name); returns it so the caller can clean up the store."""
+    adapter = get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
+    if adapter is None:
+        raise NotFound(f"no adapter named {name!r}")
+    session.delete(adapter)
+    session.commit()
+    return adapter
+
+
+def count_adapters_with_sha256(session: Session, *, sha256: str) -> int:
+    """Rows (any tenant) that share a content-addressed object: delete it only at zero."""
+    return session.scalar(select(func.count()).where(Adapter.sha256 == sha256)) or 0
+
+
+def adapter_totals(session: Session, *, tenant_id: int) -> AdapterTotals:
+    """Count and bytes of the tenant's adapters that occupy storage (for its quota)."""
+    live = (AdapterStatus.uploading, AdapterStatus.ready)
+    count, total = session.execute(
+        select(func.count(), func.coalesce(func.sum(Adapter.bytes), 0)).where(
+            Adapter.tenant_id == tenant_id, Adapter.status.in_(live)
+        )
+    ).one()
+    return AdapterTotals(int(count), int(total))
+
+
+def touch_adapter_used(session: Session, *, adapter_id: int, now: datetime | None = None) -> None:
+    """Record a use of the adapter, at most one write a minute."""
+    now = now or utcnow()
+    session.execute(
+        update(Adapter)
+        .where(
+            Adapter.id == adapter_id,
+            or_(Adapter.last_used_at.is_(None), Adapter.last_used_at <= now - LAST_USED_RESOLUTION),
+        )
+        .values(last_used_at=now)
+    )
+    session.commit()

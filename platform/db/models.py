@@ -1,0 +1,206 @@
+"""Registry tables: tenants, API keys, adapters, quotas, usage records, rate counters.
+
+The same models run on SQLite (embedded default) and PostgreSQL (scale-out); alembic's
+`migrations/versions` must describe exactly these tables (a test diffs them).
+Timestamps are timezone-aware UTC everywhere, also on SQLite, via `UTCDateTime`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Explicit constraint names: migrations can refer to them, and SQLite's batch mode needs them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Prices per 1k tokens: 9 decimals so $0.02 per million tokens is still exact.
+PRICE = Numeric(18, 9)
+# 64-bit on PostgreSQL; SQLite only autoincrements a column declared exactly INTEGER.
+BIGID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware UTC datetime on every backend (SQLite would hand back naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        # Naive values are taken as UTC; SQLite stores text, which must all be in UTC to sort.
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class TenantStatus(StrEnum):
+    active = "active"
+    suspended = "suspended"
+
+
+class AdapterStatus(StrEnum):
+    uploading = "uploading"
+    ready = "ready"
+    failed = "failed"
+    deleted = "deleted"
+
+
+class UsageStatus(StrEnum):
+    ok = "ok"
+    aborted = "aborted"
+    error = "error"
+    rejected = "rejected"
+
+
+def _one_of(column: str, enum: type[StrEnum]) -> CheckConstraint:
+    values = ", ".join(f"'{m.value}'" for m in enum)
+    return CheckConstraint(f"{column} IN ({values})", name=f"{column}_valid")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), Decimal: PRICE}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("weight > 0", name="weight_positive"),
+        _one_of("status", TenantStatus),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)  # fair-share weight
+    price_prompt_per_1k: Mapped[Decimal] = mapped_column(default=Decimal(0))
+    price_completion_per_1k: Mapped[Decimal] = mapped_column(default=Decimal(0))
+    status: Mapped[str] = mapped_column(String(16), default=TenantStatus.active.value)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in listings, e.g. "lpx_ab12cd34"
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name"),
+        CheckConstraint("rank > 0", name="rank_positive"),
+        _one_of("status", AdapterStatus),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    # Indexed by the (tenant_id, name) unique constraint's index.
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(255))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    targets: Mapped[list[str]] = mapped_column(JSON)  # module names, e.g. ["q_proj", "v_proj"]
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)  # the store is keyed by it
+    storage_key: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(16), default=AdapterStatus.ready.value)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+
+
+class Quota(Base):
+    """Per-tenant limits; NULL means unlimited, and a tenant without a row is unlimited."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    requests_per_min: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_min: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_per_month: Mapped[int | None] = mapped_column(BigInteger)
+    max_adapters: Mapped[int | None] = mapped_column(Integer)
+    max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)  # all adapters together
+    max_rank: Mapped[int | None] = mapped_column(Integer)
+
+
+class UsageRecord(Base):
+    """One row per request, written when it ends, with the tokens actually delivered."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        _one_of("status", UsageStatus),
+        # The monthly budget and per-tenant reports scan one tenant's time range.
+        Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BIGID, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    # No cascade: the ledger outlives keys and must never silently lose billed usage.
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    adapter_name: Mapped[str | None] = mapped_column(String(128))  # None: the base model
+    model: Mapped[str] = mapped_column(String(255))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # part of prompt_tokens
+    status: Mapped[str] = mapped_column(String(16))
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class RateCounter(Base):
+    """Requests and tokens charged to a tenant in one wall-clock minute, shared by replicas."""
+
+    __tablename__ = "rate_counters"
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    window_start: Mapped[datetime] = mapped_column(primary_key=True)  # second 0 of the minute
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,0 +1,105 @@
+"""The FastAPI application: wiring only; routes live in platform/api/routes/."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.platform.api.deps import AppState
+from loraplex.platform.api.errors import install_error_handlers
+from loraplex.platform.api.routes import adapters, health, inference
+from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
+from loraplex.platform.metrics import Metrics
+from loraplex.platform.security import new_admin_key
+from loraplex.platform.settings import Settings
+from loraplex.platform.store import AdapterCache, make_store
+
+log = logging.getLogger("loraplex.platform")
+
+
+def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        dtype=settings.dtype,
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+    )
+
+
+def resolve_model_dir(settings: Settings) -> str:
+    if settings.model == "demo":
+        from loraplex.engine.demo import prepare_demo
+
+        return str(prepare_demo(settings.data_dir))
+    return settings.model
+
+
+def load_engine(state: AppState, model_dir: str) -> None:
+    engine = LLMEngine(engine_config(state.settings, model_dir), progress=True)
+    state.spec = engine.model.spec
+    state.engine = AsyncLLMEngine(engine)
+    log.info("model %s ready", state.model_name)
+
+
+def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
+    """An app over `settings`. The model loads in the background; /readyz says when."""
+    db = make_engine(settings.database_url)
+    ensure_at_head(db)  # refuses to start on an old schema, saying what to run
+    store = make_store(
+        settings.store_url,
+        endpoint_url=settings.s3_endpoint_url,
+        region=settings.s3_region,
+        access_key=settings.aws_access_key_id,
+        secret_key=(
+            settings.aws_secret_access_key.get_secret_value()
+            if settings.aws_secret_access_key
+            else None
+        ),
+    )
+    store.check()
+    admin = settings.admin_key.get_secret_value() if settings.admin_key else new_admin_key()
+    state = AppState(
+        settings=settings,
+        sessions=make_sessionmaker(db),
+        store=store,
+        cache=AdapterCache(store, settings.adapter_cache_dir, max_bytes=8 * 1024**3),
+        metrics=Metrics(),
+        admin_key=admin,
+    )
+    model_dir = resolve_model_dir(settings)
+    state.model_name = Path(model_dir).name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = None
+        if load_model:
+            loader = threading.Thread(target=load_engine, args=(state, model_dir), daemon=True)
+            loader.start()
+        yield
+        # Graceful shutdown: refuse new work, let in-flight requests finish for a while.
+        state.accepting = False
+        for _ in range(100):
+            if not state.inflight:
+                break
+            await asyncio.sleep(0.1)
+        if state.engine is not None:
+            state.engine.shutdown()
+        db.dispose()
+
+    app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
+    app.state.lp = state
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(inference.router)
+    app.include_router(adapters.router)
+    return app

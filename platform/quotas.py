@@ -1,0 +1,235 @@
+"""Per-tenant rate limits and budgets, enforced through the database so replicas share them.
+
+Per-minute limits use one `RateCounter` row per tenant and wall-clock minute. A request is
+charged with a single conditional UPSERT (`INSERT ... ON CONFLICT DO UPDATE ... WHERE
+<still under the limits>`), which both SQLite and PostgreSQL run atomically: concurrent
+requests on any number of replicas can never push a counter past its limit, and a request
+that is refused charges nothing.
+
+The monthly budget is an approximation: it compares the usage ledger of the calendar month
+(UTC) plus this request's estimate against the limit. Requests still in flight elsewhere are
+not in the ledger yet, so a burst can overshoot the budget by at most the tokens in flight at
+once (bounded by `tokens_per_min` when that is set). This keeps the check a read, not a write
+shared by every request of the tenant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import and_, case, delete, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from loraplex.platform.db.crud import adapter_totals
+from loraplex.platform.db.models import Quota, RateCounter, UsageRecord
+
+# Counters older than this are deleted once a minute per tenant; only the current one counts.
+COUNTER_RETENTION = timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class QuotaDecision:
+    allowed: bool
+    # Seconds until the exceeded limit resets (for `Retry-After`); None when waiting cannot
+    # help because the request alone is larger than the limit.
+    retry_after_s: int | None = None
+    reason: str | None = None  # for the 429 body
+    limit: str | None = None  # the Quota field that refused, e.g. "tokens_per_min"
+
+
+ALLOWED = QuotaDecision(allowed=True)
+
+
+def _utc(now: datetime | None) -> datetime:
+    if now is None:
+        return datetime.now(UTC)
+    return now.replace(tzinfo=UTC) if now.tzinfo is None else now.astimezone(UTC)
+
+
+def minute_start(now: datetime) -> datetime:
+    return _utc(now).replace(second=0, microsecond=0)
+
+
+def month_start(now: datetime) -> datetime:
+    return _utc(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def next_month_start(now: datetime) -> datetime:
+    start = month_start(now)
+    return (
+        start.replace(year=start.year + 1, month=1)
+        if start.month == 12
+        else start.replace(month=start.month + 1)
+    )
+
+
+def _seconds_until(then: datetime, now: datetime) -> int:
+    return max(1, math.ceil((then - now).total_seconds()))
+
+
+def monthly_tokens(session: Session, tenant_id: int, *, now: datetime | None = None) -> int:
+    """Prompt + completion tokens in the ledger for the calendar month (UTC) of `now`."""
+    total = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
+    used = session.scalar(
+        select(func.coalesce(total, 0)).where(
+            UsageRecord.tenant_id == tenant_id, UsageRecord.created_at >= month_start(_utc(now))
+        )
+    )
+    return int(used or 0)
+
+
+def _upsert(session: Session):  # the dialect's INSERT with ON CONFLICT support
+    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
+
+
+def check_and_charge(
+    session: Session,
+    tenant_id: int,
+    *,
+    requests: int = 1,
+    tokens: int,
+    now: datetime | None = None,
+) -> QuotaDecision:
+    """Admit a request estimated at `tokens` (prompt + max completion) or say why not.
+
+    Charges the current minute's counter when admitted (commits); a refusal charges nothing.
+    Correct the estimate with `adjust_tokens` when the request ends.
+    """
+    now = _utc(now)
+    quota = session.get(Quota, tenant_id, populate_existing=True)
+    if quota is None:
+        return ALLOWED
+
+    if (budget := quota.tokens_per_month) is not None:
+        used = monthly_tokens(session, tenant_id, now=now)
+        if used + tokens > budget:
+            # Waiting for next month cannot help a request bigger than the whole budget.
+            wait = None if tokens > budget else _seconds_until(next_month_start(now), now)
+            return QuotaDecision(
+                allowed=False,
+                retry_after_s=wait,
+                reason=f"monthly token budget exceeded: {used} of {budget} tokens used this "
+                f"month, this request may need {tokens}",
+                limit="tokens_per_month",
+            )
+
+    rpm, tpm = quota.requests_per_min, quota.tokens_per_min
+    if rpm is None and tpm is None:
+        return ALLOWED
+    if rpm is not None and requests > rpm:
+        reason = f"this tenant's limit is {rpm} requests per minute"
+        return QuotaDecision(allowed=False, reason=reason, limit="requests_per_min")
+    if tpm is not None and tokens > tpm:
+        reason = (
+            f"this request may need {tokens} tokens but the limit is {tpm} tokens per minute: "
+            "lower max_tokens or shorten the prompt"
+        )
+        return QuotaDecision(allowed=False, reason=reason, limit="tokens_per_min")
+
+    window = minute_start(now)
+    insert = _upsert(session)(RateCounter).values(
+        tenant_id=tenant_id, window_start=window, requests=requests, tokens=tokens
+    )
+    still_under = []
+    if rpm is not None:
+        still_under.append(RateCounter.requests + requests <= rpm)
+    if tpm is not None:
+        still_under.append(RateCounter.tokens + tokens <= tpm)
+    upsert = insert.on_conflict_do_update(
+        index_elements=[RateCounter.tenant_id, RateCounter.window_start],
+        set_={
+            "requests": RateCounter.requests + insert.excluded.requests,
+            "tokens": RateCounter.tokens + insert.excluded.tokens,
+        },
+        where=and_(*still_under),
+    ).returning(RateCounter.requests)
+    charged = session.execute(upsert).scalar_one_or_none()
+    if charged == requests:  # the first request of this minute: drop stale counters
+        session.execute(
+            delete(RateCounter).where(
+                RateCounter.tenant_id == tenant_id,
+                RateCounter.window_start < window - COUNTER_RETENTION,
+            )
+        )
+    session.commit()
+    if charged is not None:
+        return ALLOWED
+
+    current = session.execute(
+        select(RateCounter.requests, RateCounter.tokens).where(
+            RateCounter.tenant_id == tenant_id, RateCounter.window_start == window
+        )
+    ).one_or_none()
+    session.commit()  # end the read so the row is not held
+    used_requests, used_tokens = current or (0, 0)
+    retry_after = _seconds_until(window + timedelta(minutes=1), now)
+    if rpm is not None and used_requests + requests > rpm:
+        return QuotaDecision(
+            allowed=False,
+            retry_after_s=retry_after,
+            reason=f"rate limit: {rpm} requests per minute",
+            limit="requests_per_min",
+        )
+    return QuotaDecision(
+        allowed=False,
+        retry_after_s=retry_after,
+        reason=f"rate limit: {tpm} tokens per minute ({used_tokens} used this minute, this "
+        f"request may need {tokens})",
+        limit="tokens_per_min",
+    )
+
+
+def adjust_tokens(
+    session: Session, tenant_id: int, delta: int, *, now: datetime | None = None
+) -> None:
+    """Correct a charge by `delta` tokens (actual - estimated) when a request ends.
+
+    Corrects the counter of the minute containing `now`; pass the time the request was
+    charged to give an over-estimate back to that minute. Never goes below zero. Commits.
+    """
+    if delta == 0:
+        return
+    quota = session.get(Quota, tenant_id, populate_existing=True)
+    if quota is None or quota.tokens_per_min is None:
+        return  # nothing reads the token counters of this tenant
+    insert = _upsert(session)(RateCounter).values(
+        tenant_id=tenant_id, window_start=minute_start(_utc(now)), requests=0, tokens=max(delta, 0)
+    )
+    corrected = RateCounter.tokens + delta
+    session.execute(
+        insert.on_conflict_do_update(
+            index_elements=[RateCounter.tenant_id, RateCounter.window_start],
+            set_={"tokens": case((corrected < 0, 0), else_=corrected)},
+        )
+    )
+    session.commit()
+
+
+def check_adapter_quota(
+    session: Session, tenant_id: int, *, rank: int, bytes: int
+) -> QuotaDecision:
+    """May the tenant store one more adapter of this rank and size? (For uploads.)
+
+    Two uploads racing past the check can exceed `max_adapters` by one each; uploads are rare
+    and the registry stays consistent, so this is not worth a lock.
+    """
+    quota = session.get(Quota, tenant_id, populate_existing=True)
+    if quota is None:
+        return ALLOWED
+    if quota.max_rank is not None and rank > quota.max_rank:
+        reason = f"adapter rank {rank} exceeds this tenant's max rank {quota.max_rank}"
+        return QuotaDecision(allowed=False, reason=reason, limit="max_rank")
+    count, total = adapter_totals(session, tenant_id=tenant_id)
+    if quota.max_adapters is not None and count + 1 > quota.max_adapters:
+        reason = f"this tenant already has {count} of {quota.max_adapters} adapters: delete one"
+        return QuotaDecision(allowed=False, reason=reason, limit="max_adapters")
+    if quota.max_adapter_bytes is not None and total + bytes > quota.max_adapter_bytes:
+        reason = (
+            f"storing {bytes} more bytes would exceed this tenant's {quota.max_adapter_bytes} "
+            f"bytes of adapters ({total} used)"
+        )
+        return QuotaDecision(allowed=False, reason=reason, limit="max_adapter_bytes")
+    return ALLOWED

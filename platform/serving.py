@@ -1,0 +1,242 @@
+"""One inference request end to end: resolve the model, check quotas, run, meter, answer.
+
+Every request that passes authentication leaves exactly one usage record, with the tokens the
+client was actually sent, whether it finished, was cancelled or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from loraplex.engine.lora import AdapterError
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import LoRARequest
+from loraplex.platform import quotas, usage
+from loraplex.platform.api.deps import AppState, Caller
+from loraplex.platform.api.errors import APIError
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import AdapterStatus
+
+FALLBACK_STOP = "\nUser:"
+
+
+def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The documented plain chat format for base models without a chat template."""
+    parts = []
+    for m in messages:
+        if m["role"] == "system":
+            parts.append(f"{m['content']}\n\n")
+        else:
+            parts.append(f"{'User' if m['role'] != 'assistant' else 'Assistant'}: {m['content']}\n")
+    parts.append("Assistant:")
+    return "".join(parts)
+
+
+@dataclass
+class Job:
+    """What the route resolved; filled in while the request runs."""
+
+    request_id: str
+    caller: Caller
+    route: str
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora: LoRARequest | None
+    adapter_name: str | None
+    estimate: int
+    charged_at: float
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    sent_tokens: int = 0
+    cached_tokens: int = 0
+    status: str = "ok"
+    recorded: bool = False
+
+
+class InferenceService:
+    def __init__(self, state: AppState):
+        self.state = state
+
+    # ---------------------------------------------------------------- preparation
+    def _engine(self):
+        engine = self.state.engine
+        if engine is None or not self.state.accepting:
+            raise APIError(
+                503,
+                "the model is not ready (loading or shutting down)",
+                "not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return engine
+
+    def resolve_model(self, caller: Caller, model: str) -> tuple[LoRARequest | None, str | None]:
+        """The adapter `model` names for this tenant; 404 if it has none by that name."""
+        if model == self.state.model_name:
+            return None, None
+        with self.state.sessions() as session:
+            row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=model)
+            if row is None or row.status != AdapterStatus.ready:
+                # The same answer whether or not another tenant has such an adapter.
+                raise APIError(
+                    404, f"The model '{model}' does not exist", "model_not_found", "model"
+                )
+            key, digest, adapter_id = row.storage_key, row.sha256, row.id
+            crud.touch_adapter_used(session, adapter_id=adapter_id)
+        try:
+            path = self.state.cache.get(key, digest)
+        except Exception as e:  # store down or object gone: this request fails, not the server
+            msg = f"adapter '{model}' could not be fetched: {e}"
+            raise APIError(503, msg, "adapter_unavailable") from None
+        return LoRARequest(f"{caller.tenant.id}/{model}", adapter_id, str(path)), model
+
+    def encode_prompt(self, prompt: str | list[int], *, templated: bool = False) -> list[int]:
+        tok = self._engine().tokenizer
+        if isinstance(prompt, list):
+            return prompt
+        # A template that writes the BOS itself must not get a second one.
+        bos = tok.bos_token
+        add_special = not (templated and bos and prompt.startswith(bos))
+        return tok.encode(prompt, add_special_tokens=add_special)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+        """(prompt text, used the fallback format)."""
+        tok = self._engine().tokenizer
+        if tok.chat_template:
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True), False
+            except ValueError as e:
+                raise APIError(400, str(e), "invalid_messages", "messages") from None
+        return fallback_chat_prompt(messages), True
+
+    async def start(
+        self,
+        caller: Caller,
+        route: str,
+        model: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        adapter_name: str | None,
+    ) -> Job:
+        engine = self._engine()
+        limit = engine.engine.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the "
+                f"prompt has {len(prompt_ids)}",
+                "context_length_exceeded",
+                "messages",
+            )
+        max_new = params.max_tokens if params.max_tokens is not None else limit - len(prompt_ids)
+        if len(prompt_ids) + max_new > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; prompt "
+                f"({len(prompt_ids)}) + max_tokens ({max_new}) exceeds it",
+                "context_length_exceeded",
+                "max_tokens",
+            )
+        estimate = len(prompt_ids) + max_new
+        decision = await asyncio.to_thread(self._charge, caller.tenant.id, estimate)
+        if not decision.allowed:
+            headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
+            raise APIError(
+                429, decision.reason or "quota exceeded", "rate_limit_exceeded", headers=headers
+            )
+        return Job(
+            request_id=f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            caller=caller,
+            route=route,
+            model=model,
+            prompt_ids=prompt_ids,
+            params=params,
+            lora=lora,
+            adapter_name=adapter_name,
+            estimate=estimate,
+            charged_at=time.time(),
+        )
+
+    def _charge(self, tenant_id: int, tokens: int):
+        with self.state.sessions() as session:
+            return quotas.check_and_charge(session, tenant_id, tokens=tokens)
+
+    # ---------------------------------------------------------------- running
+    async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
+        """Engine outputs for the job. The caller reports delivery via `job.sent_tokens` and
+        must call `finish(job)` in a `finally`."""
+        engine = self._engine()
+        self.state.inflight.add(job.request_id)
+        try:
+            async for out in engine.generate(
+                job.prompt_ids,
+                job.params,
+                job.lora,
+                request_id=job.request_id,
+                tenant=str(job.caller.tenant.id),
+            ):
+                if job.first_token is None and out.delta_token_ids:
+                    job.first_token = time.monotonic()
+                job.cached_tokens = out.num_cached_tokens
+                yield out
+        except AdapterError as e:
+            job.status = "error"
+            raise APIError(
+                422, f"adapter '{job.model}' cannot be served: {e}", "invalid_adapter"
+            ) from None
+        except ValueError as e:
+            job.status = "error"
+            raise APIError(400, str(e), "invalid_value") from None
+        finally:
+            self.state.inflight.discard(job.request_id)
+
+    async def finish(self, job: Job, status: str | None = None) -> None:
+        """Record usage once and give back the unused part of the quota reservation."""
+        if job.recorded:
+            return
+        job.recorded = True
+        status = status or job.status
+        now = time.monotonic()
+        m = self.state.metrics
+        m.requests.labels(job.route, status).inc()
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        m.completion_tokens.inc(job.sent_tokens)
+        m.latency.observe(now - job.started)
+        ttft_ms = None
+        if job.first_token is not None:
+            m.ttft.observe(job.first_token - job.started)
+            ttft_ms = (job.first_token - job.started) * 1000
+            if job.sent_tokens > 1:
+                m.tpot.observe((now - job.first_token) / (job.sent_tokens - 1))
+        actual = len(job.prompt_ids) + job.sent_tokens
+
+        def write():
+            with self.state.sessions() as session:
+                usage.record_usage(
+                    session,
+                    request_id=job.request_id,
+                    tenant_id=job.caller.tenant.id,
+                    api_key_id=job.caller.key.id,
+                    adapter_name=job.adapter_name,
+                    model=job.model,
+                    prompt_tokens=len(job.prompt_ids),
+                    completion_tokens=job.sent_tokens,
+                    cached_tokens=job.cached_tokens,
+                    status=status,
+                    ttft_ms=ttft_ms,
+                    latency_ms=(now - job.started) * 1000,
+                )
+                charged = datetime.fromtimestamp(job.charged_at, UTC)
+                quotas.adjust_tokens(
+                    session, job.caller.tenant.id, actual - job.estimate, now=charged
+                )
+
+        # Shielded: a cancelled request (client gone) must still be billed.
+        await asyncio.shield(asyncio.to_thread(write))

@@ -1,0 +1,264 @@
+"""The usage ledger: one record per request, aggregates for admins, billing exports.
+
+Periods are half-open, `start <= created_at < end`, in UTC, so consecutive periods never
+count a request twice. Every delivered token is billed whatever the request's status (an
+aborted stream was still generated and sent); cached tokens are a part of the prompt tokens,
+reported but billed at the prompt price.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any, Literal
+
+from sqlalchemy import ColumnElement, case, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from loraplex.platform.db.models import Tenant, UsageRecord, UsageStatus
+
+COST_QUANTUM = Decimal("0.000001")  # costs are rounded half-up to 6 decimal places
+GroupBy = Literal["tenant", "adapter", "day"]
+
+
+def record_usage(
+    session: Session,
+    *,
+    request_id: str,
+    tenant_id: int,
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    status: UsageStatus | str,
+    latency_ms: float,
+    api_key_id: int | None = None,
+    adapter_name: str | None = None,
+    cached_tokens: int = 0,
+    ttft_ms: float | None = None,
+    created_at: datetime | None = None,
+) -> bool:
+    """Write the request's record; True if written, False if `request_id` already had one.
+
+    The first record of a request wins, so a retried or duplicated "request finished" path
+    cannot bill a request twice. Commits.
+    """
+    status = UsageStatus(status).value  # ValueError names the bad status
+    if min(prompt_tokens, completion_tokens, cached_tokens) < 0:
+        raise ValueError(
+            f"negative token counts for {request_id}: prompt={prompt_tokens} "
+            f"completion={completion_tokens} cached={cached_tokens}"
+        )
+    # Cached tokens are informational; an engine counting a whole cached block must not cost
+    # the request its (billed) record.
+    cached_tokens = min(cached_tokens, prompt_tokens)
+    values: dict[str, Any] = dict(
+        request_id=request_id,
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        adapter_name=adapter_name,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        status=status,
+        ttft_ms=ttft_ms,
+        latency_ms=latency_ms,
+    )
+    if created_at is not None:
+        values["created_at"] = created_at
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    # ON CONFLICT DO NOTHING instead of catching IntegrityError: no rollback of the caller's
+    # session, and no error logged by PostgreSQL for an expected duplicate.
+    inserted = session.execute(
+        dialect.insert(UsageRecord)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=[UsageRecord.request_id])
+        .returning(UsageRecord.id)
+    ).scalar_one_or_none()
+    session.commit()
+    return inserted is not None
+
+
+@dataclass(frozen=True)
+class UsageSummary:
+    """One group of `usage_summary`; the fields not grouped on are None."""
+
+    tenant_id: int | None
+    tenant: str | None
+    adapter: str | None  # None is the base model (in "adapter" grouping)
+    day: date | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    aborted: int
+    errors: int
+    avg_latency_ms: float | None
+
+
+def _day(session: Session) -> ColumnElement[str]:
+    if session.get_bind().dialect.name == "postgresql":
+        return func.to_char(func.timezone("UTC", UsageRecord.created_at), "YYYY-MM-DD")
+    return func.date(UsageRecord.created_at)  # SQLite holds UTC text: its date part
+
+
+def _totals() -> list[ColumnElement[Any]]:
+    return [
+        func.count().label("requests"),
+        func.coalesce(func.sum(UsageRecord.prompt_tokens), 0).label("prompt_tokens"),
+        func.coalesce(func.sum(UsageRecord.completion_tokens), 0).label("completion_tokens"),
+        func.coalesce(func.sum(UsageRecord.cached_tokens), 0).label("cached_tokens"),
+        func.sum(case((UsageRecord.status == UsageStatus.aborted.value, 1), else_=0)).label(
+            "aborted"
+        ),
+        func.sum(case((UsageRecord.status == UsageStatus.error.value, 1), else_=0)).label("errors"),
+        func.avg(UsageRecord.latency_ms).label("avg_latency_ms"),
+    ]
+
+
+def _in_period(start: datetime, end: datetime) -> list[ColumnElement[bool]]:
+    if end <= start:
+        raise ValueError(f"the period ends ({end}) before it starts ({start})")
+    return [UsageRecord.created_at >= start, UsageRecord.created_at < end]
+
+
+def usage_summary(
+    session: Session,
+    *,
+    start: datetime,
+    end: datetime,
+    group_by: GroupBy = "tenant",
+    tenant_id: int | None = None,
+) -> list[UsageSummary]:
+    """Request and token totals per tenant, per (tenant, adapter) or per UTC day."""
+    where = _in_period(start, end)
+    if tenant_id is not None:
+        where.append(UsageRecord.tenant_id == tenant_id)
+    if group_by == "tenant":
+        keys: list[ColumnElement[Any]] = [UsageRecord.tenant_id, Tenant.name]
+    elif group_by == "adapter":
+        keys = [UsageRecord.tenant_id, Tenant.name, UsageRecord.adapter_name]
+    elif group_by == "day":
+        keys = [_day(session).label("day")]
+    else:
+        raise ValueError(f"group_by must be 'tenant', 'adapter' or 'day', not {group_by!r}")
+    query = select(*keys, *_totals()).join(Tenant, Tenant.id == UsageRecord.tenant_id)
+    # NULLS FIRST: the base model sorts before adapters on both backends.
+    order = [key.nulls_first() for key in keys]
+    rows = session.execute(query.where(*where).group_by(*keys).order_by(*order)).all()
+
+    out = []
+    for row in rows:
+        m = row._mapping
+        out.append(
+            UsageSummary(
+                tenant_id=m["tenant_id"] if group_by != "day" else None,
+                tenant=m["name"] if group_by != "day" else None,
+                adapter=m["adapter_name"] if group_by == "adapter" else None,
+                day=date.fromisoformat(m["day"]) if group_by == "day" else None,
+                requests=int(m["requests"]),
+                prompt_tokens=int(m["prompt_tokens"]),
+                completion_tokens=int(m["completion_tokens"]),
+                cached_tokens=int(m["cached_tokens"]),
+                aborted=int(m["aborted"]),
+                errors=int(m["errors"]),
+                avg_latency_ms=None if m["avg_latency_ms"] is None else float(m["avg_latency_ms"]),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class BillingRow:
+    tenant_id: int
+    tenant: str
+    period_start: datetime
+    period_end: datetime
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    price_prompt_per_1k: Decimal
+    price_completion_per_1k: Decimal
+    prompt_cost: Decimal
+    completion_cost: Decimal
+    cost: Decimal  # prompt_cost + completion_cost, so the columns add up
+
+
+def _as_utc(moment: datetime) -> datetime:
+    # Naive datetimes are UTC, as everywhere in the registry.
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def _cost(tokens: int, price_per_1k: Decimal) -> Decimal:
+    return (Decimal(tokens) * price_per_1k / 1000).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+def billing_export(session: Session, *, start: datetime, end: datetime) -> list[BillingRow]:
+    """Per tenant with usage in [start, end): tokens and their cost at the tenant's prices.
+
+    Uses the prices current at export time (the registry keeps no price history).
+    """
+    start, end = _as_utc(start), _as_utc(end)
+    tenants = {t.id: t for t in session.scalars(select(Tenant))}
+    rows = []
+    for s in usage_summary(session, start=start, end=end, group_by="tenant"):
+        assert s.tenant_id is not None and s.tenant is not None
+        tenant = tenants[s.tenant_id]
+        prompt_cost = _cost(s.prompt_tokens, tenant.price_prompt_per_1k)
+        completion_cost = _cost(s.completion_tokens, tenant.price_completion_per_1k)
+        rows.append(
+            BillingRow(
+                tenant_id=s.tenant_id,
+                tenant=s.tenant,
+                period_start=start,
+                period_end=end,
+                requests=s.requests,
+                prompt_tokens=s.prompt_tokens,
+                completion_tokens=s.completion_tokens,
+                cached_tokens=s.cached_tokens,
+                price_prompt_per_1k=tenant.price_prompt_per_1k,
+                price_completion_per_1k=tenant.price_completion_per_1k,
+                prompt_cost=prompt_cost,
+                completion_cost=completion_cost,
+                cost=prompt_cost + completion_cost,
+            )
+        )
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    # Decimals as strings: exact in JSON and CSV, unlike floats.
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    return value
+
+
+def _dicts(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{k: _plain(v) for k, v in dataclasses.asdict(row).items()} for row in rows]
+
+
+def to_csv(rows: Sequence[Any], *, row_type: type = BillingRow) -> str:
+    """CSV with a header row, of `BillingRow`s or `UsageSummary`s (or any dataclasses).
+
+    `row_type` only names the columns of an empty export.
+    """
+    fields = dataclasses.fields(rows[0] if rows else row_type)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=[f.name for f in fields], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(_dicts(rows))
+    return buffer.getvalue()
+
+
+def to_json(rows: Sequence[Any]) -> str:
+    return json.dumps(_dicts(rows), indent=2)

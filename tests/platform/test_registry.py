@@ -1,0 +1,202 @@
+"""Registry CRUD: tenants, quotas, keys (stored hashed) and adapters (isolated per tenant)."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import select
+
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import Base
+
+NOW = datetime(2026, 3, 14, 15, 9, 26, tzinfo=UTC)
+SHA = "ab" * 32
+
+
+def _adapter(session, tenant_id, name="pirate", **overrides):
+    fields = dict(
+        base_model="demo", rank=8, alpha=16.0, targets=["q_proj", "v_proj"], bytes=1000,
+        sha256=SHA, storage_key=f"adapters/{SHA}",
+    )  # fmt: skip
+    return crud.create_adapter(session, tenant_id=tenant_id, name=name, **(fields | overrides))
+
+
+def test_tenant_create_get_update_list(session, tenant):
+    assert tenant.status == "active" and tenant.weight == 1.0
+    # Prices come back exactly, as Decimals, on both backends.
+    fetched = crud.get_tenant(session, tenant_id=tenant.id)
+    assert fetched.price_prompt_per_1k == Decimal("0.0015")
+    assert crud.get_tenant_by_name(session, name="acme").id == tenant.id
+
+    crud.update_tenant(
+        session, tenant_id=tenant.id, weight=2.5, price_completion_per_1k="0.000020001"
+    )
+    session.expire_all()
+    fetched = crud.get_tenant(session, tenant_id=tenant.id)
+    assert fetched.weight == 2.5
+    assert fetched.price_completion_per_1k == Decimal("0.000020001")
+    assert fetched.price_prompt_per_1k == Decimal("0.0015")  # untouched
+
+    crud.create_tenant(session, name="beta")
+    crud.update_tenant(session, tenant_id=tenant.id, status="suspended")
+    assert [t.name for t in crud.list_tenants(session)] == ["acme", "beta"]
+    assert [t.name for t in crud.list_tenants(session, status="active")] == ["beta"]
+
+
+def test_tenant_input_errors_say_what_is_wrong(session, tenant):
+    with pytest.raises(crud.Conflict, match="'acme' already exists"):
+        crud.create_tenant(session, name="acme")
+    with pytest.raises(ValueError, match="weight"):
+        crud.create_tenant(session, name="zero", weight=0)
+    with pytest.raises(ValueError, match="name"):
+        crud.create_tenant(session, name="has space")
+    with pytest.raises(ValueError, match="price_prompt_per_1k"):
+        crud.create_tenant(session, name="cheap", price_prompt_per_1k="free")
+    with pytest.raises(ValueError, match="price_completion_per_1k"):
+        crud.create_tenant(session, name="cheap", price_completion_per_1k="-1")
+    with pytest.raises(ValueError, match="status"):
+        crud.update_tenant(session, tenant_id=tenant.id, status="deleted")
+    with pytest.raises(crud.NotFound):
+        crud.update_tenant(session, tenant_id=tenant.id + 100, weight=2)
+    # The failed insert rolled back cleanly: the session is still usable.
+    assert crud.get_tenant_by_name(session, name="acme") is not None
+
+
+def test_quota_set_replaces_all_limits(session, tenant):
+    assert crud.get_quota(session, tenant_id=tenant.id) is None  # unlimited
+    crud.set_quota(session, tenant_id=tenant.id, requests_per_min=10, max_rank=16)
+    quota = crud.set_quota(session, tenant_id=tenant.id, tokens_per_month=10**12)
+    assert (quota.requests_per_min, quota.max_rank, quota.tokens_per_month) == (None, None, 10**12)
+    with pytest.raises(ValueError, match="requests_per_min"):
+        crud.set_quota(session, tenant_id=tenant.id, requests_per_min=-1)
+
+
+def test_keys_are_stored_only_as_hashes(session, tenant):
+    secret, key = crud.create_key(session, tenant_id=tenant.id, name="ci")
+    assert secret.startswith("lpx_") and len(secret) == 4 + 43
+    assert key.prefix == secret[:12]
+    assert key.key_hash == hashlib.sha256(secret.encode()).hexdigest()
+
+    # Nowhere in the database, in any column of any table.
+    session.expire_all()
+    for table in Base.metadata.sorted_tables:
+        for row in session.execute(select(table)):
+            assert all(secret not in str(value) for value in row)
+            assert all(secret[len("lpx_") :] not in str(value) for value in row)
+
+    (listed,) = crud.list_keys(session, tenant_id=tenant.id)
+    assert listed.prefix == key.prefix and "key_hash" not in listed.model_dump()
+
+
+def test_authenticate_accepts_only_live_keys_of_active_tenants(session, tenant):
+    secret, key = crud.create_key(session, tenant_id=tenant.id)
+    found = crud.authenticate(session, secret, now=NOW)
+    assert found is not None and found[0].id == tenant.id and found[1].id == key.id
+
+    assert crud.authenticate(session, "lpx_" + "x" * 43, now=NOW) is None  # unknown
+    assert crud.authenticate(session, secret[:-1], now=NOW) is None  # truncated
+    assert crud.authenticate(session, "", now=NOW) is None
+
+    crud.update_tenant(session, tenant_id=tenant.id, status="suspended")
+    assert crud.authenticate(session, secret, now=NOW) is None
+    crud.update_tenant(session, tenant_id=tenant.id, status="active")
+    assert crud.authenticate(session, secret, now=NOW) is not None
+
+    crud.revoke_key(session, key_id=key.id, now=NOW)
+    assert crud.authenticate(session, secret, now=NOW) is None
+
+
+def test_expired_key_fails_from_its_expiry_on(session, tenant):
+    secret, _ = crud.create_key(session, tenant_id=tenant.id, expires_at=NOW + timedelta(hours=1))
+    assert crud.authenticate(session, secret, now=NOW + timedelta(minutes=59)) is not None
+    assert crud.authenticate(session, secret, now=NOW + timedelta(hours=1)) is None
+
+
+def test_last_used_at_is_written_at_most_once_a_minute(session, tenant):
+    secret, key = crud.create_key(session, tenant_id=tenant.id)
+    crud.authenticate(session, secret, now=NOW)
+    crud.authenticate(session, secret, now=NOW + timedelta(seconds=30))
+    session.expire_all()
+    assert crud.list_keys(session, tenant_id=tenant.id)[0].last_used_at == NOW
+    crud.authenticate(session, secret, now=NOW + timedelta(seconds=61))
+    session.expire_all()
+    assert crud.list_keys(session, tenant_id=tenant.id)[0].last_used_at == NOW + timedelta(
+        seconds=61
+    )
+
+
+def test_a_tenant_cannot_revoke_another_tenants_key(session, tenant):
+    other = crud.create_tenant(session, name="other")
+    secret, key = crud.create_key(session, tenant_id=tenant.id)
+    with pytest.raises(crud.NotFound):
+        crud.revoke_key(session, key_id=key.id, tenant_id=other.id)
+    assert crud.authenticate(session, secret) is not None
+
+
+def test_adapter_names_are_unique_per_tenant(session, tenant):
+    other = crud.create_tenant(session, name="other")
+    first = _adapter(session, tenant.id, targets="q_proj, v_proj")
+    assert first.targets == ["q_proj", "v_proj"] and first.status == "ready"
+    with pytest.raises(crud.Conflict, match="'pirate' already exists"):
+        _adapter(session, tenant.id, rank=4)
+    _adapter(session, other.id)  # the same name in another tenant is fine
+    # The conflict left no row behind and the first adapter unchanged.
+    assert [a.rank for a in crud.list_adapters(session, tenant_id=tenant.id)] == [8]
+
+
+def test_adapters_are_invisible_across_tenants(session, tenant):
+    other = crud.create_tenant(session, name="other")
+    _adapter(session, tenant.id, name="secret-sauce")
+    assert crud.get_adapter(session, tenant_id=other.id, name="secret-sauce") is None
+    assert crud.list_adapters(session, tenant_id=other.id) == []
+    with pytest.raises(crud.NotFound):
+        crud.delete_adapter(session, tenant_id=other.id, name="secret-sauce")
+    with pytest.raises(crud.NotFound):
+        crud.mark_adapter_deleted(session, tenant_id=other.id, name="secret-sauce")
+    assert crud.get_adapter(session, tenant_id=tenant.id, name="secret-sauce") is not None
+    # The admin view (tenant_id=None) sees everyone's.
+    _adapter(session, other.id, name="b")
+    assert len(crud.list_adapters(session, tenant_id=None)) == 2
+
+
+def test_adapter_lifecycle_and_totals(session, tenant):
+    _adapter(session, tenant.id, name="a", bytes=100)
+    _adapter(session, tenant.id, name="b", bytes=50, sha256="cd" * 32)
+    assert crud.adapter_totals(session, tenant_id=tenant.id) == (2, 150)
+    assert crud.count_adapters_with_sha256(session, sha256=SHA) == 1
+
+    crud.mark_adapter_deleted(session, tenant_id=tenant.id, name="a")
+    assert crud.get_adapter(session, tenant_id=tenant.id, name="a") is None
+    assert [a.name for a in crud.list_adapters(session, tenant_id=tenant.id)] == ["b"]
+    assert crud.adapter_totals(session, tenant_id=tenant.id) == (1, 50)
+
+    removed = crud.delete_adapter(session, tenant_id=tenant.id, name="a")
+    assert removed.storage_key == f"adapters/{SHA}"  # what the caller must clean up
+    assert crud.count_adapters_with_sha256(session, sha256=SHA) == 0
+    _adapter(session, tenant.id, name="a")  # the name is free again
+
+
+def test_adapter_input_errors(session, tenant):
+    with pytest.raises(crud.NotFound):
+        _adapter(session, tenant.id + 100)
+    with pytest.raises(ValueError, match="sha256"):
+        _adapter(session, tenant.id, sha256="not-hex")
+    with pytest.raises(ValueError, match="rank"):
+        _adapter(session, tenant.id, rank=0)
+    with pytest.raises(ValueError, match="name"):
+        _adapter(session, tenant.id, name="../escape")
+
+
+def test_touch_adapter_used_writes_at_most_once_a_minute(session, tenant):
+    adapter = _adapter(session, tenant.id)
+    crud.touch_adapter_used(session, adapter_id=adapter.id, now=NOW)
+    crud.touch_adapter_used(session, adapter_id=adapter.id, now=NOW + timedelta(seconds=10))
+    session.expire_all()
+    assert crud.get_adapter(session, tenant_id=tenant.id, name="pirate").last_used_at == NOW
+    crud.touch_adapter_used(session, adapter_id=adapter.id, now=NOW + timedelta(minutes=2))
+    session.expire_all()
+    got = crud.get_adapter(session, tenant_id=tenant.id, name="pirate").last_used_at
+    assert got == NOW + timedelta(minutes=2)

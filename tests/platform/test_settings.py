@@ -1,0 +1,125 @@
+"""Settings: embedded defaults, environment and config file, production secret checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from loraplex.platform.security import new_admin_key
+from loraplex.platform.settings import Settings
+
+GOOD_KEY = new_admin_key()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LORAPLEX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def test_defaults_live_under_the_data_dir(tmp_path):
+    s = Settings()
+    data = tmp_path / "home" / ".cache" / "loraplex"
+    assert s.data_dir == data
+    assert s.database_url == f"sqlite:///{data}/loraplex.db"
+    assert s.store_url == data.joinpath("adapters").as_uri()
+    assert s.local_store_dir == data / "adapters" and s.s3_location is None
+    assert s.adapter_cache_dir == data / "adapter-cache"
+    assert (s.model, s.dtype, s.quantization, s.max_loras, s.max_lora_rank) == (
+        "demo", "auto", None, 8, 64,
+    )  # fmt: skip
+    assert (s.host, s.port, s.dev_mode, s.admin_key) == ("127.0.0.1", 8000, True, None)
+    assert s.max_upload_bytes == 512 * 1024 * 1024
+
+
+def test_environment_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "d"))
+    monkeypatch.setenv("LORAPLEX_MAX_LORAS", "4")
+    monkeypatch.setenv("LORAPLEX_QUANTIZATION", "int4")
+    monkeypatch.setenv("LORAPLEX_LOG_JSON", "true")
+    s = Settings()
+    assert s.database_url == f"sqlite:///{tmp_path}/d/loraplex.db"
+    assert (s.max_loras, s.quantization, s.log_json) == (4, "int4", True)
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql"])
+def test_postgres_urls_use_psycopg3(monkeypatch, scheme):
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", f"{scheme}://u:pw@db:5432/lpx")
+    assert Settings().database_url == "postgresql+psycopg://u:pw@db:5432/lpx"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("database_url", "mysql://db/x", "use sqlite:///path/to.db or postgresql://"),
+        ("store_url", "s3://", "names no bucket"),
+        ("store_url", "http://host/x", "file:///path/to/dir"),
+        ("max_loras", 0, "max_loras"),
+        ("dtype", "int8", "dtype"),
+        ("aws_access_key_id", "AKIA", "set both aws_access_key_id and aws_secret_access_key"),
+    ],
+)
+def test_bad_values_say_what_to_change(field, value, message):
+    with pytest.raises(ValidationError, match=message):
+        Settings(**{field: value})
+
+
+def test_store_urls(tmp_path):
+    s3 = Settings(store_url="s3://bucket/some/prefix/", s3_endpoint_url="http://127.0.0.1:9000")
+    assert s3.s3_location == ("bucket", "some/prefix") and s3.local_store_dir is None
+    assert Settings(store_url=str(tmp_path / "st")).local_store_dir == tmp_path / "st"
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_config_file_below_environment(monkeypatch, tmp_path, suffix):
+    config = tmp_path / f"loraplex{suffix}"
+    values = {"max_num_seqs": 16, "port": 9000, "data_dir": str(tmp_path / "cfg")}
+    if suffix == ".json":
+        config.write_text(json.dumps(values))
+    else:
+        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
+    monkeypatch.setenv("LORAPLEX_CONFIG", str(config))
+    monkeypatch.setenv("LORAPLEX_PORT", "9100")
+    s = Settings()
+    assert (s.max_num_seqs, s.port, s.data_dir) == (16, 9100, tmp_path / "cfg")
+
+
+def test_config_file_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ValueError, match="no such file"):
+        Settings()
+    typo = tmp_path / "typo.toml"
+    typo.write_text("max_lora = 4\n")  # not max_loras
+    monkeypatch.setenv("LORAPLEX_CONFIG", str(typo))
+    with pytest.raises(ValidationError, match="max_lora"):
+        Settings()
+
+
+def test_outside_dev_mode_an_admin_key_is_required():
+    with pytest.raises(ValidationError, match="LORAPLEX_ADMIN_KEY") as e:
+        Settings(dev_mode=False)
+    assert "at least 32 characters" in str(e.value)
+    with pytest.raises(ValidationError, match="admin_key has 12 characters"):
+        Settings(dev_mode=False, admin_key="short-secret")
+    with pytest.raises(ValidationError, match="admin_key looks like a placeholder"):
+        Settings(dev_mode=False, admin_key="changethis-changethis-changethis-1")
+    with pytest.raises(ValidationError, match="admin_key looks like a placeholder"):
+        Settings(dev_mode=False, admin_key="a" * 40)
+    with pytest.raises(ValidationError, match="password in database_url"):
+        Settings(dev_mode=False, admin_key=GOOD_KEY, database_url="postgresql://u:changethis@h/d")
+
+    s = Settings(dev_mode=False, admin_key=GOOD_KEY)
+    assert s.admin_key.get_secret_value() == GOOD_KEY
+    assert GOOD_KEY not in repr(s)  # secrets stay out of logs
+
+
+def test_dev_mode_allows_no_admin_key(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_DEV_MODE", "true")
+    assert Settings().admin_key is None
+    assert isinstance(Settings().data_dir, Path)

@@ -1,0 +1,84 @@
+"""A real loraplex server on 127.0.0.1 for API tests (uvicorn in a background thread)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from loraplex.platform.db import crud
+from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+from loraplex.platform.main import create_app
+from loraplex.platform.settings import Settings
+
+ADMIN_KEY = "test-admin-key-" + "x" * 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    settings: Settings
+    app: object
+    sessions: object
+
+    @property
+    def state(self):
+        return self.app.state.lp
+
+    def new_tenant(self, name: str, **quota) -> tuple[int, str]:
+        with self.sessions() as session:
+            tenant = crud.create_tenant(session, name=name)
+            if quota:
+                crud.set_quota(session, tenant_id=tenant.id, **quota)
+            secret, _ = crud.create_key(session, tenant_id=tenant.id)
+            return tenant.id, secret
+
+
+@contextmanager
+def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
+    port = free_port()
+    settings = Settings(
+        data_dir=data_dir,
+        model=str(model_dir),
+        host="127.0.0.1",
+        port=port,
+        admin_key=ADMIN_KEY,
+        dtype="float32",
+        max_model_len=256,
+        **settings_overrides,
+    )
+    upgrade(settings.database_url)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("server did not become ready")
+    db = make_engine(settings.database_url)
+    try:
+        yield RunningServer(url, settings, app, make_sessionmaker(db))
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        db.dispose()
