@@ -15,7 +15,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.platform.api.deps import AppState
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.routes import adapters, health, inference
+from loraplex.platform.api.routes import adapters, admin, health, inference
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
@@ -67,14 +67,14 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         ),
     )
     store.check()
-    admin = settings.admin_key.get_secret_value() if settings.admin_key else new_admin_key()
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else new_admin_key()
     state = AppState(
         settings=settings,
         sessions=make_sessionmaker(db),
         store=store,
         cache=AdapterCache(store, settings.adapter_cache_dir, max_bytes=8 * 1024**3),
         metrics=Metrics(),
-        admin_key=admin,
+        admin_key=admin_key,
     )
     model_dir = resolve_model_dir(settings)
     state.model_name = Path(model_dir).name
@@ -102,4 +102,5 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(health.router)
     app.include_router(inference.router)
     app.include_router(adapters.router)
+    app.include_router(admin.router)
     return app
