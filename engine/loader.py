@@ -14,16 +14,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
-from loraplex.engine.models.spec import ModelSpec, spec_from_config
+from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
 
-# HF projection name -> (our fused module, slice index)
-FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# Checkpoint names that load into a slice of one of our fused parameters.
+FUSED = {name: where for name, where in PROJECTIONS.items() if where[0] != name}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 

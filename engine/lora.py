@@ -16,19 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.engine.models.spec import ModelSpec
+from loraplex.engine.models.spec import PROJECTIONS, ModelSpec
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# PEFT target -> (fused module of ours, slice index within it)
-GROUPS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
+TARGETS = tuple(GROUPS)
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 

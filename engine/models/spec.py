@@ -15,6 +15,16 @@ SUPPORTED = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
 }
+# HF projection name -> (our fused module, slice index): q|k|v and gate|up are one matmul each.
+PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
 
 
