@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import NoReturn
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -122,8 +123,15 @@ max_tokens=16).choices[0].text)"
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error of the CLI (subparsers inherit it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"loraplex: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loraplex", description="multi-tenant LoRA serving")
+    p = _Parser(prog="loraplex", description="multi-tenant LoRA serving")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation offline")
@@ -156,15 +164,46 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-dir", default=None)
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.set_defaults(func=_prepare_demo)
+
+    from loraplex.platform import cli_admin, cli_reports
+
+    cli_admin.add_commands(sub)  # tenants, keys, quotas
+    cli_reports.add_commands(sub)  # adapters, usage
     return p
+
+
+def _one_line_error(e: BaseException) -> str | None:
+    """The message of an error a user caused, on one line; None for our own bugs."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import OperationalError
+
+    from loraplex.platform.db.crud import NotFound
+    from loraplex.platform.db.session import SchemaError
+    from loraplex.platform.store import StoreError
+
+    if isinstance(e, ValidationError):  # a ValueError, but its text spans several lines
+        parts = []
+        for err in e.errors():
+            where, msg = ".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}" if where else msg)
+        return "; ".join(parts)
+    if isinstance(e, OperationalError):  # unreachable server, locked or unreadable file
+        reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        return f"cannot use the database: {reason}"
+    if isinstance(e, ValueError | FileNotFoundError | NotFound | SchemaError | StoreError):
+        return " ".join(str(e).split())
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"loraplex: error: {e}", file=sys.stderr)
+    except Exception as e:
+        message = _one_line_error(e)
+        if message is None:
+            raise  # our own bug: the traceback is worth more than a line
+        print(f"loraplex: error: {message}", file=sys.stderr)
         return 2
 
 

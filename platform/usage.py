@@ -237,7 +237,7 @@ def billing_export(session: Session, *, start: datetime, end: datetime) -> list[
 def _plain(value: Any) -> Any:
     # Decimals as strings: exact in JSON and CSV, unlike floats.
     if isinstance(value, Decimal):
-        return str(value)
+        return format(value, "f")
     if isinstance(value, datetime | date):
         return value.isoformat()
     return value

@@ -62,7 +62,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p not in ("body", "query")]
+        loc = [str(p) for p in first.get("loc", []) if p not in ("body", "query", "path", "header")]
         param = ".".join(loc) or None
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
         return JSONResponse(

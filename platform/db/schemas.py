@@ -10,14 +10,19 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, StringConstraints
 
 from loraplex.platform.db.models import AdapterStatus, TenantStatus
 
 # Names travel in URLs and in the OpenAI `model` field: no slashes, spaces or leading dots.
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
 AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
-Price = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=9)]
+# Plain notation in JSON: a zero read back from Numeric(18, 9) would print as "0E-9".
+Price = Annotated[
+    Decimal,
+    Field(ge=0, max_digits=18, decimal_places=9),
+    PlainSerializer(lambda d: format(d.normalize(), "f"), return_type=str, when_used="json"),
+]
 Limit = Annotated[int | None, Field(ge=0)]
 Target = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]  # "q_proj"
 
