@@ -111,7 +111,8 @@ try it:
     -H "Content-Type: application/json" \\
     -d '{{"model": "{state.model_name}", "prompt": "The capital of France is", "max_tokens": 16}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{secret}'); \\
+  {sys.executable} -c "from openai import OpenAI; \\
+c = OpenAI(base_url='{base}/v1', api_key='{secret}'); \\
 print(c.completions.create(model='{state.model_name}', prompt='The capital of France is', \\
 max_tokens=16).choices[0].text)"
 """,

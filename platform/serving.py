@@ -38,6 +38,16 @@ def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
     return "".join(parts)
 
 
+def engine_adapter_id(digest: str) -> int:
+    """The engine's id for an adapter: derived from its content, never from the row id.
+
+    The engine caches weights (and prefix-cache KV) by this id, and SQLite gives a deleted
+    row's id to the next insert, so a row id could make one tenant's new adapter run with
+    another's old weights. Equal ids now mean equal bytes; 60 bits keep it a positive int64.
+    """
+    return int(digest[:15], 16) + 1
+
+
 @dataclass
 class Job:
     """What the route resolved; filled in while the request runs."""
@@ -87,14 +97,15 @@ class InferenceService:
                 raise APIError(
                     404, f"The model '{model}' does not exist", "model_not_found", "model"
                 )
-            key, digest, adapter_id = row.storage_key, row.sha256, row.id
-            crud.touch_adapter_used(session, adapter_id=adapter_id)
+            key, digest = row.storage_key, row.sha256
+            crud.touch_adapter_used(session, adapter_id=row.id)
         try:
             path = self.state.cache.get(key, digest)
         except Exception as e:  # store down or object gone: this request fails, not the server
             msg = f"adapter '{model}' could not be fetched: {e}"
             raise APIError(503, msg, "adapter_unavailable") from None
-        return LoRARequest(f"{caller.tenant.id}/{model}", adapter_id, str(path)), model
+        lora = LoRARequest(f"{caller.tenant.id}/{model}", engine_adapter_id(digest), str(path))
+        return lora, model
 
     def encode_prompt(self, prompt: str | list[int], *, templated: bool = False) -> list[int]:
         tok = self._engine().tokenizer

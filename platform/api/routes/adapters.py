@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
+from starlette.types import Message, Receive
 
 from loraplex.platform import quotas
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import (
     UploadError,
     areceive_files,
@@ -21,7 +24,28 @@ from loraplex.platform.uploads import (
 )
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+log = logging.getLogger("loraplex.platform")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+# Room for the multipart framing and the name field around `limit` bytes of files.
+FORM_SLACK = 64 * 1024
+
+
+def _capped(receive: Receive, limit: int) -> Receive:
+    """`receive` that refuses bodies past limit + FORM_SLACK as they arrive: a chunked upload
+    has no Content-Length to check, and the form parser spools whatever it reads to disk."""
+    seen = 0
+
+    async def capped() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit + FORM_SLACK:
+            raise APIError(413, f"upload exceeds the limit of {limit} bytes", "too_large")
+        return message
+
+    return capped
 
 
 def adapter_public(a) -> dict:
@@ -50,11 +74,12 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     if quota is not None and quota.max_adapter_bytes is not None:
         limit = min(limit, quota.max_adapter_bytes)
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + 64 * 1024:
+    if declared and declared.isdigit() and int(declared) > limit + FORM_SLACK:
         raise APIError(
             413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", "too_large"
         )
-    form = await request.form(max_files=4, max_fields=4)
+    body = Request(request.scope, _capped(request.receive, limit))
+    form = await body.form(max_files=4, max_fields=4)
     name = form.get("name")
     if not isinstance(name, str) or not NAME.match(name):
         raise APIError(
@@ -96,6 +121,14 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     except UploadError as e:
         state.metrics.uploads.labels("refused").inc()
         raise APIError(e.status_code, e.message, e.code) from None
+    except StoreError as e:  # S3 down or misconfigured: nothing was registered
+        state.metrics.uploads.labels("refused").inc()
+        raise APIError(
+            503,
+            f"the adapter store is unavailable: {e}",
+            "store_unavailable",
+            headers={"Retry-After": "30"},
+        ) from None
     finally:
         await form.close()
     state.metrics.uploads.labels("ok").inc()
@@ -166,5 +199,8 @@ def delete_adapter(name: str, state: StateDep, caller: CallerDep):
         digest, key = row.sha256, row.storage_key
         crud.delete_adapter(session, tenant_id=caller.tenant.id, name=name)
         if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
-            state.store.delete(key)
+            try:
+                state.store.delete(key)
+            except StoreError as e:  # the adapter is gone for the tenant; only bytes are left
+                log.warning("adapter %s deleted; its stored object %s remains: %s", name, key, e)
         return {"id": name, "object": "adapter", "deleted": True}
