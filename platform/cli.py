@@ -89,9 +89,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loraplex.platform.db.session import upgrade
+    from loraplex.platform.logs import setup_logging
     from loraplex.platform.main import create_app
 
     settings = _settings(args)
+    setup_logging(settings.log_json)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     embedded = settings.database_url == f"sqlite:///{settings.data_dir / 'loraplex.db'}"
     if embedded:  # the embedded default migrates itself; shared databases need `db upgrade`
@@ -119,7 +121,12 @@ max_tokens=16).choices[0].text)"
             flush=True,
         )
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=15
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=15,
+        log_config=None,  # keep our handlers (JSON lines with LORAPLEX_LOG_JSON=true)
     )
     return 0
 

@@ -7,6 +7,7 @@ client was actually sent, whether it finished, was cancelled or failed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 
 FALLBACK_STOP = "\nUser:"
+log = logging.getLogger("loraplex.requests")
 
 
 def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -249,5 +251,20 @@ class InferenceService:
                     session, job.caller.tenant.id, actual - job.estimate, now=charged
                 )
 
+        log.info(
+            "request finished",
+            extra={
+                "request_id": job.request_id,
+                "tenant_id": job.caller.tenant.id,
+                "route": job.route,
+                "model": job.model,
+                "status": status,
+                "prompt_tokens": len(job.prompt_ids),
+                "completion_tokens": job.sent_tokens,
+                "cached_tokens": job.cached_tokens,
+                "ttft_ms": ttft_ms,
+                "latency_ms": round((now - job.started) * 1000, 1),
+            },
+        )
         # Shielded: a cancelled request (client gone) must still be billed.
         await asyncio.shield(asyncio.to_thread(write))

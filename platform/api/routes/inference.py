@@ -170,6 +170,25 @@ async def _start_stream(service, job):
     return first, stream
 
 
+async def _respond(service, job, request, body, render, obj: str, created: int, choice):
+    """A streamed (SSE) or whole answer, the same way for completions and chat."""
+    if body.stream:
+        first, rest = await _start_stream(service, job)
+        return StreamingResponse(
+            _sse(service, job, first, rest, render, body.include_usage),
+            media_type="text/event-stream",
+        )
+    last = await _run_to_end(service, job, request)
+    return {
+        "id": job.request_id,
+        "object": obj,
+        "created": created,
+        "model": body.model,
+        "choices": [choice(last)],
+        "usage": _usage(job),
+    }
+
+
 @router.post("/completions")
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, caller: CallerDep
@@ -204,29 +223,16 @@ async def completions(
             return None, 0
         return {**base, "choices": [choice]}, n
 
-    if body.stream:
-        first, rest = await _start_stream(service, job)
-        return StreamingResponse(
-            _sse(service, job, first, rest, render, body.include_usage),
-            media_type="text/event-stream",
-        )
-    last = await _run_to_end(service, job, request)
-    out = last.outputs[0]
-    return {
-        "id": job.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": body.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": out.text,
-                "finish_reason": out.finish_reason,
-                "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids)),
-            }
-        ],
-        "usage": _usage(job),
-    }
+    def choice(last: RequestOutput) -> dict:
+        out = last.outputs[0]
+        return {
+            "index": 0,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids)),
+        }
+
+    return await _respond(service, job, request, body, render, "text_completion", created, choice)
 
 
 @router.post("/chat/completions")
@@ -273,26 +279,13 @@ async def chat_completions(
         }
         return {**base, "choices": [choice]}, n
 
-    if body.stream:
-        first, rest = await _start_stream(service, job)
-        return StreamingResponse(
-            _sse(service, job, first, rest, render, body.include_usage),
-            media_type="text/event-stream",
-        )
-    last = await _run_to_end(service, job, request)
-    out = last.outputs[0]
-    return {
-        "id": job.request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": body.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top),
-                "finish_reason": out.finish_reason,
-            }
-        ],
-        "usage": _usage(job),
-    }
+    def choice(last: RequestOutput) -> dict:
+        out = last.outputs[0]
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top),
+            "finish_reason": out.finish_reason,
+        }
+
+    return await _respond(service, job, request, body, render, "chat.completion", created, choice)
