@@ -40,7 +40,10 @@ def _pg_admin_connect() -> psycopg.Connection:
             )
         except psycopg.OperationalError as e:
             error = e
-    pytest.skip(f"PostgreSQL unreachable at {PG_SERVER} ({error}); set LORAPLEX_TEST_POSTGRES")
+    # PostgreSQL runs on every machine of this kind (CI included): its absence is a failure.
+    pytest.fail(
+        f"PostgreSQL unreachable at {PG_SERVER} ({error}); start it or set LORAPLEX_TEST_POSTGRES"
+    )
 
 
 @pytest.fixture(scope="session")
