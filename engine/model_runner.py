@@ -73,7 +73,7 @@ class ModelRunner:
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
             start = seq.num_computed_tokens
-            toks = seq.all_token_ids[start : start + n]
+            toks = seq.token_slice(start, start + n)
             ids.extend(toks)
             pos.extend(range(start, start + n))
             table = seq.block_table

@@ -80,6 +80,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without building the whole prompt + output list."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

@@ -167,8 +167,7 @@ def _store_and_register(state, caller, name, folder, info):
         except Exception as e:
             session.rollback()
             # Nothing half-written: the object goes unless another adapter shares it.
-            if crud.count_adapters_with_sha256(session, sha256=info.digest) == 0:
-                state.store.delete(key)
+            release_object(state, session, info.digest, key)
             if isinstance(e, crud.Conflict):
                 raise APIError(409, str(e), "adapter_exists", "name") from None
             raise
@@ -190,17 +189,29 @@ def get_adapter(name: str, state: StateDep, caller: CallerDep):
         return adapter_public(row)
 
 
+def release_object(state, session, digest: str, key: str) -> None:
+    """Delete a stored object once no adapter row (of any tenant) shares its content."""
+    if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
+        try:
+            state.store.delete(key)
+        except StoreError as e:  # the adapter is gone from the registry; only bytes are left
+            log.warning("stored object %s could not be removed: %s", key, e)
+
+
+def remove_adapter(state, session, *, tenant_id: int, name: str) -> bool:
+    """Delete the tenant's adapter row and its object; False when it has no such adapter."""
+    row = crud.get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
+    if row is None:
+        return False
+    digest, key = row.sha256, row.storage_key
+    crud.delete_adapter(session, tenant_id=tenant_id, name=name)
+    release_object(state, session, digest, key)
+    return True
+
+
 @router.delete("/{name}")
 def delete_adapter(name: str, state: StateDep, caller: CallerDep):
     with state.sessions() as session:
-        row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=name, include_deleted=True)
-        if row is None:
+        if not remove_adapter(state, session, tenant_id=caller.tenant.id, name=name):
             raise APIError(404, f"no adapter named '{name}'", "adapter_not_found")
-        digest, key = row.sha256, row.storage_key
-        crud.delete_adapter(session, tenant_id=caller.tenant.id, name=name)
-        if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
-            try:
-                state.store.delete(key)
-            except StoreError as e:  # the adapter is gone for the tenant; only bytes are left
-                log.warning("adapter %s deleted; its stored object %s remains: %s", name, key, e)
         return {"id": name, "object": "adapter", "deleted": True}

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.routes import admin_usage
+from loraplex.platform.api.routes.adapters import remove_adapter
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, Tenant, TenantStatus, utcnow
 from loraplex.platform.db.schemas import (
@@ -197,16 +198,10 @@ def list_adapters(
 def delete_adapter(tenant_id: int, name: str, session: SessionDep, state: StateDep) -> dict:
     """Remove a tenant's adapter, and its stored files once no adapter shares them."""
     _tenant(session, tenant_id)
-    row = crud.get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
-    if row is None:
+    if not remove_adapter(state, session, tenant_id=tenant_id, name=name):
         raise APIError(
             404, f"tenant {tenant_id} has no adapter named '{name}'", "adapter_not_found"
         )
-    digest, key = row.sha256, row.storage_key
-    crud.delete_adapter(session, tenant_id=tenant_id, name=name)
-    # The store is content-addressed: another tenant's identical upload shares the object.
-    if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
-        state.store.delete(key)
     return {"id": name, "object": "adapter", "tenant_id": tenant_id, "deleted": True}
 
 

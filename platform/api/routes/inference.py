@@ -170,6 +170,10 @@ async def _start_stream(service, job):
     return first, stream
 
 
+def _envelope(job: Job, obj: str, created: int, model: str) -> dict:
+    return {"id": job.request_id, "object": obj, "created": created, "model": model}
+
+
 async def _respond(service, job, request, body, render, obj: str, created: int, choice):
     """A streamed (SSE) or whole answer, the same way for completions and chat."""
     if body.stream:
@@ -180,10 +184,7 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
         )
     last = await _run_to_end(service, job, request)
     return {
-        "id": job.request_id,
-        "object": obj,
-        "created": created,
-        "model": body.model,
+        **_envelope(job, obj, created, body.model),
         "choices": [choice(last)],
         "usage": _usage(job),
     }
@@ -203,12 +204,7 @@ async def completions(
     created = int(time.time())
 
     def render(out: RequestOutput | None, usage: dict | None = None):
-        base = {
-            "id": job.request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-        }
+        base = _envelope(job, "text_completion", created, body.model)
         if out is None:
             return {**base, "choices": [], "usage": usage}, 0
         n = len(out.delta_token_ids)
@@ -256,12 +252,7 @@ async def chat_completions(
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         nonlocal sent_role
-        base = {
-            "id": job.request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
-        }
+        base = _envelope(job, "chat.completion.chunk", created, body.model)
         if out is None:
             return {**base, "choices": [], "usage": usage}, 0
         n = len(out.delta_token_ids)
