@@ -15,7 +15,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.platform.api.deps import AppState
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.routes import adapters, admin, health, inference
+from loraplex.platform.api.routes import adapters, admin, admin_ui, health, inference
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
@@ -33,6 +33,7 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         max_lora_rank=settings.max_lora_rank,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        scheduling_policy=settings.scheduling_policy,
     )
 
 
@@ -103,4 +104,5 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(inference.router)
     app.include_router(adapters.router)
     app.include_router(admin.router)
+    admin_ui.mount(app)
     return app

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.models.spec import ModelSpec
+from loraplex.platform.admin_session import SESSION_COOKIE, check_session_request
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import ApiKey, Tenant
@@ -80,6 +81,11 @@ CallerDep = Annotated[Caller, Depends(current_caller)]
 
 
 def require_admin(request: Request, state: StateDep) -> None:
+    """The admin key as a Bearer token (CLI, automation), or the dashboard's session cookie
+    (with its CSRF header on state-changing requests; see `admin_session`)."""
+    if "authorization" not in request.headers and SESSION_COOKIE in request.cookies:
+        check_session_request(request, state.admin_key)
+        return
     token = _bearer(request)
     if not constant_time_equals(token, state.admin_key):
         raise APIError(403, "admin routes need the admin key", "forbidden")

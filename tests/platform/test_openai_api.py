@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -10,6 +11,7 @@ import pytest
 
 from loraplex.platform.db.models import UsageRecord
 from tests.utils.server import run_server
+from tests.utils.sse_client import stream_completion
 
 
 @pytest.fixture(scope="module")
@@ -114,46 +116,44 @@ def test_rate_limit_answers_429_with_retry_after(server):
 
 
 def test_usage_ledger_matches_what_clients_received(server):
+    """Concurrent streams, a third hung up mid-stream: each usage record bills exactly the
+    tokens its client received, and every KV block comes back."""
     tenant_id, key = server.new_tenant("ledger")
-    ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
-
-    async def one(i: int) -> tuple[str, int]:
-        stream = await ac.completions.create(
-            model=server.state.model_name,
-            prompt=f"request {i}",
-            max_tokens=24,
-            temperature=0,
-            stream=True,
-            logprobs=0,
-            extra_body={"ignore_eos": True},
-        )
-        got, rid = 0, None
-        async for chunk in stream:
-            rid = chunk.id
-            if chunk.choices and chunk.choices[0].logprobs:
-                got += len(chunk.choices[0].logprobs.tokens)
-            if i % 3 == 0 and got >= 5:  # some clients hang up mid-stream
-                await stream.close()
-                break
-        return rid, got
+    body = {
+        "model": server.state.model_name,
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
 
     async def main():
-        return await asyncio.gather(*(one(i) for i in range(9)))
+        return await asyncio.gather(
+            *(
+                stream_completion(
+                    server.url,
+                    key,
+                    {**body, "prompt": f"request {i}"},
+                    hang_up_after=3 + i if i % 3 == 0 else None,
+                )
+                for i in range(12)
+            )
+        )
 
     results = asyncio.run(main())
     state = server.state
     for _ in range(100):  # cancelled requests are recorded when the server notices
         if not state.inflight:
             break
-        asyncio.run(asyncio.sleep(0.05))
+        time.sleep(0.05)
     with server.sessions() as session:
         rows = {r.request_id: r for r in session.query(UsageRecord).filter_by(tenant_id=tenant_id)}
-    assert len(rows) == 9
-    for rid, got in results:
-        assert rows[rid].completion_tokens >= got
-    full = [rows[rid] for i, (rid, _) in enumerate(results) if i % 3]
-    assert all(r.completion_tokens == 24 and r.status == "ok" for r in full)
-    assert (
-        state.engine.engine.block_manager.num_free_blocks
-        == state.engine.engine.block_manager.num_blocks
-    )
+    assert len(rows) == 12 and all(r.request_id in rows for r in results)
+    hung_up = [r for i, r in enumerate(results) if i % 3 == 0]
+    assert all(not r.finished and r.tokens < 24 for r in hung_up)  # they really left early
+    assert {rows[r.request_id].status for r in hung_up} == {"aborted"}
+    for r in results:
+        assert rows[r.request_id].completion_tokens == r.tokens, r
+    assert all(r.finished and r.tokens == 24 for i, r in enumerate(results) if i % 3)
+    bm = state.engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

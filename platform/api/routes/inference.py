@@ -8,12 +8,12 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
@@ -130,16 +130,15 @@ async def _sse(
     render,
     include_usage: bool,
 ):
-    """Server-sent events; tokens count as delivered once their chunk has been sent."""
+    """Server-sent events with the tokens each carries; `MeteredEventStream` counts them into
+    `job.sent_tokens` once delivered, so the usage chunk and the ledger say what was sent."""
     status = "aborted"
     try:
         outs = [first] if first is not None else []
         while True:
             for out in outs:
                 chunk, n = render(out)
-                if chunk is not None:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                job.sent_tokens += n  # reached only after the send above completed
+                yield (f"data: {json.dumps(chunk)}\n\n" if chunk is not None else ""), n
             if outs and outs[-1].finished:
                 break
             try:
@@ -148,11 +147,11 @@ async def _sse(
                 break
         status = "ok"
         if include_usage:
-            yield f"data: {json.dumps(render(None, usage=_usage(job))[0])}\n\n"
-        yield "data: [DONE]\n\n"
+            yield f"data: {json.dumps(render(None, usage=_usage(job))[0])}\n\n", 0
+        yield "data: [DONE]\n\n", 0
     except APIError as e:
         status = "error"
-        yield f"data: {json.dumps({'error': {'message': e.message, 'code': e.code}})}\n\n"
+        yield f"data: {json.dumps({'error': {'message': e.message, 'code': e.code}})}\n\n", 0
     finally:
         await rest.aclose()
         await service.finish(job, status)
@@ -178,10 +177,12 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
     """A streamed (SSE) or whole answer, the same way for completions and chat."""
     if body.stream:
         first, rest = await _start_stream(service, job)
-        return StreamingResponse(
-            _sse(service, job, first, rest, render, body.include_usage),
-            media_type="text/event-stream",
-        )
+        events = _sse(service, job, first, rest, render, body.include_usage)
+
+        def delivered(n: int) -> None:
+            job.sent_tokens += n
+
+        return MeteredEventStream(events, delivered)
     last = await _run_to_end(service, job, request)
     return {
         **_envelope(job, obj, created, body.model),

@@ -1,0 +1,98 @@
+"""A server-sent-events response that meters what it delivers.
+
+Billing counts the tokens a client was sent, so an event's tokens must count only if the
+server really handed the event to an open connection. uvicorn's `send` does not say: once it
+knows the peer has gone it drops body messages silently (ASGI spec 2.3), and asyncio's
+transport drops writes made after it closed on the peer's FIN but before uvicorn hears of it
+(`connection_lost` is queued with `call_soon`). So after each `send` we let the loop run one
+turn, which runs any `connection_lost` queued before our write, and then look, without
+yielding again, whether uvicorn saw the connection close. Closed: the event was dropped; open:
+it was written (a close queued after our write comes after our look).
+
+What a client receives is then exact for any client that keeps reading until the server closes
+(a half-close, as our ledger test does). A client that resets the connection may lose events
+that were already written to its socket; those are billed, as they were sent. This reasoning
+holds for uvicorn on asyncio's default loop, which is what `loraplex serve` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies (nginx ingress) must not hold events back
+]
+
+
+def connection_closed_now(receive: Receive) -> bool:
+    """Whether the client is known to be gone, decided without yielding to the event loop.
+
+    uvicorn's `receive()` returns `http.disconnect` at once when the connection is closed and
+    otherwise waits; we run it one step and drop it if it would wait.
+    """
+    step = receive()
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return done.value.get("type") == "http.disconnect"
+    step.close()
+    return False
+
+
+class MeteredEventStream(Response):
+    """Streams `(event_text, tokens)` pairs.
+
+    `delivered(tokens)` is called for each event that reached an open connection; an empty text
+    carries its tokens over to the next event. The generator is closed (running its `finally`)
+    when the stream ends, fails, or the client goes away, also while it waits for the engine.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[tuple[str, int], None],
+        delivered: Callable[[int], None],
+    ):
+        super().__init__(media_type="text/event-stream")  # FastAPI passes a Response through
+        self.events, self.delivered = events, delivered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.create_task(self._pump(receive, send))
+        gone = asyncio.create_task(self._until_disconnect(receive))
+        try:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            pump.cancel()  # a no-op once it has finished
+            await asyncio.wait({pump})  # its `finally` bills the request
+        if not pump.cancelled():
+            pump.result()  # re-raise what went wrong while streaming
+
+    async def _pump(self, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+            pending = 0  # tokens whose text is held back (e.g. half a UTF-8 character)
+            async for text, tokens in self.events:
+                pending += tokens
+                if not text:
+                    continue
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+                # One loop turn lets an already-queued connection_lost run (see module doc).
+                await asyncio.sleep(0)
+                if connection_closed_now(receive):
+                    return
+                self.delivered(pending)
+                pending = 0
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()
+
+    @staticmethod
+    async def _until_disconnect(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
