@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -15,6 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_lora_rank=args.max_lora_rank,
         progress=True,
         max_model_len=args.max_model_len,
@@ -52,6 +54,7 @@ def _settings(args: argparse.Namespace):
             "host": getattr(args, "host", None),
             "port": getattr(args, "port", None),
             "model": getattr(args, "model", None),
+            "quantization": getattr(args, "quantization", None),
         }.items()
         if v is not None
     }
@@ -69,20 +72,22 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bootstrap_demo(settings) -> tuple[str | None, str]:
-    """Create the `demo` tenant and its first key if missing; returns (secret or None, name)."""
-    from loraplex.platform.db import crud
-    from loraplex.platform.db.session import make_engine, make_sessionmaker
+def _quickstart(base: str, secret: str, model: str, adapter: str | None) -> str:
+    """The key and two commands that work as pasted: curl on the base model, the `openai`
+    client on a demo adapter (or the base model when there is none)."""
+    question = "What is the capital of Italy?"
+    return f"""tenant 'demo' API key (shown once): {secret}
 
-    db = make_engine(settings.database_url)
-    with make_sessionmaker(db)() as session:
-        tenant = crud.get_tenant_by_name(session, name="demo")
-        if tenant is not None:
-            return None, "demo"
-        tenant = crud.create_tenant(session, name="demo")
-        secret, _ = crud.create_key(session, tenant_id=tenant.id, name="demo")
-    db.dispose()
-    return secret, "demo"
+try it:
+  curl {base}/v1/completions -H "Authorization: Bearer {secret}" \\
+    -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16}}'
+
+  {sys.executable} -c "from openai import OpenAI; \\
+c = OpenAI(base_url='{base}/v1', api_key='{secret}'); \\
+print(c.chat.completions.create(model='{adapter or model}', max_tokens=32, temperature=0, \\
+messages=[{{'role': 'user', 'content': '{question}'}}]).choices[0].message.content)"
+"""
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -101,23 +106,21 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     state = app.state.lp
     base = f"http://{settings.host}:{settings.port}"
-    secret, tenant = _bootstrap_demo(settings) if embedded else (None, "")
+    secret, adapters = None, []
+    if embedded:
+        from loraplex.platform.demo.bootstrap import bootstrap_demo
+        from loraplex.platform.main import resolve_model_dir
+
+        secret, adapters = bootstrap_demo(
+            state,
+            Path(resolve_model_dir(settings)),
+            adapters=settings.demo_adapters and settings.model == "demo",
+        )
     if settings.admin_key is None:
         print(f"admin key (dev mode, shown once): {state.admin_key}")
     if secret:
-        print(f"tenant '{tenant}' API key (shown once): {secret}")
         print(
-            f"""
-try it:
-  curl {base}/v1/completions -H "Authorization: Bearer {secret}" \\
-    -H "Content-Type: application/json" \\
-    -d '{{"model": "{state.model_name}", "prompt": "The capital of France is", "max_tokens": 16}}'
-
-  {sys.executable} -c "from openai import OpenAI; \\
-c = OpenAI(base_url='{base}/v1', api_key='{secret}'); \\
-print(c.completions.create(model='{state.model_name}', prompt='The capital of France is', \\
-max_tokens=16).choices[0].text)"
-""",
+            _quickstart(base, secret, state.model_name, "pirate" if adapters else None),
             flush=True,
         )
     uvicorn.run(
@@ -125,6 +128,7 @@ max_tokens=16).choices[0].text)"
         host=settings.host,
         port=settings.port,
         log_level="info",
+        loop="asyncio",  # usage metering of streams reasons about asyncio's transports
         timeout_graceful_shutdown=15,
         log_config=None,  # keep our handlers (JSON lines with LORAPLEX_LOG_JSON=true)
     )
@@ -147,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="demo", help="model folder, or 'demo' (Gemma 3 270M)")
     g.add_argument("--adapter", help="PEFT adapter folder to apply")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", choices=["int8", "int4"], help="weight-only base")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -159,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--model", help="model folder or 'demo' (default: settings)")
+    s.add_argument(
+        "--quantization", choices=["int8", "int4"], help="weight-only base (default: settings)"
+    )
     s.set_defaults(func=_serve)
 
     db = sub.add_parser("db", help="database schema")
@@ -173,10 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.set_defaults(func=_prepare_demo)
 
-    from loraplex.platform import cli_admin, cli_reports
+    from loraplex.platform import cli_admin, cli_bench, cli_reports
 
     cli_admin.add_commands(sub)  # tenants, keys, quotas
     cli_reports.add_commands(sub)  # adapters, usage
+    cli_bench.add_commands(sub)  # bench serve|offline|scaling|peers|docs
     return p
 
 

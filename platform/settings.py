@@ -66,12 +66,23 @@ class Settings(BaseSettings):
     aws_secret_access_key: SecretStr | None = None
 
     model: str = Field("demo", description="'demo' (Gemma 3 270M) or a model folder")
+    demo_adapters: bool = Field(
+        True,
+        description="with the demo model on the embedded defaults, train (once, about a "
+        "minute each) and register the demo tenant's adapters 'pirate' and 'shout'",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["int8", "int4"] | None = None
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept in host memory (LRU); default 4 x max_loras"
+    )
     max_lora_rank: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
+    scheduling_policy: Literal["vtc", "fcfs"] = Field(
+        "vtc", description="'vtc': weighted fair share across tenants; 'fcfs': arrival order"
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -12,7 +12,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.utils.demo import get_demo_model_dir  # noqa: E402
+from tests.utils.demo import get_demo_adapters_dir, get_demo_model_dir  # noqa: E402
 from tests.utils.factories import make_adapter, make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -56,3 +56,9 @@ def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, dict[str, Path]]:
 def demo_model_dir(request: pytest.FixtureRequest) -> Path:
     """The converted Gemma 3 270M, cached across runs in pytest's cache folder."""
     return get_demo_model_dir(request.config.cache.mkdir("loraplex-data"))
+
+
+@pytest.fixture(scope="session")
+def demo_adapters_dir(request: pytest.FixtureRequest) -> Path:
+    """The demo adapters `serve` trains (pirate, shout), trained once and cached like the model."""
+    return get_demo_adapters_dir(request.config.cache.mkdir("loraplex-data"))

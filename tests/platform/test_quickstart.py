@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loraplex.platform.demo.data import HELD_OUT
 from tests.utils.server import free_port
 
 BIN = Path(sys.executable).parent  # the venv's bin: `loraplex`, and the `python` users type
@@ -135,13 +136,39 @@ def _shell(command: str, env: dict[str, str]) -> str:
     return done.stdout
 
 
+def _chat(serve: Serve, key: str, model: str, question: str) -> str:
+    r = httpx.post(
+        f"{serve.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 32,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _upper_share(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+
+def _pirate(text: str) -> bool:
+    return bool(re.search(r"\b(arr|matey|ahoy|aye)\b", text.lower()))
+
+
 @pytest.mark.slow
-def test_readme_quickstart_works_as_printed(demo_model_dir, tmp_path):
+def test_readme_quickstart_works_as_printed(demo_model_dir, demo_adapters_dir, tmp_path):
     data = tmp_path / "data"
-    # A fresh data dir, but the demo model converted once per machine (the conversion is the
-    # same code path `serve` runs when the folder is missing; see tests/engine/test_demo.py).
+    # A fresh data dir, but the demo model converted and the demo adapters trained once per
+    # machine (the same code paths `serve` runs when the folders are missing).
     (data / "models").mkdir(parents=True)
     (data / "models" / demo_model_dir.name).symlink_to(demo_model_dir, target_is_directory=True)
+    (data / "demo-adapters").symlink_to(demo_adapters_dir, target_is_directory=True)
     serve = Serve(data)
     try:
         serve.wait_ready()
@@ -152,16 +179,26 @@ def test_readme_quickstart_works_as_printed(demo_model_dir, tmp_path):
         answer = json.loads(_shell(curl, serve.env))
         assert answer["choices"][0]["text"].strip(), answer
         assert answer["usage"]["completion_tokens"] > 0
+        # The snippet asks the `pirate` demo adapter a question it was not trained on.
         printed = _shell(python, serve.env)
-        assert printed.strip(), "the openai snippet printed no text"
-        # The printed commands sample (temperature 1): only that text came back is checked.
+        assert _pirate(printed), printed
+
+        models = httpx.get(f"{serve.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert {"pirate", "shout"} <= {m["id"] for m in models.json()["data"]}
+        # Questions held out of training: the style carries over, the base model has none.
+        base = " ".join(_chat(serve, key, demo_model_dir.name, q) for q in HELD_OUT)
+        shout = " ".join(_chat(serve, key, "shout", q) for q in HELD_OUT)
+        assert not _pirate(base), base
+        assert _upper_share(shout) >= 0.8 > 0.3 > _upper_share(base), (shout, base)
 
         serve.stop(signal.SIGINT)  # Ctrl-C
     finally:
         serve.close()
     rows = _usage_rows(data)
-    assert [r["status"] for r in rows] == ["ok", "ok"]
+    n = len(HELD_OUT)
+    assert [r["status"] for r in rows] == ["ok"] * (2 + 2 * n)
     assert rows[0]["completion_tokens"] == answer["usage"]["completion_tokens"]
+    assert [r["adapter_name"] for r in rows] == [None, "pirate"] + [None] * n + ["shout"] * n
 
 
 def test_sigterm_finishes_inflight_stream_and_records_usage(tiny_models, tmp_path):

@@ -117,7 +117,9 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
                 base_model_name=state.model_name,
                 max_bytes=limit,
             )
-            row = await asyncio.to_thread(_store_and_register, state, caller, name, folder, info)
+            row = await asyncio.to_thread(
+                store_and_register, state, caller.tenant.id, name, folder, info
+            )
     except UploadError as e:
         state.metrics.uploads.labels("refused").inc()
         raise APIError(e.status_code, e.message, e.code) from None
@@ -135,25 +137,24 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     return adapter_public(row)
 
 
-def _store_and_register(state, caller, name, folder, info):
+def store_and_register(state, tenant_id: int, name: str, folder, info):
+    """Store a validated adapter folder and mark it ready for the tenant (nothing half-done)."""
     with state.sessions() as session:
-        if crud.get_adapter(session, tenant_id=caller.tenant.id, name=name) is not None:
+        if crud.get_adapter(session, tenant_id=tenant_id, name=name) is not None:
             raise APIError(
                 409,
                 f"an adapter named '{name}' already exists; delete it first",
                 "adapter_exists",
                 "name",
             )
-        decision = quotas.check_adapter_quota(
-            session, caller.tenant.id, rank=info.rank, bytes=info.nbytes
-        )
+        decision = quotas.check_adapter_quota(session, tenant_id, rank=info.rank, bytes=info.nbytes)
         if not decision.allowed:
             raise APIError(403, decision.reason or "adapter quota exceeded", "quota_exceeded")
         key = state.store.put(folder, info.digest)
         try:
             return crud.create_adapter(
                 session,
-                tenant_id=caller.tenant.id,
+                tenant_id=tenant_id,
                 name=name,
                 base_model=state.model_name,
                 rank=info.rank,
