@@ -8,6 +8,7 @@ With peers, engines alternate within every repeat (ABBA order) on the same promp
 
     python bench/offline.py --model tiny-llama --peer vllm     # --setup-peer installs vLLM
     python bench/offline.py --model demo --repeats 2
+    python bench/offline.py --model demo --ours-opt quantization=int8 --tag int8   # or int4
 
 Writes bench/results/offline-<model>[-<tag>].json and .png.
 """
@@ -101,7 +102,12 @@ def run_group(
             )
             results["init_s"][f"{name}/max_loras={max_loras}"] = engines[name].init_s
             if name == "ours":
+                from loraplex.engine.quantization import resident_weight_bytes
+
                 results["meta"]["ours_compute_dtype"] = engines[name].compute_dtype
+                weights = resident_weight_bytes(engines[name].llm.engine.model)
+                results["meta"]["ours_weight_bytes"] = weights
+                say(f"ours: {weights / 2**20:.0f} MiB of resident weights")
             if name == "vllm":
                 results["meta"]["vllm_version"] = engines[name].version
                 results["meta"]["vllm_preload"] = engines[name].preload

@@ -1,9 +1,15 @@
-"""Adapters in memory: a host LRU of loaded adapters and the device slots a step uses.
+"""Adapters in memory: device slots <- host LRU <- disk, loaded in the background.
 
-    store/disk --load_adapter--> host cache (LRU, max_cpu_loras; adapters with requests
-                                             in flight are pinned)
-               --activate-----> device slots (max_loras), per-layer stacked tensors
-                                installed in every LoRALinear of the model
+    disk (the platform's cache of the store)
+      --load (thread pool, started when a request is queued)--> host LRU (max_cpu_loras;
+                                 adapters with requests queued or running are pinned;
+                                 page-locked on CUDA so slot writes copy asynchronously)
+      --activate (engine thread, at the step that needs it)--> device slots (max_loras),
+                                 per-layer stacked tensors in every LoRALinear of the model
+
+Only the engine thread touches `host`, `slots` and `loading`; a loader thread only reads files
+and returns a `LoRAAdapter`, which `poll` installs. So a slow disk or store never stalls a
+step: the scheduler admits a request only once its adapter is in host memory.
 
 Slot layout (see kernels/reference.py): for a fused module with slices s_0..s_k, an adapter's
 A matrices are stacked along the rank dimension and its B^T matrices form a block-diagonal
@@ -12,7 +18,10 @@ A matrices are stacked along the rank dimension and its B^T matrices form a bloc
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +33,48 @@ from loraplex.engine.sequence import LoRARequest
 _SLICES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 
 
+class AdapterUnavailable(RuntimeError):
+    """An adapter's files could not be read (disk or store trouble, not a bad adapter)."""
+
+
+@dataclass
+class AdapterCounters:
+    hits: int = 0  # requests whose adapter was already in host memory
+    misses: int = 0  # requests that had to wait for a load (started or joined)
+    loads: int = 0  # loads that succeeded
+    load_failures: int = 0
+    load_seconds: float = 0.0  # summed wall time of successful loads
+    slot_hits: int = 0  # a step found the adapter already in a device slot
+    slot_writes: int = 0  # copies from host memory into a slot
+
+
+def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool):
+    """Runs on a loader thread: read + validate, then page-lock for async device copies."""
+    start = time.monotonic()
+    try:
+        adapter = load_adapter(lora.lora_path, spec, max_rank, dtype, name=lora.lora_name)
+    except OSError as e:  # an AdapterError (a bad adapter) passes through as it is
+        raise AdapterUnavailable(f"adapter '{lora.lora_name}' could not be read: {e}") from e
+    if pin:
+        adapter.weights = {
+            k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.weights.items()
+        }
+    return adapter, time.monotonic() - start
+
+
 class AdapterManager:
-    def __init__(self, model: DecoderLM, max_loras: int, max_rank: int, max_cpu_loras: int):
+    def __init__(
+        self,
+        model: DecoderLM,
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        load_workers: int = 2,
+    ):
         self.model, self.spec = model, model.spec
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.dtype = model.lm_head.weight.dtype
+        self.pin = model.lm_head.weight.device.type == "cuda"
         self.modules: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
             mods = {
@@ -49,9 +95,26 @@ class AdapterManager:
                 mod.lora_widths = [0] * max_loras
             self.modules.append(mods)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
+        self._slot_used = [0] * max_loras  # activation tick, for LRU slot reuse
+        self._tick = 0
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self.refs: dict[int, int] = {}
-        self.hits = self.loads = self.slot_writes = 0
+        self.refs: dict[int, int] = {}  # lora_int_id -> requests queued or running
+        self.loading: dict[int, Future] = {}
+        self.counters = AdapterCounters()
+        self._pool = ThreadPoolExecutor(load_workers, thread_name_prefix="loraplex-adapter-load")
+
+    # Counters under their old names, for metrics and tests.
+    @property
+    def hits(self) -> int:
+        return self.counters.hits
+
+    @property
+    def loads(self) -> int:
+        return self.counters.loads
+
+    @property
+    def slot_writes(self) -> int:
+        return self.counters.slot_writes
 
     @property
     def slot_bytes(self) -> int:
@@ -59,21 +122,58 @@ class AdapterManager:
             m.lora_a.nbytes + m.lora_b.nbytes for mods in self.modules for m in mods.values()
         )
 
-    def acquire(self, lora: LoRARequest) -> LoRAAdapter:
-        """Load (or find) an adapter for a new request and pin it in host memory."""
-        adapter = self.host.get(lora.lora_int_id)
-        if adapter is None:
-            adapter = load_adapter(
-                lora.lora_path, self.spec, self.max_rank, self.dtype, name=lora.lora_name
+    @property
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in self.host.values())
+
+    # ------------------------------------------------------------ host tier
+    def acquire(self, lora: LoRARequest) -> None:
+        """Pin an adapter for a new request and start loading it if it is not in memory."""
+        lora_id = lora.lora_int_id
+        self.refs[lora_id] = self.refs.get(lora_id, 0) + 1
+        if lora_id in self.host:
+            self.counters.hits += 1
+            self.host.move_to_end(lora_id)
+            return
+        self.counters.misses += 1
+        if lora_id not in self.loading:
+            self.loading[lora_id] = self._pool.submit(
+                _read, lora, self.spec, self.max_rank, self.dtype, self.pin
             )
-            self.loads += 1
-            self.host[lora.lora_int_id] = adapter
-        else:
-            self.hits += 1
-            self.host.move_to_end(lora.lora_int_id)
-        self.refs[lora.lora_int_id] = self.refs.get(lora.lora_int_id, 0) + 1
+
+    def loaded(self, lora_id: int) -> bool:
+        return lora_id in self.host
+
+    def poll(self) -> dict[int, Exception]:
+        """Install finished loads in host memory; returns the failed ones (id -> error)."""
+        failed = {}
+        for lora_id, fut in list(self.loading.items()):
+            if not fut.done():
+                continue
+            del self.loading[lora_id]
+            err = fut.exception()
+            if err is not None:
+                self.counters.load_failures += 1
+                failed[lora_id] = err
+                continue
+            adapter, seconds = fut.result()
+            self.counters.loads += 1
+            self.counters.load_seconds += seconds
+            if lora_id in self.refs:  # nobody waits for it any more: let it go
+                self.host[lora_id] = adapter
         self._evict_host()
-        return adapter
+        return failed
+
+    def wait(self, lora_id: int, timeout: float | None = None) -> None:
+        """Block until the load of `lora_id` is done (offline use); `poll` then takes it in."""
+        fut = self.loading.get(lora_id)
+        if fut is not None:
+            wait([fut], timeout)
+
+    def wait_any(self, timeout: float) -> None:
+        """Sleep until some load finishes or `timeout` passes (for an otherwise idle step)."""
+        if self.loading:
+            wait(list(self.loading.values()), timeout, return_when="FIRST_COMPLETED")
 
     def release(self, lora: LoRARequest) -> None:
         n = self.refs.get(lora.lora_int_id, 0) - 1
@@ -90,23 +190,33 @@ class AdapterManager:
             if key not in self.refs and key not in self.slots:
                 del self.host[key]
 
-    def activate(self, ids: set[int]) -> dict[int, int]:
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ device tier
+    def activate(self, ids: set[int], in_use: set[int] = frozenset()) -> dict[int, int]:
         """Make every adapter in `ids` resident in a slot; returns lora_int_id -> slot.
 
-        Slots whose adapter is not needed now are reused, so needed ones are never evicted.
+        `in_use` names the adapters of every running request (a superset of `ids`); their
+        slots are never reused, so a running request keeps its adapter between steps. Of the
+        other slots, an empty one is taken first, then the least recently used.
         """
-        assert len(ids) <= self.max_loras, "scheduler exceeded the adapter-slot cap"
+        keep = set(ids) | set(in_use)
+        assert len(keep) <= self.max_loras, "scheduler exceeded the adapter-slot cap"
+        self._tick += 1
         for lora_id in ids:
             if lora_id in self.slots:
-                continue
-            slot = next((i for i, s in enumerate(self.slots) if s is None or s not in ids), None)
-            assert slot is not None
-            self._write_slot(slot, self.host[lora_id])
-            self.slots[slot] = lora_id
+                self.counters.slot_hits += 1
+            else:
+                free = [i for i, s in enumerate(self.slots) if s is None or s not in keep]
+                slot = min(free, key=lambda i: (self.slots[i] is not None, self._slot_used[i]))
+                self._write_slot(slot, self.host[lora_id])
+                self.slots[slot] = lora_id
+            self._slot_used[self.slots.index(lora_id)] = self._tick
         return {lora_id: self.slots.index(lora_id) for lora_id in ids}
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.slot_writes += 1
+        self.counters.slot_writes += 1
         with torch.no_grad():
             for layer, mods in enumerate(self.modules):
                 for name, mod in mods.items():
@@ -121,7 +231,10 @@ class AdapterManager:
                         a, b = w  # [r, in], [out_i, r]
                         r = a.shape[0]
                         off = sum(mod.out_sizes[:idx])
-                        mod.lora_a[slot, width : width + r] = a
-                        mod.lora_b[slot, width : width + r, off : off + b.shape[0]] = b.T
+                        # From page-locked memory on CUDA: queued on the stream, no host wait.
+                        mod.lora_a[slot, width : width + r].copy_(a, non_blocking=True)
+                        mod.lora_b[slot, width : width + r, off : off + b.shape[0]].copy_(
+                            b.T, non_blocking=True
+                        )
                         width += r
                     mod.lora_widths[slot] = width

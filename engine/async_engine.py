@@ -46,6 +46,13 @@ class EngineStats:
     adapter_slots_used: int
     adapter_slots: int
     alive: bool
+    adapter_misses: int = 0  # requests that waited for a host load
+    adapter_load_failures: int = 0
+    adapter_load_seconds: float = 0.0
+    adapters_loading: int = 0
+    adapter_slot_writes: int = 0
+    adapter_slot_bytes: int = 0  # device memory of the slots, out of the same budget as…
+    kv_cache_bytes: int = 0  # …the KV pool
 
 
 class EngineDeadError(RuntimeError):
@@ -80,10 +87,12 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None = None,
         request_id: str | None = None,
         tenant: str | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (each with `delta_text`); the last has finished=True.
 
-        Raises ValueError/AdapterError for bad input before yielding anything.
+        Raises ValueError/AdapterError for bad input, AdapterUnavailable when the adapter's
+        files cannot be read, before yielding anything. `weight` is the tenant's fair share.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
@@ -91,7 +100,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._streams[rid] = stream
-        self._commands.put(("add", rid, prompt, params, lora_request, tenant))
+        self._commands.put(("add", rid, prompt, params, lora_request, tenant, weight))
         self._wake.set()
         finished = False
         try:
@@ -116,6 +125,7 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.adapters.close()
 
     @property
     def num_unfinished(self) -> int:
@@ -125,6 +135,7 @@ class AsyncLLMEngine:
         """A snapshot for metrics; read without locking, so counts may be one step stale."""
         e = self.engine
         bm, ad = e.block_manager, e.adapters
+        c = ad.counters
         return EngineStats(
             running=len(e.scheduler.running),
             waiting=len(e.scheduler.waiting),
@@ -139,6 +150,13 @@ class AsyncLLMEngine:
             adapter_slots_used=sum(s is not None for s in ad.slots),
             adapter_slots=len(ad.slots),
             alive=self.error is None and self._thread.is_alive(),
+            adapter_misses=c.misses,
+            adapter_load_failures=c.load_failures,
+            adapter_load_seconds=c.load_seconds,
+            adapters_loading=len(ad.loading),
+            adapter_slot_writes=c.slot_writes,
+            adapter_slot_bytes=e.memory.adapter_slot_bytes,
+            kv_cache_bytes=e.memory.kv_cache_bytes,
         )
 
     # ------------------------------------------------------------ engine thread
@@ -154,9 +172,18 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, lora, tenant = cmd
+                _, rid, prompt, params, lora, tenant, weight = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, lora, tenant=tenant)
+                    # The adapter loads on a loader thread; steps go on meanwhile.
+                    self.engine.add_request(
+                        rid,
+                        prompt,
+                        params,
+                        lora,
+                        tenant=tenant,
+                        weight=weight,
+                        wait_for_adapter=False,
+                    )
                 except Exception as e:  # bad input: that caller's error only
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
@@ -173,7 +200,9 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                    err = self.engine.load_errors.pop(out.request_id, None)
+                    # Its adapter failed to load: the caller gets the error, typed.
+                    self._deliver(out.request_id, out if err is None else err)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller
             self.error = e
             for rid in list(self._streams):

@@ -42,10 +42,12 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # None: 4 x max_loras
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # or "vtc": weighted fair share across tenants
     # On a CPU without bf16/fp16 matmul instructions, compute in float32 (None: decide from
     # the CPU's flags). Twice the weight memory, several times the speed.
     cpu_float32_compute: bool | None = None
+    # Weight-only quantization of the base model's linear layers: None | "int8" | "int4".
+    quantization: str | None = None
     seed: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -72,6 +74,10 @@ class EngineConfig:
                 self.dtype,
                 self.dtype,
             )
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(
+                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two between 8 and 128")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -97,8 +103,10 @@ class EngineConfig:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_model_len}); raise it or enable chunked prefill"
             )
-        if self.scheduling_policy not in ("fcfs",):
-            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; use 'fcfs'")
+        if self.scheduling_policy not in ("fcfs", "vtc"):
+            raise ValueError(
+                f"unknown scheduling_policy {self.scheduling_policy!r}; use 'fcfs' or 'vtc'"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

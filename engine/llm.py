@@ -35,15 +35,12 @@ class LLM:
         progress: bool = False,
         **engine_options,
     ):
-        if quantization is not None:
-            raise ValueError(
-                f"quantization={quantization!r} is not available yet; use quantization=None"
-            )
         config = EngineConfig(
             model=resolve_model(model),
             dtype=dtype,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            quantization=quantization,
             **engine_options,
         )
         self.engine = LLMEngine(config, progress=progress)

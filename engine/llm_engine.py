@@ -3,10 +3,15 @@
 One step is three calls: the scheduler picks sequences and token counts, the model runner
 computes them and samples, the scheduler advances progress. Around that, this class turns
 tokens into text, applies stop conditions and builds outputs.
+
+Adapters load in the background from `add_request` on; a request whose adapter fails to load
+finishes with `finish_reason="error"` and `error` set, and no other request notices.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,8 +24,24 @@ from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.sequence import LoRARequest, Sequence
+from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
 from loraplex.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("loraplex.engine")
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Device memory for adapters and the KV cache: one budget, adapter slots carved first.
+
+    kv_cache_bytes budget  = adapter slots (max_loras x max_lora_rank, every layer)
+                           + KV pool (whole blocks)  + unused remainder
+    """
+
+    budget_bytes: int
+    adapter_slot_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
 
 
 @dataclass
@@ -45,19 +66,42 @@ class LLMEngine:
             config.device,
             max_len=config.max_model_len,
             progress=progress,
+            quantization=config.quantization,
         )
         spec = self.model.spec
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(config, self.model, Sampler(self.eos_token_ids, seed=config.seed))
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.block_manager)
+        # Adapter slots first: they come out of the same device budget as the KV pool.
         self.adapters = AdapterManager(
             self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras
         )
+        slot_bytes = self.adapters.slot_bytes
+        runner_config = config
+        if config.num_kv_blocks is None:
+            if slot_bytes >= config.kv_cache_bytes:
+                raise ValueError(
+                    f"the adapter slots need {slot_bytes} bytes, all of kv_cache_bytes "
+                    f"({config.kv_cache_bytes}); raise kv_cache_bytes or lower max_loras / "
+                    "max_lora_rank"
+                )
+            runner_config = copy.copy(config)  # the runner sizes its pool from what is left
+            runner_config.kv_cache_bytes = config.kv_cache_bytes - slot_bytes
+        sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.runner = ModelRunner(runner_config, self.model, sampler)
+        self.memory = MemoryReport(
+            budget_bytes=max(config.kv_cache_bytes, slot_bytes + self.runner.kv_cache_bytes),
+            adapter_slot_bytes=slot_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_kv_blocks=self.runner.num_blocks,
+        )
+        log.info("device memory: %s", self.memory)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager, adapter_loaded=self.adapters.loaded)
         self.vocab_size = spec.vocab_size
         self.requests: dict[str, _Request] = {}
+        self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
+        self._pending: list[RequestOutput] = []  # outputs made outside a step
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -67,11 +111,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         tenant: str | None = None,
+        weight: float = 1.0,
+        wait_for_adapter: bool = True,
     ) -> None:
-        """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing."""
+        """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing.
+
+        The adapter starts loading now. With `wait_for_adapter` (offline use) this call waits
+        for it and raises if it cannot be served; without (servers), it returns at once and a
+        failed load finishes the request with an error output at a later step.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not weight > 0:
+            raise ValueError(f"the fair-share weight must be positive, got {weight!r}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -92,9 +145,22 @@ class LLMEngine:
                 f"context length {limit}"
             )
         if lora_request is not None:
-            self.adapters.acquire(lora_request)  # validates; raises before anything is queued
+            self.adapters.acquire(lora_request)
+            if wait_for_adapter and not self.adapters.loaded(lora_request.lora_int_id):
+                self.adapters.wait(lora_request.lora_int_id)
+                err = self._poll_adapters().get(lora_request.lora_int_id)
+                if err is not None:
+                    self.adapters.release(lora_request)
+                    raise err
+        self.load_errors.pop(request_id, None)
         seq = Sequence(
-            request_id, ids, params, lora=lora_request, tenant=tenant, arrival=time.monotonic()
+            request_id,
+            ids,
+            params,
+            lora=lora_request,
+            tenant=tenant,
+            weight=weight,
+            arrival=time.monotonic(),
         )
         stops = params.stop or []
         self.requests[request_id] = _Request(
@@ -117,11 +183,33 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ----------------------------------------------------------------- stepping
+    def _poll_adapters(self) -> dict[int, Exception]:
+        """Take in finished adapter loads; fail the requests of each load that failed."""
+        failed = self.adapters.poll()
+        for lora_id, err in failed.items():
+            for req in list(self.requests.values()):
+                seq = req.seq
+                if seq.adapter_id != lora_id or seq.is_finished:
+                    continue
+                assert seq.status is SequenceStatus.WAITING, "admitted before its adapter loaded"
+                self.load_errors[seq.request_id] = err
+                self._finish(req, "error")
+                output = self._output(req)
+                output.error = f"adapter '{seq.lora.lora_name}' cannot be served: {err}"
+                self._pending.append(output)
+        return failed
+
     def step(self) -> list[RequestOutput]:
+        self._poll_adapters()
+        outputs, self._pending = self._pending, []
         out = self.scheduler.schedule()
         if not out.seqs:
-            return []
-        slots = self.adapters.activate({s.adapter_id for s in out.seqs if s.adapter_id})
+            if not self.scheduler.running:  # only loads to wait for: do not spin
+                self.adapters.wait_any(0.01)
+            return outputs
+        slots = self.adapters.activate(
+            {s.adapter_id for s in out.seqs if s.adapter_id}, self.scheduler.running_adapters()
+        )
         result = self.runner.run(out, slots)
         sampled: dict[int, int] = {}
         if result is not None:
@@ -131,7 +219,6 @@ class LLMEngine:
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(so.logprobs[i])
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
-        outputs = []
         for seq in self.scheduler.postprocess(out, sampled):
             req = self.requests[seq.request_id]
             self._check_stop(req)

@@ -7,6 +7,7 @@ model's parameters, converting dtype on the way, so peak memory is the model plu
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -15,10 +16,12 @@ from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
+from loraplex.engine.quantization import quantize_model, resident_weight_bytes
 
 # Checkpoint names that load into a slice of one of our fused parameters.
 FUSED = {name: where for name, where in PROJECTIONS.items() if where[0] != name}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+log = logging.getLogger("loraplex.engine")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -62,7 +65,10 @@ def load_model(
     device: str | torch.device = "cpu",
     max_len: int = 4096,
     progress: bool = False,
+    quantization: str | None = None,
 ) -> DecoderLM:
+    """The model in `dtype` on `device`; with `quantization` ("int8" | "int4") its linear
+    layers are then quantized in place (peak memory: the float model plus one layer)."""
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
@@ -101,5 +107,13 @@ def load_model(
     missing = [n for n, k in expected.items() if loaded[n] != k]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for {missing[:5]}")
+    if quantization is not None:
+        quantize_model(model, quantization)
+    log.info(
+        "resident weights: %.1f MiB (%s, quantization=%s)",
+        resident_weight_bytes(model) / 2**20,
+        str(dtype).removeprefix("torch."),
+        quantization,
+    )
     model.build_buffers(torch.device(device), max_len)
     return model.eval()

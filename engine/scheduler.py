@@ -8,10 +8,14 @@ by recompute: its blocks are freed and it waits again with its generated tokens 
 
 Invariant: the running sequences use at most `max_loras` distinct adapters, so every
 adapter a step needs fits in a device slot and no adapter in use is ever evicted.
+
+Adapters load in the background: a waiting sequence whose adapter is not in host memory yet
+is skipped by admission (the step goes on without it) and admitted once the load is done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplex.engine.block_manager import BlockManager
@@ -41,10 +45,13 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         policy: SchedulingPolicy | None = None,
+        adapter_loaded: Callable[[int], bool] | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
-        self.policy = policy or make_policy(config.scheduling_policy)
+        self.policy = policy or make_policy(config.scheduling_policy, config)
+        # Whether an adapter's weights are in host memory, ready for a device slot.
+        self.adapter_loaded = adapter_loaded or (lambda adapter_id: True)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -52,6 +59,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.policy.on_arrival(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,11 +111,14 @@ class Scheduler:
         for seq in self.policy.admission_order(self.waiting):
             if budget == 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if seq.adapter_id and not self.adapter_loaded(seq.adapter_id):
+                continue  # still loading in the background; never wait for it
             if (
                 seq.adapter_id
                 and seq.adapter_id not in adapters
                 and (len(adapters) >= cfg.max_loras)
             ):
+                self.policy.on_blocked(seq)
                 continue  # its adapter needs a slot; others may still fit
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             n = seq.num_tokens - num_cached
@@ -159,3 +170,4 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.policy.on_finished(seq)

@@ -47,6 +47,7 @@ class Sequence:
     params: SamplingParams
     lora: LoRARequest | None = None
     tenant: str | None = None
+    weight: float = 1.0  # the tenant's fair-share weight (service is charged / weight)
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -158,3 +158,65 @@ def lora_apply(
 ) -> None:
     """y += per-segment LoRA delta (shrink then expand); see sgmv_shrink / sgmv_expand."""
     sgmv_expand(y, sgmv_shrink(x, lora_a, segments, widths), lora_b, segments, widths)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Semantics: W[n, k] = qweight[n, k] * scales[n].
+
+    Shape: qweight int8 [N, K]; scales float [N]. Returns float32 [N, K].
+    """
+    return qweight.float() * scales.float().unsqueeze(1)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Byte j of row n holds column 2j (low nibble) and 2j + 1 (high nibble).
+
+    Shape: qweight uint8 [N, K // 2]. Returns int16 [N, K] with values in [0, 15].
+    """
+    q = qweight.to(torch.int16)
+    return torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = 128
+) -> torch.Tensor:
+    """Semantics: W[n, k] = (q[n, k] - 8) * scales[n, k // G] + zeros[n, k // G].
+
+    Shape: qweight uint8 [N, K // 2]; scales, zeros float [N, K // G]. Returns float32 [N, K].
+    """
+    q = unpack_int4(qweight).float()  # [N, K]
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    return (q - 8.0) * s + z
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 linear, per-output-channel symmetric scales.
+
+    Semantics: y = x @ W^T with W[n, k] = qweight[n, k] * scales[n].
+
+    Shape: x [M, K] fp16/bf16/fp32; qweight int8 [N, K] (nn.Linear orientation);
+    scales float [N]. Returns y [M, N] in x's dtype.
+    """
+    # Scaling after the matmul is exact per output channel and keeps W in x's dtype range.
+    y = F.linear(x.float(), qweight.float()) * scales.float()
+    return y.to(x.dtype)
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int = 128,
+) -> torch.Tensor:
+    """Weight-only int4 linear, asymmetric group-wise along K (group G, K % G == 0).
+
+    Semantics: y = x @ W^T with W[n, k] = (q[n, k] - 8) * scales[n, k // G] + zeros[n, k // G],
+    q[n, 2j] = qweight[n, j] & 0xF and q[n, 2j + 1] = qweight[n, j] >> 4.
+
+    Shape: x [M, K] fp16/bf16/fp32; qweight uint8 [N, K // 2]; scales, zeros float [N, K // G].
+    Returns y [M, N] in x's dtype.
+    """
+    w = dequantize_int4(qweight, scales, zeros, group_size)  # [N, K] fp32
+    return F.linear(x.float(), w).to(x.dtype)

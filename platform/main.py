@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.platform.api.deps import AppState
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import adapters, admin, admin_ui, health, inference
@@ -29,7 +30,9 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
     return EngineConfig(
         model=model_dir,
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_loras=settings.max_loras,
+        max_cpu_loras=settings.max_cpu_loras,
         max_lora_rank=settings.max_lora_rank,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
@@ -48,6 +51,7 @@ def resolve_model_dir(settings: Settings) -> str:
 def load_engine(state: AppState, model_dir: str) -> None:
     engine = LLMEngine(engine_config(state.settings, model_dir), progress=True)
     state.spec = engine.model.spec
+    state.metrics.weight_bytes.set(resident_weight_bytes(engine.model))
     state.engine = AsyncLLMEngine(engine)
     log.info("model %s ready", state.model_name)
 

@@ -48,6 +48,11 @@ class Metrics:
         )
         self.preemptions = Gauge("loraplex_preemptions", "Sequences preempted", registry=r)
         self.model_loaded = Gauge("loraplex_model_loaded", "1 when the model is ready", registry=r)
+        self.weight_bytes = Gauge(
+            "loraplex_model_weight_bytes",
+            "Resident base-model weight bytes (after quantization; no KV cache, no adapters)",
+            registry=r,
+        )
 
     def refresh(self, stats) -> None:
         """Copy the engine's counters into gauges (at scrape time)."""

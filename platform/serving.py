@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -194,11 +195,15 @@ class InferenceService:
                 job.lora,
                 request_id=job.request_id,
                 tenant=str(job.caller.tenant.id),
+                weight=job.caller.tenant.weight,  # the registry's fair-share weight
             ):
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
                 job.cached_tokens = out.num_cached_tokens
                 yield out
+        except AdapterUnavailable as e:  # disk or store trouble: retrying may work
+            job.status = "error"
+            raise APIError(503, str(e), "adapter_unavailable") from None
         except AdapterError as e:
             job.status = "error"
             raise APIError(

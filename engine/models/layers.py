@@ -110,8 +110,12 @@ class LoRALinear(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [num_slots, max_width, out]
         self.lora_widths: list[int] = []  # per slot; 0 = this module not targeted
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [num_tokens, out]
+        y = self.base(x)  # [num_tokens, out]
         if lora is not None and self.lora_a is not None:
             dispatch.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments, self.lora_widths)
         return y

@@ -214,9 +214,3 @@ def test_mismatched_lora_list_raises(llm, tmp_path):
     with pytest.raises(ValueError, match=r"lora_request: got 1 entries for 3 prompts"):
         llm.generate(PROMPTS, GREEDY, loras)
     assert_nothing_queued(llm)
-
-
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantization_not_available_yet(tiny_models, scheme):
-    with pytest.raises(ValueError, match=rf"quantization='{scheme}' is not available"):
-        LLM(str(tiny_models["llama"]), dtype="float32", quantization=scheme)

@@ -61,9 +61,9 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
     )
     upgrade(settings.database_url)
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio"
-        ))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,126 @@
+"""Compile every Triton kernel for a GPU target without a GPU (ptxas ships in the wheel).
+
+    TRITON_INTERPRET= python -m loraplex.kernels.compile_check [--arch 90]
+
+Prints one line per kernel variant with its register and shared-memory use and exits non-zero
+if any fails. The variants are the launch configurations the wrappers pick for fp16/bf16
+(decode and prefill tiles, split-K, GQA/MQA, window, softcap), so a kernel that only the
+interpreter accepts (e.g. a dot with K < 16) fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# Must hold before the kernel modules decorate their functions.
+if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
+    sys.exit("compile_check needs TRITON_INTERPRET unset (it builds real GPU code)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loraplex.kernels import dequant_matmul, kv_cache, paged_attention, sgmv  # noqa: E402
+
+
+def _variants(dtypes: tuple[str, ...]):
+    """(label, kernel, {arg: type} for runtime args, {arg: value} for constexprs)."""
+    for dt in dtypes:
+        meta = dict(tile_start_ptr="*i32", tile_end_ptr="*i32", tile_slot_ptr="*i32",
+                    widths_ptr="*i32")  # fmt: skip
+        for block_m, split in ((16, 4), (64, 1)):
+            yield (
+                f"sgmv_shrink {dt} M{block_m} split{split}",
+                sgmv._shrink_kernel,
+                dict(x_ptr=f"*{dt}", a_ptr=f"*{dt}", t_ptr="*fp32", **meta, K="i32",
+                     stride_xm="i32", stride_as="i32", stride_ar="i32", stride_tm="i32"),
+                dict(BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=64, SPLIT_K=split),
+            )  # fmt: skip
+            yield (
+                f"sgmv_expand {dt} M{block_m}",
+                sgmv._expand_kernel,
+                dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta, N="i32",
+                     stride_tm="i32", stride_bs="i32", stride_br="i32", stride_ym="i32"),
+                dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_N=64),
+            )  # fmt: skip
+        yield (
+            f"write_kv_cache {dt}",
+            kv_cache._write_kv_kernel,
+            dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
+                 slot_ptr="*i64", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                 stride_vh="i32", stride_cs="i32", stride_ch="i32"),
+            dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
+        )  # fmt: skip
+        # (label, group, head_dim, BLOCK_Q, window, softcap): Llama-8B GQA decode/prefill,
+        # Gemma 3 MQA with head_dim 256 and a sliding window.
+        for label, group, hd, bq, win, cap in (
+            ("llama decode", 4, 128, 4, False, False),
+            ("llama prefill", 4, 128, 16, False, False),
+            ("gemma decode window", 4, 256, 4, True, False),
+            ("gemma prefill window softcap", 4, 256, 16, True, True),
+        ):
+            yield (
+                f"paged_attention {dt} {label}",
+                paged_attention._paged_attention_kernel,
+                dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
+                     v_cache_ptr=f"*{dt}", block_tables_ptr="*i64", tile_seq_ptr="*i32",
+                     tile_row_ptr="*i32", q_end_ptr="*i32", seq_len_ptr="*i32",
+                     scale="fp32", softcap="fp32", window="i32", stride_ot="i32",
+                     stride_oh="i32", stride_qt="i32", stride_qh="i32", stride_cs="i32",
+                     stride_ch="i32", stride_bt="i32"),
+                dict(PAGE=16, GROUP=group, HEAD_DIM=hd, GP=group, BLOCK_Q=bq,
+                     BLOCK_N=32 if hd >= 256 else 64, BLOCK_D=hd, USE_SOFTCAP=cap,
+                     USE_WINDOW=win),
+            )  # fmt: skip
+        for int4 in (False, True):
+            for block_m, block_n, split in ((16, 64, 8), (64, 128, 1)):
+                name = "int4" if int4 else "int8"
+                yield (
+                    f"{name}_matmul {dt} M{block_m} split{split}",
+                    dequant_matmul._dequant_matmul_kernel,
+                    dict(x_ptr=f"*{dt}", q_ptr="*u8" if int4 else "*i8", s_ptr=f"*{dt}",
+                         z_ptr=f"*{dt}", y_ptr="*fp32" if split > 1 else f"*{dt}", M="i32",
+                         N="i32", K="i32", stride_xm="i32", stride_qn="i32",
+                         stride_sn="i32", stride_ym="i32"),
+                    dict(INT4=int4, GROUP=128 if int4 else 1, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split),
+                )  # fmt: skip
+
+
+def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp16")) -> list[str]:
+    """Compile every variant; returns the labels that failed (and prints a line each)."""
+    target = GPUTarget("cuda", arch, 32)
+    failed = []
+    for label, fn, types, constexprs in _variants(dtypes):
+        signature = {
+            name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names
+        }
+        start = time.perf_counter()
+        try:
+            k = triton.compile(ASTSource(fn, signature, constexprs), target=target)
+            assert k.asm.get("cubin"), "no cubin produced"
+            print(
+                f"ok    {label:50s} warps={k.metadata.num_warps} "
+                f"smem={k.metadata.shared} {time.perf_counter() - start:.1f}s",
+                flush=True,
+            )
+        except Exception as exc:  # report every kernel, not just the first failure
+            failed.append(label)
+            print(f"FAIL  {label}: {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+    return failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability")
+    parser.add_argument("--dtypes", default="bf16,fp16", help="comma list of bf16, fp16")
+    args = parser.parse_args()
+    failed = compile_all(args.arch, tuple(args.dtypes.split(",")))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

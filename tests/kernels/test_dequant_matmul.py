@@ -1,0 +1,66 @@
+"""int8 / int4 weight-only matmul kernels against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import dequant_matmul, reference
+from tests.kernels.conftest import tolerance
+from tests.utils.kernels import guarded
+
+
+def _int_weights(shape, low, high, dtype, device, gen):
+    """Integer weights as a strided view into a junk-filled buffer (reads past it show)."""
+    buf = torch.randint(low, high, (shape[0] + 4, shape[1] + 8), generator=gen).to(dtype)
+    buf[:2], buf[-2:], buf[:, :4], buf[:, -4:] = high - 1, high - 1, high - 1, high - 1
+    return buf.to(device)[2:-2, 4:-4]
+
+
+def _scaled(y, expected, dtype):
+    # The dot of K terms: compare relative to the output magnitude.
+    ref_scale = expected.float().abs().amax().clamp_min(1.0)
+    torch.testing.assert_close(
+        y.float() / ref_scale, expected.float() / ref_scale, **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 37])
+@pytest.mark.parametrize("split_k", [1, 3, None])
+def test_int8_matmul(device, gen, dtype, m, split_k):
+    n, k = 96, 384
+    qweight = _int_weights((n, k), -127, 128, torch.int8, device, gen)
+    scales = (torch.rand(n, generator=gen) / 50).to(device)
+    _, x = guarded((m, k), dtype, device, gen)
+    y = dequant_matmul.int8_matmul(x, qweight, scales, split_k=split_k)
+    assert y.dtype == dtype and y.shape == (m, n)
+    _scaled(y, reference.int8_matmul(x, qweight, scales), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 37])
+@pytest.mark.parametrize("group", [128, 64, 32])
+def test_int4_matmul(device, gen, dtype, m, group):
+    n, k = 80, 256
+    qweight = _int_weights((n, k // 2), 0, 256, torch.uint8, device, gen)
+    _, scales = guarded((n, k // group), torch.float32, device, gen)
+    scales.abs_().mul_(0.05)
+    _, zeros = guarded((n, k // group), torch.float32, device, gen)
+    zeros.mul_(0.05)
+    _, x = guarded((m, k), dtype, device, gen)
+    y = dequant_matmul.int4_matmul(x, qweight, scales, zeros, group_size=group)
+    assert y.dtype == dtype and y.shape == (m, n)
+    _scaled(y, reference.int4_matmul(x, qweight, scales, zeros, group), dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int4_split_k_matches_reference(device, gen, split_k):
+    n, k, group = 40, 512, 128
+    qweight = _int_weights((n, k // 2), 0, 256, torch.uint8, device, gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.05).half().to(device)
+    zeros = (torch.randn(n, k // group, generator=gen) * 0.05).half().to(device)
+    x = torch.randn(2, k, generator=gen).to(device)
+    y = dequant_matmul.int4_matmul(x, qweight, scales, zeros, group, split_k=split_k)
+    expected = reference.int4_matmul(x, qweight, scales, zeros, group)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)

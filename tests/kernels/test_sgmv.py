@@ -1,0 +1,106 @@
+"""SGMV shrink/expand kernels against the torch reference (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import reference, sgmv
+from tests.kernels.conftest import tolerance
+from tests.utils.kernels import MIXES, guarded, make_segments, pick_adapters, slot_weights
+
+QKV = [32, 16, 16]  # three fused slices, as q|k|v
+
+
+def _case(device, gen, dtype, *, requests, num_adapters, ranks, mix, no_adapter, prefill,
+          out_sizes=QKV, in_features=64):  # fmt: skip
+    num_slots = num_adapters + 1  # one slot stays empty (NaN): nobody may read it
+    max_rank = max(ranks)
+    a, b, widths = slot_weights(
+        [ranks[i % len(ranks)] for i in range(num_adapters)],
+        in_features, out_sizes, num_slots, max_rank, dtype, device, gen,
+    )  # fmt: skip
+    slots = pick_adapters(mix, requests, num_adapters, gen)
+    if no_adapter:
+        slots = [-1 if i % 3 == 1 else s for i, s in enumerate(slots)]
+    lengths = (
+        torch.randint(1, 40, (requests,), generator=gen).tolist() if prefill else [1] * requests
+    )
+    segments, rows = make_segments(slots, lengths)
+    _, x = guarded((rows, in_features), dtype, device, gen)
+    ybuf, y = guarded((rows, sum(out_sizes)), dtype, device, gen)
+    return a, b, widths, segments, x, ybuf, y
+
+
+def _check(a, b, widths, segments, x, ybuf, y, dtype):
+    expected = y.clone()
+    reference.lora_apply(expected, x, a, b, segments, widths)
+    before = ybuf.clone()
+    sgmv.lora_apply(y, x, a, b, segments, widths)
+    torch.testing.assert_close(y.float(), expected.float(), **tolerance(dtype))
+    # Rows without an adapter are bit-identical, and nothing outside y was written.
+    for s, e, slot in segments:
+        if slot < 0:
+            assert torch.equal(y[s:e], before[3 : 3 + y.shape[0]][s:e, 3 : 3 + y.shape[1]])
+    outside = torch.ones_like(ybuf, dtype=torch.bool)
+    outside[3 : 3 + y.shape[0], 3 : 3 + y.shape[1]] = False
+    assert ybuf[outside].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("no_adapter", [False, True], ids=["all", "some-none"])
+@pytest.mark.parametrize("mix", MIXES)
+def test_popularity_mixes(device, gen, dtype, mix, no_adapter):
+    case = _case(device, gen, dtype, requests=12, num_adapters=4, ranks=[4, 8],
+                 mix=mix, no_adapter=no_adapter, prefill=False)  # fmt: skip
+    _check(*case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ranks", [[1], [16], [64], [1, 2, 8, 64]], ids=str)
+@pytest.mark.parametrize("requests,num_adapters", [(1, 1), (7, 3), (33, 8)])
+def test_ranks_and_batch_sizes_decode(device, gen, dtype, ranks, requests, num_adapters):
+    case = _case(device, gen, dtype, requests=requests, num_adapters=num_adapters, ranks=ranks,
+                 mix="uniform", no_adapter=True, prefill=False)  # fmt: skip
+    _check(*case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mix", ["distinct", "zipf:1.5"])
+def test_prefill_segments_span_several_tiles(device, gen, dtype, mix):
+    case = _case(device, gen, dtype, requests=5, num_adapters=3, ranks=[2, 16, 32],
+                 mix=mix, no_adapter=True, prefill=True, out_sizes=[48, 80])  # fmt: skip
+    _check(*case, dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_shrink_alone_matches_reference_per_segment(device, gen, split_k):
+    dtype = torch.float32
+    a, _, widths, segments, x, _, _ = _case(
+        device, gen, dtype, requests=6, num_adapters=3, ranks=[1, 8, 16], mix="uniform",
+        no_adapter=True, prefill=True, in_features=200,
+    )  # fmt: skip
+    meta = sgmv.build_meta(segments, widths, device)
+    t = torch.zeros(x.shape[0], a.shape[1], device=device)
+    sgmv.sgmv_shrink(t, x, a, meta, split_k=split_k)
+    for (s, e, _slot), tj in zip(segments, reference.sgmv_shrink(x, a, segments, widths),
+                                strict=True):  # fmt: skip
+        if tj is None:
+            assert (t[s:e] == 0).all()  # rows without an adapter were not touched
+        else:
+            torch.testing.assert_close(t[s:e, : tj.shape[1]], tj, **tolerance(dtype))
+            assert (t[s:e, tj.shape[1] :] == 0).all()
+
+
+def test_padded_tiles_do_nothing(device, gen):
+    """Metadata padded with empty tiles (the CUDA-graph form) gives the same result."""
+    dtype = torch.float32
+    a, b, widths, segments, x, _, y = _case(
+        device, gen, dtype, requests=4, num_adapters=2, ranks=[8], mix="distinct",
+        no_adapter=False, prefill=False,
+    )  # fmt: skip
+    expected = y.clone()
+    reference.lora_apply(expected, x, a, b, segments, widths)
+    meta = sgmv.build_meta(segments, widths, device, num_tiles=9)
+    sgmv.lora_apply_meta(y, x, a, b, meta)
+    torch.testing.assert_close(y, expected)
