@@ -1,8 +1,8 @@
 """The one switch between the Triton kernels and the torch reference.
 
-Engine code calls ops only through this module. Each op keeps the reference's signature and
-semantics (see `reference.py`); the backend is chosen per call from the tensors' device and
-the mode:
+Engine code calls ops only through this module. Each op keeps the reference's signature,
+semantics and docstring (see `reference.py`); the backend is chosen per call from the tensors'
+device and the mode:
 
     LORAPLEX_KERNELS=auto       (default) Triton on CUDA tensors, the reference elsewhere
     LORAPLEX_KERNELS=reference  the torch reference everywhere
@@ -15,9 +15,10 @@ before a test can set TRITON_INTERPRET.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -51,64 +52,22 @@ def _triton(name: str) -> ModuleType:
 set_mode(os.environ.get("LORAPLEX_KERNELS", "auto"))
 
 
-def write_kv_cache(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """See reference.write_kv_cache."""
-    impl = _triton("kv_cache") if use_triton(k) else reference
-    impl.write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
+def _switch(module: str, name: str) -> Callable:
+    """`reference.<name>`, or the Triton op of the same name in `kernels/<module>.py`, chosen
+    per call from the mode and whether any tensor argument lives on a GPU."""
+    ref = getattr(reference, name)
+
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        on_gpu = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        triton = _mode == "triton" or (_mode == "auto" and on_gpu)
+        return getattr(_triton(module) if triton else reference, name)(*args, **kwargs)
+
+    return op
 
 
-def paged_attention(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: Sequence[int],
-    seq_lens: Sequence[int],
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> None:
-    """See reference.paged_attention."""
-    impl = _triton("paged_attention") if use_triton(q) else reference
-    impl.paged_attention(
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, softcap,
-    )  # fmt: skip
-
-
-def lora_apply(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    segments: Sequence[tuple[int, int, int]],
-    widths: Sequence[int],
-) -> None:
-    """See reference.lora_apply."""
-    impl = _triton("sgmv") if use_triton(x) else reference
-    impl.lora_apply(y, x, lora_a, lora_b, segments, widths)
-
-
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """See reference.int8_matmul."""
-    impl = _triton("dequant_matmul") if use_triton(x) else reference
-    return impl.int8_matmul(x, qweight, scales)
-
-
-def int4_matmul(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int = 128,
-) -> torch.Tensor:
-    """See reference.int4_matmul."""
-    impl = _triton("dequant_matmul") if use_triton(x) else reference
-    return impl.int4_matmul(x, qweight, scales, zeros, group_size)
+write_kv_cache = _switch("kv_cache", "write_kv_cache")
+paged_attention = _switch("paged_attention", "paged_attention")
+lora_apply = _switch("sgmv", "lora_apply")
+int8_matmul = _switch("dequant_matmul", "int8_matmul")
+int4_matmul = _switch("dequant_matmul", "int4_matmul")
