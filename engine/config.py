@@ -48,6 +48,10 @@ class EngineConfig:
     cpu_float32_compute: bool | None = None
     # Weight-only quantization of the base model's linear layers: None | "int8" | "int4".
     quantization: str | None = None
+    # Threads for torch's CPU ops (None: torch's default, one per core). A server should leave
+    # a core to its HTTP loop: busy-waiting compute threads starve it (5x slower per token
+    # measured on 2 cores with 2 threads vs 1).
+    num_threads: int | None = None
     seed: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -80,6 +84,8 @@ class EngineConfig:
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two between 8 and 128")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1 (or None for torch's default)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_loras < 1:

@@ -15,6 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from loraplex.engine.adapter_manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
@@ -59,6 +61,8 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False):
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: the engine is the user
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.model = load_model(
             config.model,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,6 +34,7 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         quantization=settings.quantization,
         max_loras=settings.max_loras,
         max_cpu_loras=settings.max_cpu_loras,
+        num_threads=settings.engine_threads or max(1, len(os.sched_getaffinity(0)) - 1),
         max_lora_rank=settings.max_lora_rank,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,

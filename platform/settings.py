@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["int8", "int4"] | None = None
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
+    engine_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for the engine's torch ops; default: the usable cores minus "
+        "one, leaving one to the HTTP loop (irrelevant on a GPU)",
+    )
     max_cpu_loras: int | None = Field(
         None, ge=1, description="adapters kept in host memory (LRU); default 4 x max_loras"
     )

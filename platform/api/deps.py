@@ -67,13 +67,16 @@ class Caller:
     key: ApiKey
 
 
-def current_caller(request: Request, state: StateDep, session: SessionDep) -> Caller:
+def current_caller(request: Request, state: StateDep) -> Caller:
     token = _bearer(request)
-    found = crud.authenticate(session, token)
-    if found is None:
-        raise APIError(401, "invalid, revoked or expired API key", "invalid_api_key")
-    tenant, key = found
-    session.expunge_all()  # plain objects from here on; the session closes with the request
+    # A session of its own, closed at once: a `SessionDep` would stay open (holding a pooled
+    # connection) until a streamed response ends, and long streams would exhaust the pool.
+    with state.sessions() as session:
+        found = crud.authenticate(session, token)
+        if found is None:
+            raise APIError(401, "invalid, revoked or expired API key", "invalid_api_key")
+        tenant, key = found
+        session.expunge_all()  # plain objects from here on
     return Caller(tenant=tenant, key=key)
 
 

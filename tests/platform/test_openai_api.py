@@ -116,9 +116,11 @@ def test_rate_limit_answers_429_with_retry_after(server):
 
 
 def test_usage_ledger_matches_what_clients_received(server):
-    """Concurrent streams, a third hung up mid-stream: each usage record bills exactly the
-    tokens its client received, and every KV block comes back."""
+    """24 concurrent streams (more than the database pool's 15 connections: a stream must not
+    hold one), a third hung up mid-stream: each usage record bills exactly the tokens its
+    client received, and every KV block comes back."""
     tenant_id, key = server.new_tenant("ledger")
+    N = 24
     body = {
         "model": server.state.model_name,
         "max_tokens": 24,
@@ -134,9 +136,9 @@ def test_usage_ledger_matches_what_clients_received(server):
                     server.url,
                     key,
                     {**body, "prompt": f"request {i}"},
-                    hang_up_after=3 + i if i % 3 == 0 else None,
+                    hang_up_after=2 + i // 2 if i % 3 == 0 else None,
                 )
-                for i in range(12)
+                for i in range(N)
             )
         )
 
@@ -148,7 +150,7 @@ def test_usage_ledger_matches_what_clients_received(server):
         time.sleep(0.05)
     with server.sessions() as session:
         rows = {r.request_id: r for r in session.query(UsageRecord).filter_by(tenant_id=tenant_id)}
-    assert len(rows) == 12 and all(r.request_id in rows for r in results)
+    assert len(rows) == N and all(r.request_id in rows for r in results)
     hung_up = [r for i, r in enumerate(results) if i % 3 == 0]
     assert all(not r.finished and r.tokens < 24 for r in hung_up)  # they really left early
     assert {rows[r.request_id].status for r in hung_up} == {"aborted"}
@@ -157,3 +159,24 @@ def test_usage_ledger_matches_what_clients_received(server):
     assert all(r.finished and r.tokens == 24 for i, r in enumerate(results) if i % 3)
     bm = state.engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_open_streams_hold_no_database_connection(server, tenant):
+    """A stream keeps no pooled connection while it runs, so many long streams cannot exhaust
+    the pool (15 connections by default) and fail everyone else's requests."""
+    pool = server.state.sessions.kw["bind"].pool
+    body = {"model": server.state.model_name, "prompt": "hi", "max_tokens": 200,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {tenant[1]}"}
+    with httpx.Client(timeout=60) as http:
+        streams = [http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers)
+                   for _ in range(8)]  # fmt: skip
+        responses = [s.__enter__() for s in streams]
+        try:
+            for r in responses:  # every stream has started
+                assert r.status_code == 200
+                next(r.iter_lines())
+            assert pool.checkedout() <= 1
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)

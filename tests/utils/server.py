@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 import uvicorn
 
 from loraplex.platform.db import crud
@@ -57,6 +58,8 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
         admin_key=ADMIN_KEY,
         dtype="float32",
         max_model_len=256,
+        # The server shares this process with the tests: keep their thread count.
+        engine_threads=torch.get_num_threads(),
         **settings_overrides,
     )
     upgrade(settings.database_url)

