@@ -1,15 +1,15 @@
 """GPTQ (Frantar et al., 2022): int4 rounding that compensates each error with later columns.
 
-Round-to-nearest int4 (group 128) doubles the demo model's perplexity; GPTQ brings it back
-near float by choosing the rounding of column k knowing how the layer's inputs correlate. Per
+Round-to-nearest int4 (group 128) doubles the demo model's perplexity; GPTQ recovers part of
+that by choosing the rounding of column k knowing how the layer's inputs correlate. Per
 linear, with H = 2 X^T X over calibration inputs X [T, K] (dampened), it quantizes columns in
 order and, after each one, spreads that column's error over the columns not yet quantized
 along the rows of the Cholesky factor of H^-1, the update that minimises ||X W^T - X Q^T||^2.
 
     columns  0 .............................................. K
              [ block of 128: column by column ][ later columns: one matmul per block ]
-             [ group g grid fixed when its first column comes up (min/max of the
-               already-updated weights), so groups map to contiguous columns as stored ]
+             [ group g's grid fixed when its first column comes up (from the already
+               updated weights), so groups map to contiguous columns as stored ]
 
 `calibrate_and_quantize` drives it over a model the way the paper does: layer after layer,
 each layer's linears see inputs produced by the already quantized layers before it.
@@ -24,14 +24,37 @@ from torch import nn
 
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
 
-DAMP = 0.01  # of the mean diagonal of H: keeps the Cholesky stable for rarely used inputs
+# Of the mean diagonal of H. Beyond keeping the Cholesky stable, a strong damping keeps the
+# compensation from fitting the small calibration set: 0.1 beat 0.01 and 0.03 on held-out text.
+DAMP = 0.1
+# Factors tried on each group's min and max (16 pairs): on the demo model, perplexity ratio
+# 1.74x without the search, 1.45x with it.
+SHRINK = (1.0, 0.95, 0.9, 0.85)
 BLOCK = 128  # columns updated lazily per block (speed only: the result is the same)
 
 
-def _group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max grid of one group. Shape: w [N, G] -> scale [N], low [N]."""
-    lo, hi = w.amin(dim=1), w.amax(dim=1)
-    return ((hi - lo) / 15).clamp(min=1e-10), lo
+def _group_grid(w: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of one group: min/max pulled in by the shrink pair of least weighted error.
+
+    Weighting each column's squared error by its input energy d = diag(H) aims the clip at
+    the layer's output; plain weight MSE clips the large weights the output needs (on the
+    demo model it made round-to-nearest worse, 2.03x -> 2.50x perplexity).
+
+    Shape: w [N, G], d [G] -> scale [N], low [N].
+    """
+    lo0, hi0 = w.amin(dim=1), w.amax(dim=1)
+    best_err = torch.full_like(lo0, float("inf"))
+    best_s, best_lo = torch.empty_like(lo0), torch.empty_like(lo0)
+    for a in SHRINK:
+        for b in SHRINK:
+            lo, hi = lo0 * a, hi0 * b
+            s = ((hi - lo) / 15).clamp(min=1e-10)
+            q = torch.round((w - lo.unsqueeze(1)) / s.unsqueeze(1)).clamp(0, 15)
+            err = ((q * s.unsqueeze(1) + lo.unsqueeze(1) - w) ** 2 * d).sum(dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_lo = torch.where(better, s, best_s), torch.where(better, lo, best_lo)
+    return best_s, best_lo
 
 
 def gptq_int4(
@@ -49,7 +72,7 @@ def gptq_int4(
     n, k = w.shape
     w = w.float().clone()
     h = h.float().clone()
-    dead = h.diagonal() == 0  # inputs never seen: nothing to compensate with, weight kept
+    dead = h.diagonal() == 0  # inputs never seen: any rounding will do
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * h.diagonal().mean())
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
@@ -66,7 +89,8 @@ def gptq_int4(
         for i in range(b1 - b0):
             if i % group_size == 0:
                 g = (b0 + i) // group_size
-                s, lo = _group_grid(wb[:, i : i + group_size])
+                d = h.diagonal()[b0 + i : b0 + i + group_size]
+                s, lo = _group_grid(wb[:, i : i + group_size], d)
                 scales[:, g], lows[:, g] = s, lo
             col = wb[:, i]
             qi = torch.round((col - lo) / s).clamp_(0, 15)

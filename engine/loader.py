@@ -16,7 +16,11 @@ from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
-from loraplex.engine.quantization import quantize_model, resident_weight_bytes
+from loraplex.engine.quantization import (
+    calibration_sequences,
+    quantize_model,
+    resident_weight_bytes,
+)
 
 # Checkpoint names that load into a slice of one of our fused parameters.
 FUSED = {name: where for name, where in PROJECTIONS.items() if where[0] != name}
@@ -68,7 +72,8 @@ def load_model(
     quantization: str | None = None,
 ) -> DecoderLM:
     """The model in `dtype` on `device`; with `quantization` ("int8" | "int4") its linear
-    layers are then quantized in place (peak memory: the float model plus one layer)."""
+    layers are then quantized in place (peak memory: the float model plus one layer); int4
+    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer."""
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
@@ -107,13 +112,14 @@ def load_model(
     missing = [n for n, k in expected.items() if loaded[n] != k]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for {missing[:5]}")
+    model.build_buffers(torch.device(device), max_len)  # GPTQ calibration runs the model
     if quantization is not None:
-        quantize_model(model, quantization)
+        calibration = calibration_sequences(folder, max_len) if quantization == "int4" else None
+        quantize_model(model, quantization, calibration)
     log.info(
         "resident weights: %.1f MiB (%s, quantization=%s)",
         resident_weight_bytes(model) / 2**20,
         str(dtype).removeprefix("torch."),
         quantization,
     )
-    model.build_buffers(torch.device(device), max_len)
     return model.eval()

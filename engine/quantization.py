@@ -12,10 +12,12 @@ Triton dequant kernels):
           W[n, k] = (q[n, k] - 8) * scales[n, k // G] + zeros[n, k // G]
 
 On CUDA the dequant kernels run through `kernels.dispatch`. On CPU (dispatch mode "auto")
-torch's packed ops run instead: on this AVX2 machine `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` take 3-5x less time than an fp32 `F.linear` at decode sizes and
-~1.5x less at prefill, but only with bf16 activations (their fp32 paths are 5-50x slower),
-so activations and outputs round to bf16 there. The int4 op wants its own byte order:
+decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
+(several times faster than a float matmul there, but only with bf16 activations, so
+activations and outputs round to bf16); larger batches dequantize the weight per call into a
+temporary and use a plain matmul (`*_PACKED_MAX_ROWS`). int4 weights are rounded by GPTQ on
+the calibration texts of engine/calibration.py (engine/gptq.py). The int4 op wants its own
+byte order:
 
     CPU int4 layout, uint8 [N, K // 2] viewed as [N // 64, K, 32]:
         byte [b, k, j] = q[64 b + j, k] | q[64 b + 32 + j, k] << 4        j in [0, 32)
@@ -25,10 +27,15 @@ so activations and outputs round to bf16 there. The int4 op wants its own byte o
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from loraplex.engine.calibration import CALIBRATION_TEXTS
+from loraplex.engine.gptq import calibrate_and_quantize, gptq_int4
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
@@ -115,6 +122,31 @@ def group_size_for(in_features: int, wanted: int = GROUP_SIZE) -> int:
     )
 
 
+# CPU: batches of at most this many rows use torch's packed op; bigger ones (prefill)
+# dequantize the weight into a temporary of the activations' dtype and run a plain matmul,
+# which oneDNN does faster from there on. Crossovers measured on the 2-core avx512_bf16 CPU,
+# bf16, demo-model shapes: int8 packed 0.23 ms vs 0.25 ms dequant+matmul at 32 rows, 0.46 vs
+# 0.31 at 64; int4 0.80 vs 0.87 at 128 rows, 1.63 vs 1.08 at 256 (K 640, N 1536).
+INT8_PACKED_MAX_ROWS = 32
+INT4_PACKED_MAX_ROWS = 128
+
+
+def dequantize_cpu_int4(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The weight, in `dtype`, straight from the CPU op's layout (no canonical copy).
+
+    Shape: packed uint8 [N, K // 2] (CPU layout); scales, zeros [N, K // G] -> [N, K].
+    """
+    n, k = packed.shape[0], packed.shape[1] * 2
+    b = packed.view(n // 64, k, 32)
+    q = torch.stack([b & 0xF, b >> 4], dim=1).transpose(-1, -2)  # [N // 64, 2, 32, K]
+    q = q.reshape(n, k // group_size, group_size).to(dtype)
+    w = torch.addcmul(zeros.to(dtype).unsqueeze(-1), q - 8, scales.to(dtype).unsqueeze(-1))
+    return w.view(n, k)
+
+
 class QuantizedLoRALinear(LoRALinear):
     """A LoRALinear whose base weight lives in int8/int4 buffers; the LoRA slots are unchanged.
 
@@ -169,6 +201,9 @@ class WeightOnlyInt8Linear(QuantizedLoRALinear):
         self.register_buffer("scales", s)  # float32 [N]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu_fast(x) and x.shape[0] > INT8_PACKED_MAX_ROWS:
+            # Per-row scales factor out of the matmul: convert, multiply, scale the output.
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         if self._cpu_fast(x):
             xb = x.to(torch.bfloat16).contiguous()
             y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
@@ -182,10 +217,20 @@ class WeightOnlyInt8Linear(QuantizedLoRALinear):
 class WeightOnlyInt4Linear(QuantizedLoRALinear):
     method = "int4"
 
-    def __init__(self, lin: LoRALinear, group_size: int = GROUP_SIZE):
+    def __init__(
+        self,
+        lin: LoRALinear,
+        group_size: int = GROUP_SIZE,
+        xtx: torch.Tensor | None = None,
+    ):
+        """Round-to-nearest, or GPTQ when given X^T X [K, K] of calibration inputs."""
         super().__init__(lin)
         self.group_size = group_size_for(self.in_features, group_size)
-        q, s, z = quantize_int4(lin.weight.detach(), self.group_size)
+        if xtx is None:
+            q, s, z = quantize_int4(lin.weight.detach(), self.group_size)
+        else:
+            codes, s, lows = gptq_int4(lin.weight.detach(), xtx, self.group_size)
+            q, z = pack_int4(codes), lows + 8 * s  # (q - 8) * s + z = q * s + low
         # The CPU op's own layout replaces the canonical one (same bytes, not both resident).
         self.cpu_layout = self.device.type == "cpu" and self.out_features % 64 == 0
         self.register_buffer("qweight", to_cpu_int4_layout(q) if self.cpu_layout else q)
@@ -199,6 +244,9 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         return from_cpu_int4_layout(self.qweight) if self.cpu_layout else self.qweight
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_layout and self._cpu_fast(x) and x.shape[0] > INT4_PACKED_MAX_ROWS:
+            w = dequantize_cpu_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype)
+            return F.linear(x, w)
         if self.cpu_layout and self._cpu_fast(x):
             xb = x.to(torch.bfloat16).contiguous()
             y = torch._weight_int4pack_mm_for_cpu(
@@ -215,13 +263,38 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
 _CLASSES = {"int8": WeightOnlyInt8Linear, "int4": WeightOnlyInt4Linear}
 
 
-def quantize_model(model: nn.Module, method: str) -> None:
+def calibration_sequences(folder: str | Path, max_len: int) -> list[list[int]] | None:
+    """engine/calibration.py's texts as token ids of the model's tokenizer (None without one)."""
+    from loraplex.engine.tokenizer import Tokenizer  # jinja2 & co. only when quantizing
+
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    tok = Tokenizer.from_dir(folder)
+    return [tok.encode(text)[:max_len] for text in CALIBRATION_TEXTS]
+
+
+def quantize_model(
+    model: nn.Module, method: str, calibration: list[list[int]] | None = None
+) -> None:
     """Swap every LoRALinear of `model` for its quantized form, in place.
 
-    The embedding and (tied or not) lm_head stay in floating point.
+    int4 with `calibration` (token id sequences) runs GPTQ layer by layer (engine/gptq.py;
+    the model's rotary tables must be built); without, round-to-nearest. The embedding and
+    (tied or not) lm_head stay in floating point.
     """
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
+    if method == "int4" and calibration:
+        start = time.perf_counter()
+        calibrate_and_quantize(
+            model, calibration, lambda lin, xtx: WeightOnlyInt4Linear(lin, xtx=xtx)
+        )
+        log.info(
+            "int4 GPTQ on %d calibration tokens: %.1f s",
+            sum(map(len, calibration)),
+            time.perf_counter() - start,
+        )
+        return
     cls = _CLASSES[method]
     targets = [
         (name, mod)

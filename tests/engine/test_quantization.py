@@ -18,12 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.gptq import gptq_int4
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
 from loraplex.engine.models.spec import PROJECTIONS
 from loraplex.engine.quantization import (
     QuantizedLoRALinear,
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
+    dequantize_cpu_int4,
     from_cpu_int4_layout,
     pack_int4,
     quantize_int4,
@@ -72,6 +74,31 @@ def test_quantizing_a_quantized_weight_is_exact(method):
         torch.testing.assert_close(again, w, rtol=1e-5, atol=1e-5)
 
 
+def test_gptq_int4_beats_round_to_nearest_on_correlated_inputs():
+    gen = torch.Generator().manual_seed(0)
+    k, n, t = 256, 64, 2048
+    mix = torch.randn(k, k, generator=gen) / k**0.5 + torch.eye(k)  # correlated features
+    x = torch.randn(t, k, generator=gen) @ mix * torch.linspace(0.2, 3, k)  # uneven energy
+    w = torch.randn(n, k, generator=gen) * 0.05
+    codes, scales, lows = gptq_int4(w, x.t() @ x, 128)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and scales.shape == (n, 2)
+    w_gptq = dequantize_int4(pack_int4(codes), scales, lows + 8 * scales, 128)
+    w_rtn = dequantize_int4(*quantize_int4(w, 128), 128)
+
+    def out_err(wq):
+        return ((x @ (w - wq).t()) ** 2).mean()
+
+    assert out_err(w_gptq) < 0.8 * out_err(w_rtn)
+
+
+def test_cpu_dequantize_reads_the_packed_layout():
+    lin = _linear(640, 192)
+    q4 = WeightOnlyInt4Linear(lin)
+    assert q4.cpu_layout
+    w = dequantize_cpu_int4(q4.qweight, q4.scales, q4.zeros, q4.group_size, torch.float32)
+    torch.testing.assert_close(w, q4.dequantize())
+
+
 def test_cpu_int4_layout_is_torchs_and_reversible():
     q = torch.randint(
         0, 16, (192, 384), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
@@ -84,7 +111,8 @@ def test_cpu_int4_layout_is_torchs_and_reversible():
 
 # --------------------------------------------------------------------------- modules
 
-SHAPES = [(1, 256, 128), (7, 640, 1536), (33, 2048, 640)]  # M, K, N (demo-model sizes)
+# M, K, N (demo-model sizes); 200 rows take the dequantize-then-matmul path on CPU.
+SHAPES = [(1, 256, 128), (7, 640, 1536), (33, 2048, 640), (200, 640, 1536)]
 
 
 def _linear(k: int, n: int, bias: bool = False) -> LoRALinear:
@@ -280,7 +308,8 @@ def demo_float(demo_model_dir):
             0.08,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="round-to-nearest int4 (group 128) doubles this 270M model's perplexity",
+                reason="int4 group 128 on this 270M model: round-to-nearest 2.03x perplexity, "
+                "GPTQ 1.45-1.6x; even GPTQ calibrated on TEXT itself gave 1.23x",
             ),
         ),
     ],
