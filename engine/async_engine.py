@@ -55,6 +55,11 @@ class EngineStats:
     kv_cache_bytes: int = 0  # …the KV pool
 
 
+def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in pairs:
+        q.put_nowait(item)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an internal error; requests cannot be served."""
 
@@ -161,9 +166,18 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ engine thread
     def _deliver(self, rid: str, item) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their callers: one wake-up per event loop for a whole step's outputs
+        (a wake-up is a syscall and a loop turn; per output they cost more than the step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
 
     def _apply_commands(self) -> None:
         while True:
@@ -199,10 +213,12 @@ class AsyncLLMEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                items = []
                 for out in self.engine.step():
                     err = self.engine.load_errors.pop(out.request_id, None)
                     # Its adapter failed to load: the caller gets the error, typed.
-                    self._deliver(out.request_id, out if err is None else err)
+                    items.append((out.request_id, out if err is None else err))
+                self._deliver_all(items)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller
             self.error = e
             for rid in list(self._streams):

@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads TRITON_INTERPRET when `triton.language` is first imported, which libraries
+# (transformers, peft, torch's compiler) may do while test modules are collected: set it here,
+# before anything else, on machines without an NVIDIA GPU (tests/kernels/conftest.py is late).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 
