@@ -31,6 +31,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ok(
+    proc: subprocess.Popen, url: str, what: str, log_path: Path, timeout_s: float, every: float
+) -> httpx.Response:
+    """Poll `url` until it answers 200 (returned); fail if `proc` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log_path}")
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(every)
+    raise RuntimeError(f"{what} not ready after {timeout_s} s; see {log_path}")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Terminate our own child by its handle; kill it if it does not exit in time."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def adapter_name(i: int) -> str:
     return f"a{i:04d}"
 
@@ -105,32 +133,19 @@ class LoraplexServer:
             stderr=subprocess.STDOUT,
         )
         log.close()  # the child holds its own descriptor
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"loraplex serve exited ({self.proc.returncode}); see {self.log_path}"
-                )
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=2)
-                if r.status_code == 200:
-                    self.model_name = r.json()["model"]
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"loraplex serve not ready after {timeout_s} s; see {self.log_path}")
+        try:
+            r = wait_until_ok(
+                self.proc, f"{self.url}/readyz", "loraplex serve", self.log_path, timeout_s, 0.25
+            )
+        except RuntimeError:
+            self.stop()
+            raise
+        self.model_name = r.json()["model"]
 
     def stop(self) -> None:
         if self.proc is None:
             return
-        self.proc.terminate()  # our own child, by its handle
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def _headers(self) -> dict[str, str]:

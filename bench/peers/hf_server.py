@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
+
+from loraplex.bench.server import stop_process, wait_until_ok
 
 BASE_NAME = "base"
 
@@ -243,27 +244,12 @@ class HFServer:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"HF server exited ({self.proc.returncode}); see {self.log_path}"
-                )
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"HF server not ready after {timeout_s} s; see {self.log_path}")
+        wait_until_ok(
+            self.proc, f"{self.url}/v1/models", "HF server", self.log_path, timeout_s, 0.5
+        )
 
     def stop(self) -> None:
-        self.proc.terminate()  # our own child, by its handle
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 def main(argv: list[str] | None = None) -> None:

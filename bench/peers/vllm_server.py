@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from loraplex.bench.server import stop_process, wait_until_ok
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
 BASE_NAME = "base"
@@ -93,22 +92,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM not ready after {timeout_s} s; see {self.log_path}")
+        wait_until_ok(self.proc, f"{self.url}/v1/models", "vLLM", self.log_path, timeout_s, 1)
 
     def stop(self) -> None:
-        self.proc.terminate()  # our own child; vLLM stops its engine-core child itself
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 60)  # vLLM stops its engine-core child itself
