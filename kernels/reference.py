@@ -43,19 +43,27 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
-    """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L]."""
-    h, kvh = q.shape[-2], k.shape[-2]
-    q = q.unflatten(-2, (kvh, h // kvh)).float()  # [..., n, KVH, G, d]
-    scores = torch.einsum("...nkgd,...lkd->...kgnl", q, k.float()) * scale
+    """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L].
+
+    Batched matmuls over [..., KVH, G*n, d] (G query heads per KV head): K/V are never
+    repeated per query head, and on a CPU this is ~2x faster than the einsum form and than
+    torch's fused attention for one-token decode queries.
+    """
+    n, h, kvh = q.shape[-3], q.shape[-2], k.shape[-2]
+    g = h // kvh
+    q = q.unflatten(-2, (kvh, g)).movedim(-4, -2).flatten(-3, -2)  # [..., KVH, G*n, d]
+    k, v = k.movedim(-2, -3), v.movedim(-2, -3)  # [..., KVH, L, d]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [..., KVH, G*n, L]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     allowed = k_pos <= q_pos.unsqueeze(-1)  # [..., n, L]
     if sliding_window:
         allowed &= k_pos > q_pos.unsqueeze(-1) - sliding_window
-    scores = scores.masked_fill(~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf"))
-    probs = scores.softmax(-1)
-    out = torch.einsum("...kgnl,...lkd->...nkgd", probs, v.float())
-    return out.flatten(-3, -2)
+    scores = scores.unflatten(-2, (g, n)).masked_fill(
+        ~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf")
+    )  # [..., KVH, G, n, L]
+    out = scores.softmax(-1).flatten(-3, -2) @ v.float()  # [..., KVH, G*n, d]
+    return out.unflatten(-2, (g, n)).movedim(-2, -4).flatten(-3, -2)  # [..., n, H, d]
 
 
 def paged_attention(
