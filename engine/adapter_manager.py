@@ -85,12 +85,12 @@ class AdapterManager:
             }
             for name, mod in mods.items():
                 width = _SLICES[name] * max_rank
-                dev = mod.weight.device
+                dev = model.lm_head.weight.device  # one device for the whole model
                 mod.lora_a = torch.zeros(
-                    max_loras, width, mod.weight.shape[1], dtype=self.dtype, device=dev
+                    max_loras, width, mod.in_features, dtype=self.dtype, device=dev
                 )
                 mod.lora_b = torch.zeros(
-                    max_loras, width, mod.weight.shape[0], dtype=self.dtype, device=dev
+                    max_loras, width, mod.out_features, dtype=self.dtype, device=dev
                 )
                 mod.lora_widths = [0] * max_loras
             self.modules.append(mods)

@@ -56,6 +56,7 @@ class _Request:
     sent_tokens: int = 0
     stop_holdback: int = 0  # a stop string may still complete over this many trailing chars
     extra: dict = field(default_factory=dict)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # built once per token
 
 
 class LLMEngine:
@@ -277,13 +278,13 @@ class LLMEngine:
         req.sent_tokens = len(seq.output_token_ids)
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = []
-            for tok, lp, top in zip(
-                seq.output_token_ids, seq.logprobs, seq.top_logprobs, strict=False
-            ):
-                entry = {tok: lp}
-                entry.update({t: v for t, v in top if t != tok})
-                logprobs.append(entry)
+            # Only the new tokens' entries are built: rebuilding all would be quadratic.
+            for i in range(len(req.logprobs), len(seq.logprobs)):
+                tok = seq.output_token_ids[i]
+                entry = {tok: seq.logprobs[i]}
+                entry.update({t: v for t, v in seq.top_logprobs[i] if t != tok})
+                req.logprobs.append(entry)
+            logprobs = list(req.logprobs)
         if finished:
             self.requests.pop(seq.request_id, None)
         return RequestOutput(

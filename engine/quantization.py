@@ -164,16 +164,7 @@ class QuantizedLoRALinear(LoRALinear):
         self.out_features, self.in_features = lin.weight.shape
         self.compute_dtype = lin.weight.dtype
         self.device = lin.weight.device
-        # Adapter manager and model runner ask a linear for weight.shape/dtype/device only; a
-        # one-element NaN stand-in answers them without keeping the float weight, and any
-        # accidental matmul with it shows up as NaN.
-        self._weight_view = torch.full((1, 1), float("nan"), dtype=self.compute_dtype).to(
-            self.device
-        )
-
-    @property
-    def weight(self) -> torch.Tensor:  # type: ignore[override]
-        return self._weight_view.expand(self.out_features, self.in_features)
+        self.weight = None  # the float weight is gone: only `base` multiplies
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)

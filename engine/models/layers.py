@@ -104,6 +104,7 @@ class LoRALinear(nn.Module):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
         super().__init__()
         self.out_sizes = out_sizes
+        self.in_features, self.out_features = in_features, sum(out_sizes)
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
         self.lora_a: torch.Tensor | None = None  # [num_slots, max_width, in]

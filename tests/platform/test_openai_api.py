@@ -176,7 +176,12 @@ def test_open_streams_hold_no_database_connection(server, tenant):
             for r in responses:  # every stream has started
                 assert r.status_code == 200
                 next(r.iter_lines())
-            assert pool.checkedout() <= 1
+            # Other requests' short DB work may hold one for a moment; streams hold none.
+            held = []
+            for _ in range(5):  # well inside the streams' ~2 s of generation
+                held.append(pool.checkedout())
+                time.sleep(0.01)
+            assert min(held) <= 1, held
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
