@@ -95,14 +95,7 @@ async def stream_completion(
     def clock() -> float:
         return time.perf_counter() - t0
 
-    result = RequestResult(
-        index=req.index,
-        adapter=req.adapter,
-        prompt_tokens=len(req.prompt),
-        max_tokens=req.max_tokens,
-        scheduled_s=req.arrival_s,
-        start_s=clock(),
-    )
+    result = RequestResult.sent(req, clock())
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with client.stream(

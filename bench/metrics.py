@@ -34,6 +34,18 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
 
+    @classmethod
+    def sent(cls, req, start_s: float) -> RequestResult:
+        """The record of trace request `req` (a `trace.TraceRequest`), sent at `start_s`."""
+        return cls(
+            index=req.index,
+            adapter=req.adapter,
+            prompt_tokens=len(req.prompt),
+            max_tokens=req.max_tokens,
+            scheduled_s=req.arrival_s,
+            start_s=start_s,
+        )
+
     @property
     def ok(self) -> bool:
         return self.error is None and self.end_s is not None

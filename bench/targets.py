@@ -100,14 +100,7 @@ class EngineTarget:
         def clock() -> float:
             return time.perf_counter() - t0
 
-        result = RequestResult(
-            index=req.index,
-            adapter=req.adapter,
-            prompt_tokens=len(req.prompt),
-            max_tokens=req.max_tokens,
-            scheduled_s=req.arrival_s,
-            start_s=clock(),
-        )
+        result = RequestResult.sent(req, clock())
         params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
         lora = None if req.adapter is None else self.loras[req.adapter]
         last = None

@@ -45,6 +45,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return _mode == "triton" or (_mode == "auto" and t.is_cuda)
 
 
+@functools.cache
 def _triton(name: str) -> ModuleType:
     return importlib.import_module(f"loraplex.kernels.{name}")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import NoReturn
 
 
@@ -109,12 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
     secret, adapters = None, []
     if embedded:
         from loraplex.platform.demo.bootstrap import bootstrap_demo
-        from loraplex.platform.main import resolve_model_dir
 
         secret, adapters = bootstrap_demo(
-            state,
-            Path(resolve_model_dir(settings)),
-            adapters=settings.demo_adapters and settings.model == "demo",
+            state, state.model_dir, adapters=settings.demo_adapters and settings.model == "demo"
         )
     if settings.admin_key is None:
         print(f"admin key (dev mode, shown once): {state.admin_key}")

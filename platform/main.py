@@ -84,7 +84,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         admin_key=admin_key,
     )
     model_dir = resolve_model_dir(settings)
-    state.model_name = Path(model_dir).name
+    state.model_dir = Path(model_dir)
+    state.model_name = state.model_dir.name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -234,22 +234,26 @@ class InferenceService:
             if job.sent_tokens > 1:
                 m.tpot.observe((now - job.first_token) / (job.sent_tokens - 1))
         actual = len(job.prompt_ids) + job.sent_tokens
+        # One record: the usage row and the structured log line say the same thing.
+        record = {
+            "request_id": job.request_id,
+            "tenant_id": job.caller.tenant.id,
+            "model": job.model,
+            "status": status,
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": job.sent_tokens,
+            "cached_tokens": job.cached_tokens,
+            "ttft_ms": ttft_ms,
+            "latency_ms": (now - job.started) * 1000,
+        }
 
         def write():
             with self.state.sessions() as session:
                 usage.record_usage(
                     session,
-                    request_id=job.request_id,
-                    tenant_id=job.caller.tenant.id,
                     api_key_id=job.caller.key.id,
                     adapter_name=job.adapter_name,
-                    model=job.model,
-                    prompt_tokens=len(job.prompt_ids),
-                    completion_tokens=job.sent_tokens,
-                    cached_tokens=job.cached_tokens,
-                    status=status,
-                    ttft_ms=ttft_ms,
-                    latency_ms=(now - job.started) * 1000,
+                    **record,
                 )
                 charged = datetime.fromtimestamp(job.charged_at, UTC)
                 quotas.adjust_tokens(
@@ -258,18 +262,7 @@ class InferenceService:
 
         log.info(
             "request finished",
-            extra={
-                "request_id": job.request_id,
-                "tenant_id": job.caller.tenant.id,
-                "route": job.route,
-                "model": job.model,
-                "status": status,
-                "prompt_tokens": len(job.prompt_ids),
-                "completion_tokens": job.sent_tokens,
-                "cached_tokens": job.cached_tokens,
-                "ttft_ms": ttft_ms,
-                "latency_ms": round((now - job.started) * 1000, 1),
-            },
+            extra={**record, "route": job.route, "latency_ms": round(record["latency_ms"], 1)},
         )
         # Shielded: a cancelled request (client gone) must still be billed.
         await asyncio.shield(asyncio.to_thread(write))

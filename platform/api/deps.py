@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -30,6 +31,7 @@ class AppState:
     metrics: Metrics
     admin_key: str
     model_name: str = ""  # the public name of the base model in `model`
+    model_dir: Path | None = None  # its folder (the demo is converted there on first use)
     spec: ModelSpec | None = None
     engine: AsyncLLMEngine | None = None  # None until the model is loaded
     accepting: bool = True  # False while shutting down
