@@ -2,7 +2,8 @@
 
 Parity: the engine serving adapters on a quantized base must match transformers + peft run on
 the dequantized weights (the torch reference path, float32). Quality: perplexity of the demo
-model (Gemma 3 270M) on a fixed text within 1 % (int8) and 8 % (int4) of the float model.
+model (Gemma 3 270M) on fixed held-out prose within 1 % (int8) and 8 % (int4) of the float
+model.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from loraplex.engine.quantization import (
 )
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
+from tests.engine.heldout_texts import HELDOUT_TEXTS
 from tests.engine.test_parity import _check, _hf_reference, _run
 
 # --------------------------------------------------------------------------- formats
@@ -280,17 +282,29 @@ def _sequence_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden)  # [n, vocab] float32
 
 
-def _quality(demo_model_dir, method: str | None) -> tuple[float, torch.Tensor, int]:
-    """(perplexity on TEXT, argmax per position, resident weight bytes), float32 compute."""
+def _perplexity(llm: LLM, texts: list[str]) -> tuple[float, torch.Tensor]:
+    """(perplexity over all of `texts`' next-token predictions, argmax at every position)."""
+    nll, n, argmax = 0.0, 0, []
+    for text in texts:
+        ids = llm.get_tokenizer().encode(text)
+        logits = _sequence_logits(llm, ids)
+        nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
+        n, argmax = n + len(ids) - 1, [*argmax, logits.argmax(-1)]
+    return math.exp(nll / n), torch.cat(argmax)
+
+
+def _quality(demo_model_dir, method: str | None) -> dict:
+    """Perplexity and argmax on the held-out prose and on TEXT, and the resident weight bytes
+    (float32 compute)."""
     llm = LLM(
         str(demo_model_dir), dtype="float32", quantization=method, max_model_len=512,
         kv_cache_bytes=128 << 20, max_lora_rank=8, max_loras=1,
     )  # fmt: skip
-    ids = llm.get_tokenizer().encode(TEXT)
-    assert len(ids) > 200
-    logits = _sequence_logits(llm, ids)
-    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
-    return math.exp(nll.item()), logits.argmax(-1), resident_weight_bytes(llm.engine.model)
+    return {
+        "heldout": _perplexity(llm, list(HELDOUT_TEXTS)),
+        "dickens": _perplexity(llm, [TEXT]),
+        "bytes": resident_weight_bytes(llm.engine.model),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -308,25 +322,37 @@ def demo_float(demo_model_dir):
             0.08,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="int4 group 128 on this 270M model: round-to-nearest 2.03x perplexity, "
-                "GPTQ 1.45-1.6x; even GPTQ calibrated on TEXT itself gave 1.23x",
+                reason="int4 group 128 on this 270M model, held-out prose: round-to-nearest "
+                "1.63x perplexity, GPTQ 1.11x; act-order, GPTQ toward the float model's "
+                "inputs, model-generated calibration text and block-wise scale tuning all "
+                "stayed at 1.11-1.15x",
             ),
         ),
     ],
 )
 def test_demo_perplexity_close_to_float(method, bound, demo_model_dir, demo_float, reference_mode):
-    """Quantization error alone: float32 activations on the dequantized weights (reference)."""
-    ppl, argmax, nbytes = _quality(demo_model_dir, method)
-    base_ppl, base_argmax, base_bytes = demo_float
-    agreement = (argmax == base_argmax).float().mean().item()
-    print(
-        f"\n{method}: perplexity {ppl:.3f} vs {base_ppl:.3f} (ratio {ppl / base_ppl:.4f}), "
-        f"greedy agreement {agreement:.3f}, weights {nbytes / 2**20:.0f} / "
-        f"{base_bytes / 2**20:.0f} MiB"
-    )
-    assert nbytes < base_bytes
-    assert agreement > (0.9 if method == "int8" else 0.6)
-    assert ppl / base_ppl - 1 < bound
+    """Quantization error alone: float32 activations on the dequantized weights (reference).
+
+    The bound applies to held-out prose (heldout_texts.py); the memorized Dickens passage is
+    reported beside it (and int8 must hold its bound there too).
+    """
+    quant = _quality(demo_model_dir, method)
+    ratios = {}
+    for name in ("heldout", "dickens"):
+        (ppl, argmax), (base_ppl, base_argmax) = quant[name], demo_float[name]
+        ratios[name] = ppl / base_ppl
+        agreement = (argmax == base_argmax).float().mean().item()
+        print(
+            f"\n{method} {name}: perplexity {ppl:.3f} vs {base_ppl:.3f} "
+            f"(ratio {ppl / base_ppl:.4f}), greedy agreement {agreement:.3f}"
+        )
+        if name == "heldout":
+            assert agreement > (0.9 if method == "int8" else 0.6)
+    print(f"weights {quant['bytes'] / 2**20:.0f} / {demo_float['bytes'] / 2**20:.0f} MiB")
+    assert quant["bytes"] < demo_float["bytes"]
+    assert ratios["heldout"] - 1 < bound
+    if method == "int8":
+        assert ratios["dickens"] - 1 < bound
 
 
 def test_cli_and_settings_pass_quantization_to_the_engine(tiny_models, tmp_path):
