@@ -45,20 +45,32 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
     """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L].
 
-    Batched matmuls over [..., KVH, G*n, d] (G query heads per KV head): K/V are never
-    repeated per query head, and on a CPU this is ~2x faster than the einsum form and than
-    torch's fused attention for one-token decode queries.
+    Key j is visible to query i when k_pos[j] <= q_pos[i] (and, with a sliding window W,
+    k_pos[j] > q_pos[i] - W). Without a softcap this is torch's fused attention with a
+    boolean mask and native GQA: it accumulates in float32 whatever the input dtype, and on
+    the 2-core CPU it beat the float32-upcast matmul form below 10x for a bf16 decode batch
+    (64 sequences, 8/2 heads, d 64: 0.84 vs 8.3 ms) and 1.5-4x for prefill. The matmul form
+    (softcap needs it) runs over [..., KVH, G*n, d] so K/V are never repeated per query head.
     """
+    allowed = k_pos <= q_pos.unsqueeze(-1)  # [..., n, L]
+    if sliding_window:
+        allowed &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    if not softcap:
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2),  # [..., H, n, d]
+            k.transpose(-3, -2),  # [..., KVH, L, d]
+            v.transpose(-3, -2),
+            attn_mask=allowed.unsqueeze(-3),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(-3, -2)  # [..., n, H, d]
     n, h, kvh = q.shape[-3], q.shape[-2], k.shape[-2]
     g = h // kvh
     q = q.unflatten(-2, (kvh, g)).movedim(-4, -2).flatten(-3, -2)  # [..., KVH, G*n, d]
     k, v = k.movedim(-2, -3), v.movedim(-2, -3)  # [..., KVH, L, d]
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [..., KVH, G*n, L]
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    allowed = k_pos <= q_pos.unsqueeze(-1)  # [..., n, L]
-    if sliding_window:
-        allowed &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    scores = softcap * torch.tanh(scores / softcap)
     scores = scores.unflatten(-2, (g, n)).masked_fill(
         ~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf")
     )  # [..., KVH, G, n, L]
