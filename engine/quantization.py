@@ -11,6 +11,17 @@ Triton dequant kernels):
           scales, zeros float [N, K // G]
           W[n, k] = (q[n, k] - 8) * scales[n, k // G] + zeros[n, k // G]
 
+int4 quantizes the weight in a rotated basis (incoherence processing, as in QuIP# and
+QuaRot): each group of G input channels is multiplied by the normalised G x G Hadamard matrix
+H (orthogonal and symmetric), W_r = W blockdiag(H), and W_r is what gets rounded. A weight
+outlier is spread over its whole group, so the group's grid is no longer stretched by it. At
+run time the activations take the same rotation, x W^T = (x blockdiag(H)) W_r^T: one small
+[.., G] @ [G, G] matmul per linear before the int4 op (about 10 % of the layer's flops at the
+demo model's shapes, no extra weight bytes; demo-model generation speed on CPU unchanged within
+noise). `dequantize()` returns W (rotated back). GPTQ's result moves a lot with tiny changes,
+so it was measured over draws (the rotation times random sign flips): held-out perplexity on the
+demo model x1.06-1.10 (mean 1.08) with the rotation, x1.08-1.16 (mean 1.12) without.
+
 On CUDA the dequant kernels run through `kernels.dispatch`. On CPU (dispatch mode "auto")
 decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
 (several times faster than a float matmul there, but only with bf16 activations, so
@@ -109,6 +120,31 @@ def from_cpu_int4_layout(packed: torch.Tensor) -> torch.Tensor:
     b = packed.view(n // 64, k, 32).transpose(1, 2)  # [N // 64, 32, K]
     q = torch.stack([b & 0xF, b >> 4], dim=1).reshape(n, k)
     return pack_int4(q)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix [n, n] (n a power of 2): symmetric, H H = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of 2, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(dtype=dtype, device=device)
+
+
+def rotate_groups(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Each group of G = h.shape[0] consecutive last-dim entries times h: t blockdiag(h).
+
+    Shape: t [..., K] (K % G == 0), h [G, G] -> [..., K].
+    """
+    return (t.reshape(-1, h.shape[0]) @ h).reshape(t.shape)  # one 2-D matmul: fastest on CPU
+
+
+def rotate_xtx(xtx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """blockdiag(h)^T xtx blockdiag(h): the second moment of rotated inputs. [K, K] -> [K, K]."""
+    k, g = xtx.shape[0], h.shape[0]
+    blocks = xtx.reshape(k // g, g, k // g, g)
+    return torch.einsum("ca,iajb,bd->icjd", h, blocks, h).reshape(k, k)
 
 
 def group_size_for(in_features: int, wanted: int = GROUP_SIZE) -> int:
@@ -213,14 +249,23 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         lin: LoRALinear,
         group_size: int = GROUP_SIZE,
         xtx: torch.Tensor | None = None,
+        rotate: bool = True,
     ):
-        """Round-to-nearest, or GPTQ when given X^T X [K, K] of calibration inputs."""
+        """Round-to-nearest, or GPTQ when given X^T X [K, K] of calibration inputs; in the
+        Hadamard-rotated basis unless `rotate` is False (module docstring)."""
         super().__init__(lin)
         self.group_size = group_size_for(self.in_features, group_size)
+        self.rotate = rotate
+        w = lin.weight.detach()
+        if rotate:
+            self._hadamard(self.compute_dtype)  # built now, not inside a CUDA graph capture
+            h = self._hadamard(torch.float32)
+            w = rotate_groups(w.float(), h)
+            xtx = None if xtx is None else rotate_xtx(xtx.float(), h)
         if xtx is None:
-            q, s, z = quantize_int4(lin.weight.detach(), self.group_size)
+            q, s, z = quantize_int4(w, self.group_size)
         else:
-            codes, s, lows = gptq_int4(lin.weight.detach(), xtx, self.group_size)
+            codes, s, lows = gptq_int4(w, xtx, self.group_size)
             q, z = pack_int4(codes), lows + 8 * s  # (q - 8) * s + z = q * s + low
         # The CPU op's own layout replaces the canonical one (same bytes, not both resident).
         self.cpu_layout = self.device.type == "cpu" and self.out_features % 64 == 0
@@ -234,21 +279,38 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
     def canonical_qweight(self) -> torch.Tensor:
         return from_cpu_int4_layout(self.qweight) if self.cpu_layout else self.qweight
 
+    def _hadamard(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (self.group_size, dtype, self.device)
+        if key not in _HADAMARDS:  # one per size/dtype/device, shared by every layer
+            _HADAMARDS[key] = hadamard(self.group_size, dtype, self.device)
+        return _HADAMARDS[key]
+
+    def _rotated(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x = x.to(dtype)
+        return rotate_groups(x, self._hadamard(dtype)) if self.rotate else x
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_layout and self._cpu_fast(x) and x.shape[0] > INT4_PACKED_MAX_ROWS:
             w = dequantize_cpu_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype)
-            return F.linear(x, w)
+            return F.linear(self._rotated(x, x.dtype), w)
         if self.cpu_layout and self._cpu_fast(x):
-            xb = x.to(torch.bfloat16).contiguous()
+            # The op wants bf16 anyway; a float32 rotation is the faster one on CPU (M = 1:
+            # 15 us vs 26 us at K = 640) and rounds once.
+            xb = self._rotated(x, torch.float32).to(torch.bfloat16).contiguous()
             y = torch._weight_int4pack_mm_for_cpu(
                 xb, self.qweight, self.group_size, self.scales_and_zeros
             )
             return y.to(x.dtype)
+        x = self._rotated(x, x.dtype)
         q = self.canonical_qweight()  # a conversion per call: reference / test path only
         return dispatch.int4_matmul(x, q, self.scales, self.zeros, self.group_size)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_int4(self.canonical_qweight(), self.scales, self.zeros, self.group_size)
+        w = dequantize_int4(self.canonical_qweight(), self.scales, self.zeros, self.group_size)
+        return rotate_groups(w, self._hadamard(w.dtype)) if self.rotate else w  # H^-1 = H
+
+
+_HADAMARDS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 _CLASSES = {"int8": WeightOnlyInt8Linear, "int4": WeightOnlyInt4Linear}

@@ -28,10 +28,13 @@ from loraplex.engine.quantization import (
     WeightOnlyInt8Linear,
     dequantize_cpu_int4,
     from_cpu_int4_layout,
+    hadamard,
     pack_int4,
     quantize_int4,
     quantize_int8,
     resident_weight_bytes,
+    rotate_groups,
+    rotate_xtx,
     to_cpu_int4_layout,
 )
 from loraplex.kernels import dispatch
@@ -93,12 +96,56 @@ def test_gptq_int4_beats_round_to_nearest_on_correlated_inputs():
     assert out_err(w_gptq) < 0.8 * out_err(w_rtn)
 
 
+@pytest.mark.parametrize("n", [1, 32, 128])
+def test_hadamard_is_orthogonal_and_its_own_inverse(n):
+    h = hadamard(n)
+    torch.testing.assert_close(h @ h, torch.eye(n), rtol=0, atol=1e-6)
+    torch.testing.assert_close(h, h.t())
+    assert torch.allclose(h.abs(), torch.full((n, n), n**-0.5))
+    with pytest.raises(ValueError, match="power of 2"):
+        hadamard(96)
+
+
+def test_rotations_match_the_explicit_block_diagonal():
+    gen = torch.Generator().manual_seed(3)
+    x, h = torch.randn(50, 384, generator=gen, dtype=torch.float64), hadamard(128, torch.float64)
+    r = torch.block_diag(h, h, h)
+    torch.testing.assert_close(rotate_groups(x, h), x @ r)
+    torch.testing.assert_close(rotate_xtx(x.t() @ x, h), (x @ r).t() @ (x @ r))
+
+
+def test_rotation_spreads_weight_outliers_and_cuts_int4_error():
+    """Heavy-tailed weights (a few large entries per row, as trained LLMs have): rounding in
+    the Hadamard basis must cut the output error of round-to-nearest int4 by a wide margin."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 256, 640
+    w = torch.randn(n, k, generator=gen) * 0.02
+    rows, cols = (
+        torch.randint(0, n, (300,), generator=gen),
+        torch.randint(0, k, (300,), generator=gen),
+    )
+    w[rows, cols] = torch.randn(300, generator=gen) * 0.5  # outliers ~25 sigma
+    x = torch.randn(512, k, generator=gen)
+    lin = LoRALinear(k, [n], False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    dispatch.set_mode("reference")
+    try:
+        errs = {
+            rotate: ((WeightOnlyInt4Linear(lin, rotate=rotate).base(x) - x @ w.t()) ** 2).mean()
+            for rotate in (False, True)
+        }
+    finally:
+        dispatch.set_mode("auto")
+    assert errs[True] < 0.5 * errs[False], errs
+
+
 def test_cpu_dequantize_reads_the_packed_layout():
     lin = _linear(640, 192)
     q4 = WeightOnlyInt4Linear(lin)
-    assert q4.cpu_layout
+    assert q4.cpu_layout and q4.rotate
     w = dequantize_cpu_int4(q4.qweight, q4.scales, q4.zeros, q4.group_size, torch.float32)
-    torch.testing.assert_close(w, q4.dequantize())
+    torch.testing.assert_close(rotate_groups(w, hadamard(128)), q4.dequantize())
 
 
 def test_cpu_int4_layout_is_torchs_and_reversible():
@@ -323,9 +370,10 @@ def demo_float(demo_model_dir):
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="int4 group 128 on this 270M model, held-out prose: round-to-nearest "
-                "1.63x perplexity, GPTQ 1.11x; act-order, GPTQ toward the float model's "
-                "inputs, model-generated calibration text and block-wise scale tuning all "
-                "stayed at 1.11-1.15x",
+                "1.63x perplexity, GPTQ 1.11x, GPTQ in the Hadamard basis 1.10x here (1.06-1.10x "
+                "over 8 random sign flips of the rotation, mean 1.08x; without it 1.08-1.16x, "
+                "mean 1.12x); act-order, GPTQ toward the float model's inputs, model-generated "
+                "calibration text, bias correction and block-wise scale tuning did not help",
             ),
         ),
     ],
