@@ -64,27 +64,59 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an internal error; requests cannot be served."""
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
+def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
+    """A snapshot of `engine` for metrics (read without locking: may be one step stale)."""
+    bm, ad = engine.block_manager, engine.adapters
+    c = ad.counters
+    return EngineStats(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        kv_usage=bm.usage,
+        kv_blocks=bm.num_blocks,
+        preemptions=engine.scheduler.num_preemptions,
+        prefix_queries=bm.prefix_queries,
+        prefix_hits=bm.prefix_hits,
+        adapter_hits=ad.hits,
+        adapter_loads=ad.loads,
+        adapters_in_host=len(ad.host),
+        adapter_slots_used=sum(s is not None for s in ad.slots),
+        adapter_slots=len(ad.slots),
+        alive=alive,
+        adapter_misses=c.misses,
+        adapter_load_failures=c.load_failures,
+        adapter_load_seconds=c.load_seconds,
+        adapters_loading=len(ad.loading),
+        adapter_slot_writes=c.slot_writes,
+        adapter_slot_bytes=engine.memory.adapter_slot_bytes,
+        kv_cache_bytes=engine.memory.kv_cache_bytes,
+    )
+
+
+class StreamingEngine:
+    """The caller side shared by the in-thread and the out-of-process engine: per-request
+    asyncio queues fed from another thread, `generate()` and `abort()` over them.
+
+    Subclasses submit commands (`_submit`) and call `_deliver_all` from their engine-facing
+    thread with (request id, RequestOutput or exception) pairs.
+    """
+
+    config: EngineConfig
+    tokenizer: object
+
+    def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
-        self._thread.start()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
-        return cls(LLMEngine(config, progress=progress))
+    def _submit(self, command: tuple) -> None:
+        raise NotImplementedError
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
 
-    # ------------------------------------------------------------ caller side
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -105,8 +137,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._streams[rid] = stream
-        self._commands.put(("add", rid, prompt, params, lora_request, tenant, weight))
-        self._wake.set()
+        self._submit(("add", rid, prompt, params, lora_request, tenant, weight))
         finished = False
         try:
             while True:
@@ -123,48 +154,8 @@ class AsyncLLMEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        self._submit(("abort", request_id))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
-        self.engine.adapters.close()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.engine.requests)
-
-    def stats(self) -> EngineStats:
-        """A snapshot for metrics; read without locking, so counts may be one step stale."""
-        e = self.engine
-        bm, ad = e.block_manager, e.adapters
-        c = ad.counters
-        return EngineStats(
-            running=len(e.scheduler.running),
-            waiting=len(e.scheduler.waiting),
-            kv_usage=bm.usage,
-            kv_blocks=bm.num_blocks,
-            preemptions=e.scheduler.num_preemptions,
-            prefix_queries=bm.prefix_queries,
-            prefix_hits=bm.prefix_hits,
-            adapter_hits=ad.hits,
-            adapter_loads=ad.loads,
-            adapters_in_host=len(ad.host),
-            adapter_slots_used=sum(s is not None for s in ad.slots),
-            adapter_slots=len(ad.slots),
-            alive=self.error is None and self._thread.is_alive(),
-            adapter_misses=c.misses,
-            adapter_load_failures=c.load_failures,
-            adapter_load_seconds=c.load_seconds,
-            adapters_loading=len(ad.loading),
-            adapter_slot_writes=c.slot_writes,
-            adapter_slot_bytes=e.memory.adapter_slot_bytes,
-            kv_cache_bytes=e.memory.kv_cache_bytes,
-        )
-
-    # ------------------------------------------------------------ engine thread
     def _deliver(self, rid: str, item) -> None:
         self._deliver_all([(rid, item)])
 
@@ -179,6 +170,49 @@ class AsyncLLMEngine:
         for loop, pairs in by_loop.items():
             loop.call_soon_threadsafe(_put_all, pairs)
 
+    def _fail_all(self, error: BaseException) -> None:
+        self.error = error
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(f"engine stopped: {error!r}"))
+
+
+class AsyncLLMEngine(StreamingEngine):
+    """The engine stepped by a thread of this process."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
+        return cls(LLMEngine(config, progress=progress))
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        self.engine.adapters.close()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.engine.requests)
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics; read without locking, so counts may be one step stale."""
+        return engine_stats(self.engine, self.error is None and self._thread.is_alive())
+
+    # ------------------------------------------------------------ engine thread
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -220,9 +254,7 @@ class AsyncLLMEngine:
                     items.append((out.request_id, out if err is None else err))
                 self._deliver_all(items)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller
-            self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine stopped: {e!r}"))
+            self._fail_all(e)
             raise
         finally:
             for rid in list(self.engine.requests):

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.platform.api.deps import AppState
@@ -51,10 +52,17 @@ def resolve_model_dir(settings: Settings) -> str:
 
 
 def load_engine(state: AppState, model_dir: str) -> None:
-    engine = LLMEngine(engine_config(state.settings, model_dir), progress=True)
-    state.spec = engine.model.spec
-    state.metrics.weight_bytes.set(resident_weight_bytes(engine.model))
-    state.engine = AsyncLLMEngine(engine)
+    config = engine_config(state.settings, model_dir)
+    if state.settings.engine_process:
+        proc = EngineProcess(config, progress=True)
+        state.spec = proc.spec
+        state.metrics.weight_bytes.set(proc.weight_bytes)
+        state.engine = proc
+    else:
+        engine = LLMEngine(config, progress=True)
+        state.spec = engine.model.spec
+        state.metrics.weight_bytes.set(resident_weight_bytes(engine.model))
+        state.engine = AsyncLLMEngine(engine)
     log.info("model %s ready", state.model_name)
 
 

@@ -140,7 +140,7 @@ class InferenceService:
         adapter_name: str | None,
     ) -> Job:
         engine = self._engine()
-        limit = engine.engine.config.max_model_len
+        limit = engine.config.max_model_len
         if len(prompt_ids) >= limit:
             raise APIError(
                 400,

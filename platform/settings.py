@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
+    engine_process: bool = Field(
+        True,
+        description="run the engine in a process of its own, so that it never waits for the "
+        "HTTP loop's Python work (the GIL); false: a thread of the server process",
+    )
     scheduling_policy: Literal["vtc", "fcfs"] = Field(
         "vtc", description="'vtc': weighted fair share across tenants; 'fcfs': arrival order"
     )

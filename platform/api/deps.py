@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
-from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.async_engine import StreamingEngine
 from loraplex.engine.models.spec import ModelSpec
 from loraplex.platform.admin_session import SESSION_COOKIE, check_session_request
 from loraplex.platform.api.errors import APIError
@@ -33,7 +33,7 @@ class AppState:
     model_name: str = ""  # the public name of the base model in `model`
     model_dir: Path | None = None  # its folder (the demo is converted there on first use)
     spec: ModelSpec | None = None
-    engine: AsyncLLMEngine | None = None  # None until the model is loaded
+    engine: StreamingEngine | None = None  # None until the model is loaded (thread or process)
     accepting: bool = True  # False while shutting down
     inflight: set = field(default_factory=set)
 

@@ -130,7 +130,7 @@ def test_bench_serve_reports_what_the_server_returned_and_billed(server, tiny_mo
 
 def test_the_host_adapter_cache_size_is_a_server_setting(server):
     srv, _, _ = server
-    assert srv.state.engine.engine.config.max_cpu_loras == 3
+    assert srv.state.engine.config.max_cpu_loras == 3
 
 
 def test_bench_serve_counts_refused_requests_as_errors(server, tmp_path):

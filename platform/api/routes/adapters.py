@@ -101,7 +101,7 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
             "or one .tar.gz/.zip of a PEFT folder",
             "missing_file",
         )
-    max_rank = state.engine.engine.config.max_lora_rank if state.engine else settings.max_lora_rank
+    max_rank = state.engine.config.max_lora_rank if state.engine else settings.max_lora_rank
     if quota is not None and quota.max_rank is not None:
         max_rank = min(max_rank, quota.max_rank)
     tmp_root = settings.data_dir / "tmp"

@@ -1,0 +1,307 @@
+"""The engine in a process of its own, for servers (the split vLLM v1 makes).
+
+In one process, the engine thread and the server's event loop (HTTP, SSE, database calls in
+worker threads) take turns holding the GIL, and every step waits for the others' Python
+work. Here the engine steps in a child process with its own interpreter; the server side
+keeps only queues, the tokenizer and a reader thread:
+
+    server process                                    engine process (spawned)
+    generate() ── JSON commands (add / abort / stop) ──▶ apply, step, step…
+    asyncio queues ◀── reader thread ◀── JSON outputs + stats, one message per step
+
+Messages are JSON over two one-way pipes, never pickles. An error a request causes (bad
+input, an adapter that cannot be loaded or read) comes back typed to that request's caller;
+if the engine process dies, every waiting caller gets EngineDeadError and /readyz says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from loraplex.engine.adapter_manager import AdapterUnavailable
+from loraplex.engine.async_engine import (
+    EngineDeadError,
+    EngineStats,
+    StreamingEngine,
+    engine_stats,
+)
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.lora import AdapterError
+from loraplex.engine.models.spec import ModelSpec, spec_from_config
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import LoRARequest
+from loraplex.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("loraplex.engine")
+
+# Exceptions that cross the pipe by name; anything else arrives as RuntimeError.
+_ERRORS: dict[str, type[BaseException]] = {
+    "ValueError": ValueError,
+    "AdapterError": AdapterError,
+    "AdapterUnavailable": AdapterUnavailable,
+}
+STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while busy
+
+
+def _send(conn: Connection, msg: list) -> None:
+    conn.send_bytes(json.dumps(msg, separators=(",", ":")).encode())
+
+
+def _error_msg(e: BaseException) -> list:
+    name = type(e).__name__
+    return [name if name in _ERRORS else "RuntimeError", str(e)]
+
+
+def _error_from(msg: list) -> BaseException:
+    return _ERRORS.get(msg[0], RuntimeError)(msg[1])
+
+
+def _encode_output(out: RequestOutput, first: bool) -> list:
+    """A RequestOutput as JSON-ready lists; the prompt only with a request's first output."""
+    return [
+        out.request_id,
+        out.finished,
+        out.delta_text,
+        out.delta_token_ids,
+        out.num_cached_tokens,
+        out.lora_name,
+        out.error,
+        [
+            [
+                c.index,
+                c.text,
+                c.token_ids,
+                c.finish_reason,
+                c.stop_reason,
+                c.logprobs,
+                c.cumulative_logprob,
+            ]
+            for c in out.outputs
+        ],
+        [out.prompt, out.prompt_token_ids] if first else None,
+    ]
+
+
+def _decode_output(m: list, prompts: dict[str, tuple]) -> RequestOutput:
+    rid = m[0]
+    if m[8] is not None:
+        prompts[rid] = tuple(m[8])
+    prompt, prompt_ids = prompts[rid]
+    outputs = [
+        CompletionOutput(
+            index=c[0],
+            text=c[1],
+            token_ids=c[2],
+            finish_reason=c[3],
+            stop_reason=c[4],
+            logprobs=None if c[5] is None else [{int(k): v for k, v in d.items()} for d in c[5]],
+            cumulative_logprob=c[6],
+        )
+        for c in m[7]
+    ]
+    if m[1]:
+        prompts.pop(rid, None)
+    return RequestOutput(
+        request_id=rid,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+        outputs=outputs,
+        finished=m[1],
+        num_cached_tokens=m[4],
+        lora_name=m[5],
+        delta_text=m[2],
+        delta_token_ids=m[3],
+        error=m[6],
+    )
+
+
+# ---------------------------------------------------------------------------- child
+
+
+def _child_main(
+    config: dict, commands: Connection, outputs: Connection, progress: bool, log_level: int
+) -> None:
+    from loraplex.engine.llm_engine import LLMEngine  # torch & co. load here, in the child
+    from loraplex.engine.quantization import resident_weight_bytes
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
+
+    try:
+        engine = LLMEngine(EngineConfig(**config), progress=progress)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        _send(outputs, ["failed", repr(e)])
+        return
+    cfg = dataclasses.asdict(engine.config)
+    _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model)])
+    started: set[str] = set()  # requests whose first output has gone out
+    last_stats = 0.0
+    try:
+        while True:
+            # Idle: block on the pipe (a short timeout keeps adapter loads moving); busy: drain.
+            if engine.has_unfinished() or commands.poll(0.05):
+                while commands.poll(0):
+                    cmd = json.loads(commands.recv_bytes())
+                    if cmd[0] == "stop":
+                        return
+                    for msg in _apply(engine, cmd, started):
+                        _send(outputs, msg)
+            items = []
+            if engine.has_unfinished():
+                for out in engine.step():
+                    err = engine.load_errors.pop(out.request_id, None)
+                    if err is not None:  # its adapter failed to load: the caller's error
+                        items.append(["err", out.request_id, _error_msg(err)])
+                        started.discard(out.request_id)
+                        continue
+                    items.append(_encode_output(out, out.request_id not in started))
+                    started.add(out.request_id)
+                    if out.finished:
+                        started.discard(out.request_id)
+            stats, now = None, time.monotonic()
+            if now - last_stats > STATS_EVERY_S:
+                stats, last_stats = dataclasses.asdict(engine_stats(engine, True)), now
+            if items or stats is not None:
+                _send(outputs, ["step", items, stats])
+    except (EOFError, BrokenPipeError, OSError):
+        return  # the server went away
+    finally:
+        engine.adapters.close()
+
+
+def _apply(engine, cmd: list, started: set[str]) -> list[list]:
+    if cmd[0] == "add":
+        _, rid, prompt, params, lora, tenant, weight = cmd
+        try:
+            engine.add_request(
+                rid,
+                prompt,
+                SamplingParams(**params),
+                None if lora is None else LoRARequest(*lora),
+                tenant=tenant,
+                weight=weight,
+                wait_for_adapter=False,
+            )
+        except Exception as e:  # bad input: that caller's error only
+            return [["step", [["err", rid, _error_msg(e)]], None]]
+        return []
+    if cmd[0] == "abort":
+        out = engine.abort(cmd[1])
+        if out is None:
+            return []
+        first = cmd[1] not in started
+        started.discard(cmd[1])
+        return [["step", [_encode_output(out, first)], None]]
+    raise ValueError(f"unknown engine command {cmd[0]!r}")
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+class EngineProcess(StreamingEngine):
+    """Same caller API as AsyncLLMEngine (generate, abort, stats, shutdown, tokenizer,
+    config), with the engine in a spawned child process. `start` blocks until the model is
+    loaded (the child shows the loading progress) and raises if loading failed."""
+
+    def __init__(self, config: EngineConfig, progress: bool = False, start_timeout: float = 3600):
+        super().__init__()
+        ctx = mp.get_context("spawn")  # never fork a process that holds threads and torch
+        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._out_recv, out_send = ctx.Pipe(duplex=False)
+        fields = dataclasses.asdict(config)
+        self._proc = ctx.Process(
+            target=_child_main,
+            args=(fields, cmd_recv, out_send, progress, log.getEffectiveLevel()),
+            name="loraplex-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        cmd_recv.close()
+        out_send.close()  # EOF on the reader side once the child is gone
+        self._send_lock = threading.Lock()
+        self._prompts: dict[str, tuple] = {}
+        self._stats: EngineStats | None = None
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.spec: ModelSpec = spec_from_config(
+            json.loads((Path(config.model) / "config.json").read_text())
+        )
+        deadline = time.monotonic() + start_timeout
+        while not self._out_recv.poll(0.5):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self._proc.exitcode}")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise TimeoutError("the engine process did not load the model in time")
+        msg = json.loads(self._out_recv.recv_bytes())
+        if msg[0] != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process could not start: {msg[1]}")
+        self.config = EngineConfig(**msg[1])
+        self.weight_bytes: int = msg[2]
+        self._reader = threading.Thread(target=self._read, name="loraplex-engine-io", daemon=True)
+        self._reader.start()
+
+    def _submit(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, rid, prompt, params, lora, tenant, weight = command
+            params = dataclasses.asdict(params or SamplingParams())
+            lora = None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
+            command = ("add", rid, prompt, params, lora, tenant, weight)
+        try:
+            with self._send_lock:
+                _send(self._cmd_send, list(command))
+        except OSError as e:  # the child is gone: the reader reports it to the callers
+            if command[0] == "add":
+                self._deliver(command[1], EngineDeadError(f"engine stopped: {e!r}"))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = json.loads(self._out_recv.recv_bytes())
+                if msg[0] != "step":
+                    continue
+                items = []
+                for m in msg[1]:
+                    if m[0] == "err":
+                        self._prompts.pop(m[1], None)
+                        items.append((m[1], _error_from(m[2])))
+                    else:
+                        items.append((m[0], _decode_output(m, self._prompts)))
+                if items:
+                    self._deliver_all(items)
+                if msg[2] is not None:
+                    self._stats = EngineStats(**msg[2])
+        except (EOFError, OSError) as e:
+            code = self._proc.exitcode
+            self._fail_all(RuntimeError(f"engine process exited (code {code}): {e!r}"))
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        alive = self.error is None and self._proc.is_alive()
+        s = self._stats
+        if s is None:  # no snapshot yet: an idle, empty engine
+            s = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, self.config.max_loras, alive)
+        return dataclasses.replace(s, alive=alive)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        try:
+            with self._send_lock:
+                _send(self._cmd_send, ["stop"])
+        except OSError:
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(timeout)
+        self._cmd_send.close()
