@@ -48,6 +48,10 @@ class EngineConfig:
     cpu_float32_compute: bool | None = None
     # Weight-only quantization of the base model's linear layers: None | "int8" | "int4".
     quantization: str | None = None
+    # How the CPU path computes attention: "sdpa" (torch's fused kernel), "matmul" (batched
+    # matmuls, float32 softmax) or "auto": time both on the model's shape at start, keep the
+    # faster (which wins depends on the CPU: 10x either way measured).
+    cpu_attention: str = "auto"
     # Threads for torch's CPU ops (None: torch's default, one per core). A server should leave
     # a core to its HTTP loop: busy-waiting compute threads starve it (5x slower per token
     # measured on 2 cores with 2 threads vs 1).
@@ -77,6 +81,10 @@ class EngineConfig:
                 "(pass cpu_float32_compute=False to force %s)",
                 self.dtype,
                 self.dtype,
+            )
+        if self.cpu_attention not in ("auto", "sdpa", "matmul"):
+            raise ValueError(
+                f"cpu_attention must be 'auto', 'sdpa' or 'matmul', got {self.cpu_attention!r}"
             )
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(

@@ -7,6 +7,7 @@ row of each sequence that completes its tokens this step goes through the LM hea
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoR
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
+from loraplex.kernels import reference
+
+log = logging.getLogger("loraplex.engine")
 
 
 @dataclass
@@ -33,6 +37,29 @@ def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
     s = model.spec
     elem = model.lm_head.weight.element_size()
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
+
+
+def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
+    """Set the reference attention's form for this process (config.cpu_attention; "auto"
+    times both on a decode batch of the model's shape)."""
+    impl = config.cpu_attention
+    if impl == "auto":
+        s = model.spec
+        times = reference.pick_attention_impl(
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            model.lm_head.weight.dtype,
+            batch=min(config.max_num_seqs, 32),
+            context=min(config.max_model_len, 256),
+        )
+        impl = next(iter(times))
+        log.info(
+            "CPU attention: %s (decode batch: %s)",
+            impl,
+            ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()),
+        )
+    reference.set_attention_impl(impl)
 
 
 class ModelRunner:
@@ -56,6 +83,8 @@ class ModelRunner:
         for layer in model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            choose_cpu_attention(config, model)
 
     @property
     def kv_cache_bytes(self) -> int:

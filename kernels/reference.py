@@ -15,6 +15,7 @@ Layouts shared with the Triton kernels:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -45,20 +46,45 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return blocks.view(shape)[..., :length, :, :]
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
+# How _attend computes attention without a softcap: "sdpa" (torch's fused CPU kernel) or
+# "matmul" (two batched matmuls in the input dtype, softmax in float32). Which is faster
+# depends on the CPU; the engine measures both once at start (pick_attention_impl).
+ATTENTION_IMPLS = ("sdpa", "matmul")
+_attention_impl = "sdpa"
+
+
+def set_attention_impl(impl: str) -> None:
+    """Select how the reference computes attention (sdpa | matmul) for every later call."""
+    global _attention_impl
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, not {impl!r}")
+    _attention_impl = impl
+
+
+def get_attention_impl() -> str:
+    return _attention_impl
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None):
     """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L].
 
     Key j is visible to query i when k_pos[j] <= q_pos[i] (and, with a sliding window W,
-    k_pos[j] > q_pos[i] - W). Without a softcap this is torch's fused attention with a
-    boolean mask and native GQA: it accumulates in float32 whatever the input dtype, and on
-    the 2-core CPU it beat the float32-upcast matmul form by up to 10x: a bf16 decode batch
-    (64 sequences, 8/2 heads, d 64: 0.84 vs 8.3 ms) and 1.5-4x for prefill. The matmul form
-    (softcap needs it) runs over [..., KVH, G*n, d] so K/V are never repeated per query head.
+    k_pos[j] > q_pos[i] - W). Both forms accumulate the matmuls in float32 and take the
+    softmax in float32:
+
+    - "sdpa": torch's fused attention with a boolean mask and native GQA. On a 2-core Xeon
+      with AMX it beat a float32-upcast matmul form by up to 10x (bf16 decode batch of 64,
+      8/2 heads, d 64: 0.84 vs 8.3 ms).
+    - "matmul" (always with a softcap): scores q k^T in the input dtype (rounded to it, as
+      transformers' eager attention does), scale / softcap / mask / softmax in float32, then
+      probabilities (input dtype) times v. Runs over [..., KVH, G*n, d], so K/V are never
+      repeated per query head. On a 2-core AMD EPYC without AMX, bf16: 0.43 vs 4.8 ms for
+      that decode batch at 64 keys, 1.2 vs 18 ms at 256; prefill 1.1-1.8x faster.
     """
     allowed = k_pos <= q_pos.unsqueeze(-1)  # [..., n, L]
     if sliding_window:
         allowed &= k_pos > q_pos.unsqueeze(-1) - sliding_window
-    if not softcap:
+    if not softcap and (impl or _attention_impl) == "sdpa":
         out = F.scaled_dot_product_attention(
             q.transpose(-3, -2),  # [..., H, n, d]
             k.transpose(-3, -2),  # [..., KVH, L, d]
@@ -72,13 +98,42 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
     g = h // kvh
     q = q.unflatten(-2, (kvh, g)).movedim(-4, -2).flatten(-3, -2)  # [..., KVH, G*n, d]
     k, v = k.movedim(-2, -3), v.movedim(-2, -3)  # [..., KVH, L, d]
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [..., KVH, G*n, L]
-    scores = softcap * torch.tanh(scores / softcap)
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # [..., KVH, G*n, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.unflatten(-2, (g, n)).masked_fill(
         ~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf")
     )  # [..., KVH, G, n, L]
-    out = scores.softmax(-1).flatten(-3, -2) @ v.float()  # [..., KVH, G*n, d]
+    out = scores.softmax(-1).flatten(-3, -2).to(v.dtype) @ v  # [..., KVH, G*n, d]
     return out.unflatten(-2, (g, n)).movedim(-2, -4).flatten(-3, -2)  # [..., n, H, d]
+
+
+def pick_attention_impl(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    batch: int = 32,
+    context: int = 256,
+    repeats: int = 5,
+) -> dict[str, float]:
+    """Milliseconds of one decode batch (`batch` queries over `context` keys each) with each
+    impl on this CPU, fastest first; the caller sets the winner with set_attention_impl."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 1, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
+    q_pos = torch.randint(context // 2, context, (batch, 1), generator=g)
+    k_pos = torch.arange(context)
+    times = {}
+    for impl in ATTENTION_IMPLS:
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            _attend(q, k, v, q_pos, k_pos, head_dim**-0.5, None, None, impl)
+            runs.append(time.perf_counter() - start)
+        times[impl] = sorted(runs[1:])[len(runs[1:]) // 2] * 1e3
+    return dict(sorted(times.items(), key=lambda kv: kv[1]))
 
 
 def paged_attention(

@@ -40,6 +40,7 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         scheduling_policy=settings.scheduling_policy,
+        cpu_attention=settings.cpu_attention,
     )
 
 

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
         description="run the engine in a process of its own, so that it never waits for the "
         "HTTP loop's Python work (the GIL); false: a thread of the server process",
     )
+    cpu_attention: Literal["auto", "sdpa", "matmul"] = Field(
+        "auto",
+        description="CPU attention form: torch's fused kernel, batched matmuls, or 'auto' "
+        "(time both at start, keep the faster)",
+    )
     scheduling_policy: Literal["vtc", "fcfs"] = Field(
         "vtc", description="'vtc': weighted fair share across tenants; 'fcfs': arrival order"
     )

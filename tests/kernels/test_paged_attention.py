@@ -101,3 +101,52 @@ def test_write_kv_cache_scatters_to_slots(device, gen, dtype):
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
     assert caches[0].isnan().sum() == caches[0].numel() - 6 * kvh * d  # only 6 slots written
+
+
+@pytest.fixture
+def restore_attention_impl():
+    saved = reference.get_attention_impl()
+    yield
+    reference.set_attention_impl(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("window", [None, 8])
+def test_reference_forms_agree(gen, dtype, heads, window, restore_attention_impl):
+    """The CPU path's two attention forms (torch's fused kernel, batched matmuls) give the
+    same result on a step mixing fresh prompts, a chunk after a cached prefix and decodes."""
+    _, clean, q, tables, qsl, lens = _batch(
+        "cpu", gen, dtype, heads, 8, contexts=[0, 37, 16, 5, 70], news=[20, 9, 1, 1, 1]
+    )
+    outs = {}
+    for impl in reference.ATTENTION_IMPLS:
+        reference.set_attention_impl(impl)
+        outs[impl] = torch.full_like(q, float("nan"))
+        reference.paged_attention(outs[impl], q, *clean, tables, qsl, lens, heads[2] ** -0.5,
+                                  window)  # fmt: skip
+    assert not outs["matmul"].isnan().any()
+    torch.testing.assert_close(outs["matmul"].float(), outs["sdpa"].float(), **tolerance(dtype))
+
+
+def test_attention_impl_is_chosen_per_config(tiny_models, restore_attention_impl, caplog):
+    from loraplex.engine import LLM
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.model_runner import choose_cpu_attention
+
+    model = str(tiny_models["llama"])
+    with pytest.raises(ValueError, match="cpu_attention"):
+        EngineConfig(model=model, cpu_attention="fast")
+    for impl in reference.ATTENTION_IMPLS:  # forced: no model needed, nothing timed
+        reference.set_attention_impl("matmul" if impl == "sdpa" else "sdpa")
+        choose_cpu_attention(EngineConfig(model=model, cpu_attention=impl), model=None)
+        assert reference.get_attention_impl() == impl
+    with caplog.at_level("INFO", logger="loraplex.engine"):
+        LLM(model, dtype="float32", max_model_len=64, max_lora_rank=8)  # auto: timed
+    (line,) = [r.getMessage() for r in caplog.records if "CPU attention" in r.getMessage()]
+    chosen = line.split()[2]
+    assert reference.get_attention_impl() == chosen and "sdpa" in line and "matmul" in line
+    times = reference.pick_attention_impl(8, 2, 64, torch.bfloat16, batch=4, context=32)
+    assert list(times) == sorted(times, key=times.get) and set(times) == {"sdpa", "matmul"}
+    with pytest.raises(ValueError, match="attention impl"):
+        reference.set_attention_impl("flash")
