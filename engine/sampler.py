@@ -21,9 +21,21 @@ _NEG_INF = float("-inf")
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's maximum, the first one on ties (as argmax). On the CPU
-    `max(dim).indices` is ~2.8x faster than `argmax` (64 x 32k float32: 0.92 vs 2.6 ms)."""
-    return x.max(dim=-1).indices
+    """Index of each row's maximum, the first one on ties (as argmax). [rows, vocab] -> [rows].
+
+    On the CPU a reduction that tracks indices is slow (64 x 32k float32: argmax 2.3 ms,
+    `max(dim).indices` 2.0 ms) while a plain `amax` takes 0.1 ms. So: the maximum of each
+    block of 128 columns, the first best block per row, then the first best column inside
+    it: 0.38 ms there, and 3.5 instead of 18 ms at Gemma's 262k vocabulary.
+    """
+    rows, vocab = x.shape
+    width = next((w for w in (128, 64, 32) if vocab % w == 0), None)
+    if width is None or vocab < 4 * width or x.is_cuda:
+        return x.max(dim=-1).indices
+    blocks = x.reshape(rows, vocab // width, width)
+    best = blocks.amax(dim=-1).max(dim=-1).indices  # [rows] first block holding the max
+    inner = blocks[torch.arange(rows, device=x.device), best].max(dim=-1).indices
+    return best * width + inner
 
 
 @dataclass

@@ -274,3 +274,22 @@ def test_bf16_sampling_returns_valid_tokens(sampler: Sampler, logits: torch.Tens
 def test_tiny_temperature_is_greedy_not_nan(sampler: Sampler, logits: torch.Tensor) -> None:
     out = run(sampler, logits * 1e4, [SamplingParams(temperature=1e-7)] * 8)
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [50, 100, 32000, 32001, 262144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blockwise_argmax_equals_argmax_with_first_tie(vocab: int, dtype: torch.dtype) -> None:
+    from loraplex.engine.sampler import _argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g).to(dtype)
+    x[1, vocab // 2] = x[1, vocab - 1] = 50.0  # tie across blocks: the first wins
+    x[2, 3] = x[2, 5] = 50.0  # tie inside one block
+    x[3] = float("-inf")
+    x[3, vocab - 1] = 0.0  # the last column
+    x[4, :] = 1.0  # all equal: column 0
+    x[5, 0] = 50.0
+    expected = torch.tensor([int(r.float().argmax()) for r in x])  # first max, per row
+    assert torch.equal(_argmax(x), expected)
+    assert torch.equal(_argmax(x.t().contiguous().t()), expected)  # a strided view
+    assert _argmax(x[:, : vocab // 2]).tolist() == x[:, : vocab // 2].float().argmax(-1).tolist()
