@@ -66,11 +66,16 @@ class DecoderLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [rows, hidden] -> float32 logits [rows, vocab]; only rows that sample."""
-        logits = self.lm_head(hidden).float()
+        """hidden [rows, hidden] -> logits [rows, vocab]; only rows that sample.
+
+        In the weights' dtype (float32 with a final softcap): the sampler upcasts only what
+        needs float32, and a greedy argmax is exact in any dtype. Upcasting every row cost
+        17 ms per step at Gemma's 262k vocabulary and 32 rows (bf16, CPU).
+        """
+        logits = self.lm_head(hidden)
         if self.spec.final_softcap:
             cap = self.spec.final_softcap
-            logits = cap * torch.tanh(logits / cap)
+            logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
     def build_buffers(self, device: torch.device, max_len: int) -> None:

@@ -326,7 +326,7 @@ def _sequence_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         block_tables=torch.arange(blocks).unsqueeze(0),
     )
     hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(attn=attn, lora=None))
-    return model.compute_logits(hidden)  # [n, vocab] float32
+    return model.compute_logits(hidden).float()  # [n, vocab]
 
 
 def _perplexity(llm: LLM, texts: list[str]) -> tuple[float, torch.Tensor]:

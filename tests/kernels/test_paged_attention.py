@@ -150,3 +150,29 @@ def test_attention_impl_is_chosen_per_config(tiny_models, restore_attention_impl
     assert list(times) == sorted(times, key=times.get) and set(times) == {"sdpa", "matmul"}
     with pytest.raises(ValueError, match="attention impl"):
         reference.set_attention_impl("flash")
+
+
+def test_reference_plan_follows_in_place_changes(gen):
+    """The reference builds its decode plan once per step and reuses it across layers; a block
+    table or length list changed in place between calls must not reuse a stale plan."""
+    heads = (8, 2, 64)
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, torch.float32, heads, 8,
+                                            contexts=[30, 12, 50], news=[1, 1, 1])  # fmt: skip
+    scale = heads[2] ** -0.5
+
+    def attend(t, ql, sl):
+        out = torch.zeros_like(q)
+        reference.paged_attention(out, q, *clean, t, ql, sl, scale)
+        return out
+
+    first = attend(tables, qsl, lens)
+    assert torch.equal(attend(tables, qsl, lens), first)  # the plan reused: same result
+    fresh_lens = [n - 5 for n in lens]
+    expected = attend(tables.clone(), list(qsl), fresh_lens)  # new objects: a new plan
+    lens[:] = fresh_lens  # the same list, changed in place
+    assert torch.equal(attend(tables, qsl, lens), expected)
+    swapped = tables[[1, 0, 2]].clone()
+    expected = attend(swapped, list(qsl), list(lens))
+    tables.copy_(swapped)  # the same tensor, changed in place
+    assert torch.equal(attend(tables, qsl, lens), expected)
+    assert not torch.equal(expected, first)
