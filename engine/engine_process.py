@@ -207,8 +207,8 @@ def _apply(engine, cmd: list, started: set[str]) -> list[list]:
 
 class EngineProcess(StreamingEngine):
     """Same caller API as AsyncLLMEngine (generate, abort, stats, shutdown, tokenizer,
-    config), with the engine in a spawned child process. `start` blocks until the model is
-    loaded (the child shows the loading progress) and raises if loading failed."""
+    config), with the engine in a spawned child process. The constructor blocks until the
+    model is loaded (the child shows the loading progress) and raises if loading failed."""
 
     def __init__(self, config: EngineConfig, progress: bool = False, start_timeout: float = 3600):
         super().__init__()
@@ -290,7 +290,8 @@ class EngineProcess(StreamingEngine):
         alive = self.error is None and self._proc.is_alive()
         s = self._stats
         if s is None:  # no snapshot yet: an idle, empty engine
-            s = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, self.config.max_loras, alive)
+            zero = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
+            s = EngineStats(**{**zero, "adapter_slots": self.config.max_loras, "alive": alive})
         return dataclasses.replace(s, alive=alive)
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -10,6 +10,7 @@ import pytest
 from loraplex.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.lora import AdapterError
+from tests.engine.streams import read_then_hang_up
 
 
 @pytest.fixture
@@ -61,15 +62,7 @@ def test_concurrent_streams_match_offline(aengine, tiny_models, tiny_adapters):
 def test_cancelled_stream_aborts_and_frees_blocks(aengine):
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
-    async def main():
-        got = 0
-        async for _ in aengine.generate("a long story", params):
-            got += 1
-            if got == 3:
-                break  # the client went away
-        return got
-
-    assert asyncio.run(main()) == 3
+    assert read_then_hang_up(aengine, "a long story", params, 3) == 3
     bm = aengine.engine.block_manager
     deadline = time.monotonic() + 5
     while aengine.num_unfinished and time.monotonic() < deadline:

@@ -15,6 +15,7 @@ from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.async_engine import EngineDeadError
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.lora import AdapterError
+from tests.engine.streams import read_then_hang_up
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +107,7 @@ def test_errors_come_back_typed_to_their_request_only(pengine, tmp_path):
 def test_a_cancelled_stream_is_aborted_in_the_child(pengine):
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
-    async def main():
-        got = 0
-        async for _ in pengine.generate("a long story", params):
-            got += 1
-            if got == 3:
-                break  # the client went away
-        return got
-
-    assert asyncio.run(main()) == 3
+    assert read_then_hang_up(pengine, "a long story", params, 3) == 3
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         s = pengine.stats()
