@@ -290,33 +290,34 @@ def lora_apply(
 ) -> None:
     """y += per-segment LoRA delta (shrink then expand); see sgmv_shrink / sgmv_expand.
 
-    With several adapter segments of similar length (a decode batch over many adapters) the
-    segments are padded to one length and run as two batched matmuls over the slots'
-    weights instead of two matmuls per segment: on the CPU, 32 segments of 2 rows (in 512,
-    out 768, width 24, bf16) take 0.56 ms instead of 1.57 ms. Slot rows past a slot's width
-    are masked out (they may hold anything), so a common width is exact.
+    Segments are taken in groups of one width. Within a group of several segments of similar
+    length (a decode batch over many adapters) the segments are padded to one length and run
+    as two batched matmuls over the slots' weights instead of two matmuls per segment. A group
+    reads exactly its width's rows of each slot, so rows past a slot's width (they may hold
+    anything) are never read and nothing needs masking. On the CPU, 32 segments of 2 rows
+    (in 512, out 768, width 24, bf16): 0.30 ms batched, 1.6 ms per segment; masking the
+    gathered weights instead (one common width) took 4.2 ms.
     """
-    segs = [(s, e, slot) for s, e, slot in segments if slot >= 0 and widths[slot]]
-    lens = [e - s for s, e, _ in segs]
-    if len(segs) < 3 or len(segs) * max(lens) > 2 * sum(lens):
-        sgmv_expand(y, sgmv_shrink(x, lora_a, segs, widths), lora_b, segs, widths)
-        return
-    dev, longest = x.device, max(lens)
-    starts = torch.tensor([s for s, _, _ in segs], device=dev)
-    steps = torch.arange(longest, device=dev)
-    valid = steps < torch.tensor(lens, device=dev).unsqueeze(1)  # [S, L]
-    # Padding repeats the segment's first row; its results are dropped by `valid`.
-    rows = torch.where(valid, starts.unsqueeze(1) + steps, starts.unsqueeze(1))  # [S, L]
-    slots = torch.tensor([slot for _, _, slot in segs], device=dev)
-    seg_widths = [widths[slot] for _, _, slot in segs]
-    width = max(seg_widths)
-    inside = torch.arange(width, device=dev) < torch.tensor(seg_widths, device=dev).unsqueeze(1)
-    inside = inside.unsqueeze(-1)  # [S, w, 1]
-    zero = torch.zeros((), dtype=lora_a.dtype, device=dev)  # rows past a width are never read
-    a = torch.where(inside, lora_a.index_select(0, slots)[:, :width], zero)  # [S, w, in]
-    b = torch.where(inside, lora_b.index_select(0, slots)[:, :width], zero)  # [S, w, out]
-    delta = torch.bmm(torch.bmm(x[rows], a.transpose(1, 2)), b)  # [S, L, out]
-    y.index_add_(0, rows[valid], delta[valid])
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for s, e, slot in segments:
+        if slot >= 0 and widths[slot]:
+            groups.setdefault(widths[slot], []).append((s, e, slot))
+    for width, segs in groups.items():
+        lens = [e - s for s, e, _ in segs]
+        if len(segs) < 3 or len(segs) * max(lens) > 2 * sum(lens):
+            sgmv_expand(y, sgmv_shrink(x, lora_a, segs, widths), lora_b, segs, widths)
+            continue
+        dev, longest = x.device, max(lens)
+        starts = torch.tensor([s for s, _, _ in segs], device=dev)
+        steps = torch.arange(longest, device=dev)
+        valid = steps < torch.tensor(lens, device=dev).unsqueeze(1)  # [S, L]
+        # Padding repeats the segment's first row; its results are dropped by `valid`.
+        rows = torch.where(valid, starts.unsqueeze(1) + steps, starts.unsqueeze(1))  # [S, L]
+        slots = torch.tensor([slot for _, _, slot in segs], device=dev)
+        a = lora_a[:, :width].index_select(0, slots)  # [S, w, in]
+        b = lora_b[:, :width].index_select(0, slots)  # [S, w, out]
+        delta = torch.bmm(torch.bmm(x[rows], a.transpose(1, 2)), b)  # [S, L, out]
+        y.index_add_(0, rows[valid], delta[valid])
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

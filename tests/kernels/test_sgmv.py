@@ -104,3 +104,22 @@ def test_padded_tiles_do_nothing(device, gen):
     meta = sgmv.build_meta(segments, widths, device, num_tiles=9)
     sgmv.lora_apply_meta(y, x, a, b, meta)
     torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("ranks", [[8], [4, 8, 16]], ids=["one-width", "mixed-widths"])
+def test_reference_batched_decode_path_equals_per_segment(ranks):
+    """The oracle's batched path (many short segments, grouped by width) against its plain
+    per-segment shrink/expand; rows past each slot's width and the spare slot hold NaN."""
+    gen = torch.Generator().manual_seed(3)
+    a, b, widths, segments, x, _, y = _case(
+        "cpu", gen, torch.float32, requests=40, num_adapters=18, ranks=ranks, mix="uniform",
+        no_adapter=True, prefill=False,
+    )  # fmt: skip
+    assert sum(1 for *_, slot in segments if slot >= 0) >= 3 * len(set(ranks))  # batched
+    batched, plain = y.clone(), y.clone()
+    reference.lora_apply(batched, x, a, b, segments, widths)
+    t = reference.sgmv_shrink(x, a, segments, widths)
+    reference.sgmv_expand(plain, t, b, segments, widths)
+    assert batched.isfinite().all()
+    torch.testing.assert_close(batched, plain)
+    assert not torch.equal(batched, y)  # the deltas were added
