@@ -123,3 +123,18 @@ def test_reference_batched_decode_path_equals_per_segment(ranks):
     assert batched.isfinite().all()
     torch.testing.assert_close(batched, plain)
     assert not torch.equal(batched, y)  # the deltas were added
+
+
+def test_reference_plan_follows_the_widths_of_the_same_segments():
+    """The oracle keeps its per-step plan keyed by segments and widths: the same segments
+    with a slot refilled at another width must get a new plan, not the old one."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, widths, segments, x, _, y = _case(
+        "cpu", gen, torch.float32, requests=30, num_adapters=10, ranks=[8], mix="uniform",
+        no_adapter=False, prefill=False,
+    )  # fmt: skip
+    for ws in (widths, [w // 2 if i % 2 else w for i, w in enumerate(widths)], widths):
+        batched, plain = y.clone(), y.clone()
+        reference.lora_apply(batched, x, a, b, segments, ws)
+        reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, ws), b, segments, ws)
+        torch.testing.assert_close(batched, plain)
