@@ -280,21 +280,40 @@ def sgmv_expand(
             y[s:e].addmm_(tj, lora_b[slot, : widths[slot]])
 
 
+def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:
+    """Split one width's segments into (batched, one by one): the shortest segments run
+    batched, padded to the longest of them, as long as the padding at most doubles the rows;
+    the longer ones (prefill chunks, where a matmul per segment costs little extra) run one
+    by one. So a step mixing decode rows of many adapters with a few prefills still batches
+    its decode rows."""
+    order = sorted(segs, key=lambda seg: seg[1] - seg[0])
+    total, cut = 0, 0
+    for i, (s, e, _) in enumerate(order):
+        total += e - s
+        if (i + 1) * (e - s) <= 2 * total:
+            cut = i + 1
+    if cut < 3:
+        return [], segs
+    return order[:cut], order[cut:]
+
+
 def _lora_groups(
     segments: Sequence[tuple[int, int, int]], widths: Sequence[int], device: torch.device
 ) -> list[tuple[int, list[tuple[int, int, int]], tuple[torch.Tensor, ...] | None]]:
-    """`lora_apply`'s plan: per width, its segments and, when they run batched, the index
-    tensors (rows [S, L], the valid rows flattened, slots [S])."""
+    """`lora_apply`'s plan: per width, the segments run one by one (index None) and those run
+    batched, with their index tensors (rows [S, L], the valid rows flattened, valid, slots)."""
     groups: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, slot in segments:
         if slot >= 0 and widths[slot]:
             groups.setdefault(widths[slot], []).append((s, e, slot))
     plan = []
-    for width, segs in groups.items():
-        lens = [e - s for s, e, _ in segs]
-        if len(segs) < 3 or len(segs) * max(lens) > 2 * sum(lens):
-            plan.append((width, segs, None))
+    for width, all_segs in groups.items():
+        segs, alone = _batchable(all_segs)
+        if alone:
+            plan.append((width, alone, None))
+        if not segs:
             continue
+        lens = [e - s for s, e, _ in segs]
         starts = torch.tensor([s for s, _, _ in segs], device=device)
         steps = torch.arange(max(lens), device=device)
         valid = steps < torch.tensor(lens, device=device).unsqueeze(1)  # [S, L]
@@ -321,9 +340,10 @@ def lora_apply(
 ) -> None:
     """y += per-segment LoRA delta (shrink then expand); see sgmv_shrink / sgmv_expand.
 
-    Segments are taken in groups of one width. Within a group of several segments of similar
-    length (a decode batch over many adapters) the segments are padded to one length and run
-    as two batched matmuls over the slots' weights instead of two matmuls per segment. A group
+    Segments are taken in groups of one width. Within a group, the short segments of similar
+    length (the decode rows of many adapters, even beside a few prefill chunks) are padded to
+    one length and run as two batched matmuls over the slots' weights instead of two matmuls
+    per segment; the long ones run one by one. A group
     reads exactly its width's rows of each slot, so rows past a slot's width (they may hold
     anything) are never read and nothing needs masking. On the CPU, 32 segments of 2 rows
     (in 512, out 768, width 24, bf16): 0.30 ms batched, 1.6 ms per segment; masking the

@@ -125,6 +125,33 @@ def test_reference_batched_decode_path_equals_per_segment(ranks):
     assert not torch.equal(batched, y)  # the deltas were added
 
 
+@pytest.mark.parametrize("ranks", [[8], [4, 8]], ids=["one-width", "mixed-widths"])
+def test_reference_decode_rows_beside_prefills_run_batched(ranks):
+    """A step with the decode rows of many adapters and a few long prefill chunks: the oracle
+    batches the decode rows and runs the prefills one by one, with the plain per-segment
+    result; NaN past the widths and in the spare slot."""
+    gen = torch.Generator().manual_seed(4)
+    num_adapters, dtype, in_features = 30, torch.float32, 64
+    a, b, widths = slot_weights(
+        [ranks[i % len(ranks)] for i in range(num_adapters)],
+        in_features, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
+    )  # fmt: skip
+    lengths = [1] * 24 + [50, 1, 37, 1, 29, 1]
+    segments, rows = make_segments(list(range(num_adapters)), lengths)
+    _, x = guarded((rows, in_features), dtype, "cpu", gen)
+    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
+    plan = reference._lora_groups(segments, widths, x.device)
+    for _width, segs, index in plan:  # the long segments alone, the decode rows batched
+        assert all((e - s > 1) == (index is None) for s, e, _ in segs)
+    assert sum(len(segs) for _, segs, _ in plan) == num_adapters
+    batched, plain = y.clone(), y.clone()
+    reference.lora_apply(batched, x, a, b, segments, widths)
+    reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, widths), b, segments,
+                          widths)  # fmt: skip
+    assert batched.isfinite().all()
+    torch.testing.assert_close(batched, plain)
+
+
 def test_reference_plan_follows_the_widths_of_the_same_segments():
     """The oracle keeps its per-step plan keyed by segments and widths: the same segments
     with a slot refilled at another width must get a new plan, not the old one."""
