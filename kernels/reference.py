@@ -211,9 +211,7 @@ def pick_attention_impl(
     allowed = _visible(q_pos, k_pos, None)  # [B, 1, L]
     scale = head_dim**-0.5
     forms = {  # as paged_attention runs a decode batch with each impl
-        "sdpa": lambda: _attend(
-            q.unsqueeze(1), k, v, q_pos, k_pos, scale, None, None, "sdpa", allowed
-        ),  # fmt: skip
+        "sdpa": lambda: _attend(q.unsqueeze(1), k, v, q_pos, k_pos, scale, None, None, "sdpa"),
         "matmul": lambda: _decode_matmul(q, k, v, allowed, scale, None),
     }
     times = {}
