@@ -163,9 +163,21 @@ def table_rows(runs: list[dict], counts: list[int]) -> list[dict]:
             }
         )
     first = rows[0]["output_throughput"] if rows else None
+    by_repeat = {(r["num_adapters"], r["repeat"]): r["summary"]["output_throughput"] for r in runs}
     for r in rows:
         tp = r["output_throughput"]
         r["vs_first"] = tp / first if tp is not None and first else None
+        # Each repeat's runs are minutes apart, repeats further: pairing a count's run with
+        # the fewest count's run of the same repeat cancels the machine's drift between
+        # repeats (as `bench peers` does for systems).
+        paired = [
+            tp_n / tp_1
+            for (n, rep), tp_n in by_repeat.items()
+            if n == r["num_adapters"]
+            and tp_n is not None
+            and (tp_1 := by_repeat.get((counts[0], rep)))
+        ]
+        r["vs_first_paired"] = statistics.median(paired) if paired else None
     return rows
 
 
@@ -174,7 +186,7 @@ def format_rows(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = f"{'adapters':>8s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-    head += f"{'TPOT p50':>9s} {'vs first':>8s} {'errors':>6s}"
+    head += f"{'TPOT p50':>9s} {'vs first':>8s} {'paired':>7s} {'errors':>6s}"
     lines = [head]
     for r in rows:
         ms = {
@@ -184,6 +196,7 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['num_adapters']:>8d} {f(r['output_throughput'], '.1f'):>9s} "
             f"{f(r['request_throughput'], '.2f'):>7s} {f(ms['ttft_p50'], '.0f'):>9s} "
             f"{f(ms['ttft_p99'], '.0f'):>9s} {f(ms['tpot_p50'], '.1f'):>9s} "
-            f"{f(r['vs_first'], '.3f'):>8s} {r['errors']:>6d}"
+            f"{f(r['vs_first'], '.3f'):>8s} {f(r.get('vs_first_paired'), '.3f'):>7s} "
+            f"{r['errors']:>6d}"
         )
     return "\n".join(lines)
