@@ -35,7 +35,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="server data dir, kept across runs (default: bench/.cache/serve-<model>)",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-loras", type=int, default=8, help="adapter slots in a batch")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=64,
+        help="adapter slots in a batch (default 64, as --max-num-seqs: the cap never binds; "
+        "fewer measures what waiting for a slot costs)",
+    )
     p.add_argument(
         "--max-cpu-loras",
         type=int,
