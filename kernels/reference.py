@@ -110,17 +110,15 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, al
 def _decode_matmul(q, k, v, allowed, scale, softcap):
     """`_attend`'s "matmul" form for one query per sequence, as two plain batched matmuls.
 
-    q [B, H, d]; k, v [B, L, KVH, d] contiguous; allowed [B, 1, L]. Returns [B, H, d].
-    Keys are laid out [B * KVH, L, d] (a view when KVH is 1, else a copy of d-long rows) so
-    that q k^T reads k transposed in place: the general form's batch folding copied it
-    element by element, which took most of its time (decode batch of 36 over 190 keys, 8/2
-    heads of 64: 1.7 -> 0.5 ms per layer; 4/1 heads of 256: 4.3 -> 1 ms).
+    q [B, H, d]; k, v [B * KVH, L, d] (`_DecodePlan.gather`); allowed [B, 1, L].
+    Returns [B, H, d]. With keys laid out [B * KVH, L, d], q k^T reads k transposed in place:
+    the general form's batch folding copied it element by element, which took most of its
+    time (decode batch of 36 over 190 keys, 8/2 heads of 64: 1.7 -> 0.5 ms per layer; 4/1
+    heads of 256: 4.3 -> 1 ms).
     """
     b, h, d = q.shape
-    length, kvh = k.shape[1], k.shape[2]
+    kvh, length = k.shape[0] // b, k.shape[1]
     g = h // kvh
-    k = k.transpose(1, 2).reshape(b * kvh, length, d)
-    v = v.transpose(1, 2).reshape(b * kvh, length, d)
     scores = torch.bmm(q.reshape(b * kvh, g, d), k.mT).float() * scale  # [B * KVH, G, L]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
@@ -159,6 +157,7 @@ class _DecodePlan:
         self.q_pos = (torch.tensor(lens, device=device) - 1).unsqueeze(-1)  # [B, 1]
         self.k_pos = torch.arange(self.max_len, device=device)
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # kv heads -> row indices for gather()
 
     def matches(self, block_tables, query_start_loc, seq_lens, block_size: int, device) -> bool:
         k = self.key
@@ -170,6 +169,25 @@ class _DecodePlan:
             and k[0].shape == block_tables.shape
             and torch.equal(k[0], block_tables)
         )
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """The decode sequences' keys (or values) as [B * KVH, L, d], for `_decode_matmul`.
+
+        One kv head: the whole blocks, already in that order. Several: one gather of d-long
+        rows straight into that order (row indices built once per step); gathering blocks
+        and then moving the head dimension took 3.3 ms instead of 0.4 (64 sequences x 192
+        keys, 2 kv heads of 64, blocks spread over a large cache).
+        """
+        nblocks, bs, kvh, d = cache.shape
+        b, length = self.tables.shape[0], self.max_len
+        if kvh == 1:
+            return _gather_kv(cache, self.tables, length).view(b, length, d)
+        if kvh not in self._rows:
+            slots = self.tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)
+            heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
+            self._rows[kvh] = (slots.view(b, 1, length) * kvh + heads).reshape(-1)
+        rows = torch.index_select(cache.view(nblocks * bs * kvh, d), 0, self._rows[kvh])
+        return rows.view(b * kvh, length, d)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         if sliding_window not in self._masks:
@@ -210,9 +228,10 @@ def pick_attention_impl(
     k_pos = torch.arange(context)
     allowed = _visible(q_pos, k_pos, None)  # [B, 1, L]
     scale = head_dim**-0.5
+    k_rows, v_rows = (t.transpose(1, 2).reshape(-1, context, head_dim) for t in (k, v))
     forms = {  # as paged_attention runs a decode batch with each impl
         "sdpa": lambda: _attend(q.unsqueeze(1), k, v, q_pos, k_pos, scale, None, None, "sdpa"),
-        "matmul": lambda: _decode_matmul(q, k, v, allowed, scale, None),
+        "matmul": lambda: _decode_matmul(q, k_rows, v_rows, allowed, scale, None),
     }
     times = {}
     for impl in ATTENTION_IMPLS:
@@ -253,12 +272,13 @@ def paged_attention(
     decode = plan.decode
     if decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
-        k = _gather_kv(k_cache, plan.tables, plan.max_len)  # [B, L, KVH, d]
-        v = _gather_kv(v_cache, plan.tables, plan.max_len)
         allowed = plan.mask(sliding_window)  # [B, 1, L]
         if softcap or _attention_impl == "matmul":
+            k, v = plan.gather(k_cache), plan.gather(v_cache)  # [B * KVH, L, d]
             o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap)
         else:
+            k = _gather_kv(k_cache, plan.tables, plan.max_len)  # [B, L, KVH, d]
+            v = _gather_kv(v_cache, plan.tables, plan.max_len)
             o = _attend(q[plan.rows].unsqueeze(1), k, v, plan.q_pos, plan.k_pos, scale,
                         sliding_window, softcap, allowed=allowed).squeeze(1)  # fmt: skip
         # Padding keys sit beyond each sequence's length, which causality already masks.
