@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.layers import prepack_cpu_linears
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
 from loraplex.engine.quantization import (
     calibration_sequences,
@@ -70,10 +71,13 @@ def load_model(
     max_len: int = 4096,
     progress: bool = False,
     quantization: str | None = None,
+    prepack: bool = True,
 ) -> DecoderLM:
     """The model in `dtype` on `device`; with `quantization` ("int8" | "int4") its linear
     layers are then quantized in place (peak memory: the float model plus one layer); int4
-    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer."""
+    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. With
+    `prepack`, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
+    (same results, less work per matmul; see PackedLoRALinear)."""
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
@@ -116,6 +120,10 @@ def load_model(
     if quantization is not None:
         calibration = calibration_sequences(folder, max_len) if quantization == "int4" else None
         quantize_model(model, quantization, calibration)
+    elif prepack:
+        n = prepack_cpu_linears(model)
+        if n:
+            log.info("%d bf16 linear layers pre-packed for oneDNN", n)
     log.info(
         "resident weights: %.1f MiB (%s, quantization=%s)",
         resident_weight_bytes(model) / 2**20,
