@@ -71,12 +71,11 @@ def load_model(
     max_len: int = 4096,
     progress: bool = False,
     quantization: str | None = None,
-    prepack: bool = True,
 ) -> DecoderLM:
     """The model in `dtype` on `device`; with `quantization` ("int8" | "int4") its linear
     layers are then quantized in place (peak memory: the float model plus one layer); int4
-    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. With
-    `prepack`, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
+    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. Without
+    quantization, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
     (same results, less work per matmul; see PackedLoRALinear)."""
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
@@ -120,7 +119,7 @@ def load_model(
     if quantization is not None:
         calibration = calibration_sequences(folder, max_len) if quantization == "int4" else None
         quantize_model(model, quantization, calibration)
-    elif prepack:
+    else:
         n = prepack_cpu_linears(model)
         if n:
             log.info("%d bf16 linear layers pre-packed for oneDNN", n)

@@ -193,14 +193,9 @@ class QuantizedLoRALinear(LoRALinear):
     method: str
 
     def __init__(self, lin: LoRALinear):
-        nn.Module.__init__(self)  # LoRALinear's own init would allocate a float weight
-        self.out_sizes = lin.out_sizes
-        self.bias = lin.bias
-        self.lora_a, self.lora_b, self.lora_widths = lin.lora_a, lin.lora_b, lin.lora_widths
-        self.out_features, self.in_features = lin.weight.shape
-        self.compute_dtype = lin.weight.dtype
-        self.device = lin.weight.device
-        self.weight = None  # the float weight is gone: only `base` multiplies
+        dtype, device = lin.weight.dtype, lin.weight.device
+        self._take_over(lin)
+        self.compute_dtype, self.device = dtype, device
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)

@@ -111,6 +111,16 @@ class LoRALinear(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [num_slots, max_width, out]
         self.lora_widths: list[int] = []  # per slot; 0 = this module not targeted
 
+    def _take_over(self, lin: LoRALinear) -> None:
+        """For subclasses that replace a loaded `lin` and keep its base weight their own way
+        (packed, quantized): its shape, bias and LoRA slots; the float weight is dropped."""
+        nn.Module.__init__(self)  # LoRALinear's own init would allocate a float weight
+        self.out_sizes = lin.out_sizes
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.bias = lin.bias
+        self.lora_a, self.lora_b, self.lora_widths = lin.lora_a, lin.lora_b, lin.lora_widths
+        self.weight = None  # only `base` multiplies
+
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
         return F.linear(x, self.weight, self.bias)
@@ -134,12 +144,7 @@ class PackedLoRALinear(LoRALinear):
     """
 
     def __init__(self, lin: LoRALinear, packed: torch.Tensor):
-        nn.Module.__init__(self)  # LoRALinear's own init would allocate a float weight
-        self.out_sizes = lin.out_sizes
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias = lin.bias
-        self.lora_a, self.lora_b, self.lora_widths = lin.lora_a, lin.lora_b, lin.lora_widths
-        self.weight = None  # only `base` multiplies
+        self._take_over(lin)
         self.register_buffer("packed", packed, persistent=False)
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
