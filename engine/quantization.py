@@ -30,13 +30,16 @@ temporary and use a plain matmul (`*_PACKED_MAX_ROWS`). int4 weights are rounded
 the calibration texts of engine/calibration.py (engine/gptq.py). The int4 op wants its own
 byte order:
 
-    CPU int4 layout, uint8 [N, K // 2] viewed as [N // 64, K, 32]:
-        byte [b, k, j] = q[64 b + j, k] | q[64 b + 32 + j, k] << 4        j in [0, 32)
+    CPU int4 layout, uint8 [N, K // 2] viewed as [N // B, K, B // 2]:
+        byte [b, k, j] = q[B b + j, k] | q[B b + B // 2 + j, k] << 4      j in [0, B // 2)
+    with the block B torch's build picked for this CPU: 64 with AVX-512, 32 with AVX2 only
+    (`cpu_int4_block` finds it out once, by packing a probe with torch's own converter).
     scales_and_zeros bf16 [K // G, N, 2] = (scales^T, zeros^T), same (q - 8) * s + z rule
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -105,19 +108,40 @@ def quantize_int4(
     return pack_int4(q.view(n, k)), scales, zeros
 
 
-def to_cpu_int4_layout(qweight: torch.Tensor) -> torch.Tensor:
-    """Canonical uint8 [N, K // 2] -> the layout of `_weight_int4pack_mm_for_cpu` (N % 64 == 0)."""
+@functools.cache
+def cpu_int4_block() -> int | None:
+    """Rows per block of `_weight_int4pack_mm_for_cpu`'s weight layout on this CPU (64 with
+    AVX-512, 32 with AVX2 only), found by comparing torch's converter with each candidate on
+    a probe; None when neither matches or the op is missing (the fast CPU path is then off)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
+    try:
+        theirs = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (AttributeError, RuntimeError):
+        return None
+    for block in (64, 32):
+        if torch.equal(theirs, to_cpu_int4_layout(pack_int4(q), block)):
+            return block
+    log.warning("torch's CPU int4 weight layout is not one loraplex knows: int4 runs unpacked")
+    return None
+
+
+def to_cpu_int4_layout(qweight: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Canonical uint8 [N, K // 2] -> the layout of `_weight_int4pack_mm_for_cpu`
+    (N % block == 0; block: `cpu_int4_block()` unless given)."""
+    block = block or cpu_int4_block()
     q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)  # [N, K]
     n, k = q.shape
-    halves = q.view(n // 64, 2, 32, k)  # rows 64b + j and 64b + 32 + j share a byte
-    packed = halves[:, 0] | (halves[:, 1] << 4)  # [N // 64, 32, K]
+    halves = q.view(n // block, 2, block // 2, k)  # rows Bb + j and Bb + B/2 + j share a byte
+    packed = halves[:, 0] | (halves[:, 1] << 4)  # [N // B, B // 2, K]
     return packed.transpose(1, 2).contiguous().view(n, k // 2)
 
 
-def from_cpu_int4_layout(packed: torch.Tensor) -> torch.Tensor:
+def from_cpu_int4_layout(packed: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Inverse of `to_cpu_int4_layout`: back to the canonical uint8 [N, K // 2]."""
+    block = block or cpu_int4_block()
     n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.view(n // 64, k, 32).transpose(1, 2)  # [N // 64, 32, K]
+    b = packed.view(n // block, k, block // 2).transpose(1, 2)  # [N // B, B // 2, K]
     q = torch.stack([b & 0xF, b >> 4], dim=1).reshape(n, k)
     return pack_int4(q)
 
@@ -175,9 +199,9 @@ def dequantize_cpu_int4(
 
     Shape: packed uint8 [N, K // 2] (CPU layout); scales, zeros [N, K // G] -> [N, K].
     """
-    n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.view(n // 64, k, 32)
-    q = torch.stack([b & 0xF, b >> 4], dim=1).transpose(-1, -2)  # [N // 64, 2, 32, K]
+    n, k, block = packed.shape[0], packed.shape[1] * 2, cpu_int4_block()
+    b = packed.view(n // block, k, block // 2)
+    q = torch.stack([b & 0xF, b >> 4], dim=1).transpose(-1, -2)  # [N // B, 2, B // 2, K]
     q = q.reshape(n, k // group_size, group_size).to(dtype)
     w = torch.addcmul(zeros.to(dtype).unsqueeze(-1), q - 8, scales.to(dtype).unsqueeze(-1))
     return w.view(n, k)
@@ -263,7 +287,8 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
             codes, s, lows = gptq_int4(w, xtx, self.group_size)
             q, z = pack_int4(codes), lows + 8 * s  # (q - 8) * s + z = q * s + low
         # The CPU op's own layout replaces the canonical one (same bytes, not both resident).
-        self.cpu_layout = self.device.type == "cpu" and self.out_features % 64 == 0
+        block = cpu_int4_block() if self.device.type == "cpu" else None
+        self.cpu_layout = block is not None and self.out_features % block == 0
         self.register_buffer("qweight", to_cpu_int4_layout(q) if self.cpu_layout else q)
         self.register_buffer("scales", s)  # float32 [N, K // G]
         self.register_buffer("zeros", z)

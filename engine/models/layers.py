@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -155,13 +156,30 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the rows hint
 
 
+@functools.cache
+def cpu_can_prepack_bf16() -> bool:
+    """Whether this CPU and torch build can keep bf16 weights packed for oneDNN.
+
+    oneDNN's bf16 linear needs avx512bw/vl/dq or avx_ne_convert; on a plain AVX2 CPU torch
+    refuses to pack ("bf16 path needs the cpu support ...") and layers stay plain.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _pack(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def prepack_cpu_linears(model: nn.Module) -> int:
     """Replace every plain bf16 CPU LoRALinear by a PackedLoRALinear; returns how many.
 
-    Nothing happens without oneDNN or off the CPU; a layer whose packed product differs from
-    F.linear's on a probe input (bitwise) stays plain, so results never change.
+    Nothing happens where the CPU cannot pack bf16 (`cpu_can_prepack_bf16`) or off the CPU;
+    a layer whose packed product differs from F.linear's on a probe input (bitwise) stays
+    plain, so results never change.
     """
-    if not torch.backends.mkldnn.is_available():
+    if not cpu_can_prepack_bf16():
         return 0
     targets = [
         (name, mod)

@@ -7,14 +7,37 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams, loader
-from loraplex.engine.models.layers import LoRALinear, PackedLoRALinear, prepack_cpu_linears
+from loraplex.engine.models.layers import (
+    LoRALinear,
+    PackedLoRALinear,
+    cpu_can_prepack_bf16,
+    prepack_cpu_linears,
+)
 from loraplex.engine.quantization import resident_weight_bytes
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN"
+needs_packing = pytest.mark.skipif(
+    not cpu_can_prepack_bf16(),
+    reason="oneDNN cannot pack bf16 weights on this CPU (needs avx512bw/vl/dq or avx_ne_convert)",
 )
 
 
+def test_a_cpu_that_cannot_pack_keeps_every_layer_plain(monkeypatch):
+    from loraplex.engine.models import layers
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
+
+    monkeypatch.setattr(layers, "_pack", refuse)
+    layers.cpu_can_prepack_bf16.cache_clear()
+    try:
+        model = torch.nn.Sequential(LoRALinear(32, [16], False).to(torch.bfloat16))
+        assert prepack_cpu_linears(model) == 0
+        assert type(model[0]) is LoRALinear and model[0].weight is not None
+    finally:
+        layers.cpu_can_prepack_bf16.cache_clear()
+
+
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_base_is_bitwise_f_linear(bias):
     gen = torch.Generator().manual_seed(0)
@@ -39,6 +62,7 @@ def test_float32_and_quantized_layers_stay_plain():
     assert type(model[0]) is LoRALinear
 
 
+@needs_packing
 def test_packed_engine_generates_exactly_what_the_plain_one_does(
     tiny_models, tiny_adapters, monkeypatch
 ):
