@@ -105,3 +105,28 @@ def test_docs_page_shows_tables_and_goal_verdicts(tmp_path):
         "1024 adapters / at 4: 0.850 (ratio of medians), 0.850 (median of the per-repeat "
         "ratios) — goal ≥ 0.9 by both: not met"
     ) in page
+
+
+def test_docs_page_names_each_files_machine_when_they_differ(tmp_path):
+    def run_doc(cpu: str, isa: list[str]) -> dict:
+        s = summary(100, 0.2)
+        return {
+            "kind": "serve",
+            "trace": {"description": "10 requests"},
+            "target": {"url": "http://127.0.0.1:8000"},
+            "finished": "now",
+            "summary": {**s, "completed": 10, "requests": 10, "slo": {"attainment": None}},
+            "machine": {"cpu": cpu, "cores": 2, "isa": isa, "torch": "2.13.0+cpu"},
+        }
+
+    (tmp_path / "serve-a.json").write_text(json.dumps(run_doc("EPYC", ["avx2", "avx512f"])))
+    page = render(tmp_path, tmp_path / "benchmarks.md")
+    assert "EPYC, 2 cores (avx2, avx512f), torch 2.13.0+cpu." in page
+    assert "Machine:" not in page  # one machine: named once, under Hardware
+
+    (tmp_path / "serve-b.json").write_text(json.dumps(run_doc("EPYC", ["avx2"])))
+    page = render(tmp_path, tmp_path / "benchmarks.md")
+    assert "more than one machine" in page
+    a, b = page.index("`serve-a.json`"), page.index("`serve-b.json`")
+    assert page.index("Machine: EPYC, 2 cores (avx2, avx512f)") < a < b
+    assert a < page.index("Machine: EPYC, 2 cores (avx2), torch") < b
