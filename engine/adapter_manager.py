@@ -73,8 +73,8 @@ class AdapterManager:
     ):
         self.model, self.spec = model, model.spec
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
-        self.dtype = model.lm_head.weight.dtype
-        self.pin = model.lm_head.weight.device.type == "cuda"
+        self.dtype = model.dtype
+        self.pin = model.device.type == "cuda"
         self.modules: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
             mods = {
@@ -85,7 +85,7 @@ class AdapterManager:
             }
             for name, mod in mods.items():
                 width = _SLICES[name] * max_rank
-                dev = model.lm_head.weight.device  # one device for the whole model
+                dev = model.device  # one device for the whole model
                 mod.lora_a = torch.zeros(
                     max_loras, width, mod.in_features, dtype=self.dtype, device=dev
                 )

@@ -136,7 +136,7 @@ def calibrate_and_quantize(
     the layer's output, computed with quantized linears, feeds the next layer. Attention
     reads a temporary KV cache; the model's own cache (if any) is left as it was.
     """
-    device = model.lm_head.weight.device
+    device = model.device
     lens = [len(s) for s in sequences]
     starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
     width = max(lens)

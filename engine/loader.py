@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
-from loraplex.engine.models.layers import prepack_cpu_linears
+from loraplex.engine.models.layers import prepack_cpu_linears, prepack_cpu_lm_head
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
 from loraplex.engine.quantization import (
     calibration_sequences,
@@ -76,7 +76,8 @@ def load_model(
     layers are then quantized in place (peak memory: the float model plus one layer); int4
     runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. Without
     quantization, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
-    (same results, less work per matmul; see PackedLoRALinear)."""
+    (same results, less work per matmul; see PackedLoRALinear), and a vocabulary-sized
+    lm_head is packed too (PackedHead)."""
     folder = Path(folder)
     spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
@@ -123,6 +124,12 @@ def load_model(
         n = prepack_cpu_linears(model)
         if n:
             log.info("%d bf16 linear layers pre-packed for oneDNN", n)
+    # A tied head packed costs a copy of the table: not where quantization is saving memory.
+    if (quantization is None or not spec.tie_embeddings) and prepack_cpu_lm_head(model):
+        log.info(
+            "lm_head pre-packed for oneDNN (%s)",
+            "one more copy of the tied embedding" if spec.tie_embeddings else "plain copy dropped",
+        )
     log.info(
         "resident weights: %.1f MiB (%s, quantization=%s)",
         resident_weight_bytes(model) / 2**20,

@@ -35,7 +35,7 @@ class StepBatch:
 
 def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
     s = model.spec
-    elem = model.lm_head.weight.element_size()
+    elem = torch.empty((), dtype=model.dtype).element_size()
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
 
 
@@ -49,7 +49,7 @@ def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
             s.num_heads,
             s.num_kv_heads,
             s.head_dim,
-            model.lm_head.weight.dtype,
+            model.dtype,
             batch=min(config.max_num_seqs, 32),
             context=min(config.max_model_len, 256),
         )
@@ -65,7 +65,7 @@ def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: DecoderLM, sampler: Sampler):
         self.config, self.model, self.sampler = config, model, sampler
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         bs = config.block_size
         wanted = -(-config.max_model_len // bs) * config.max_num_seqs
         by_bytes = config.kv_cache_bytes // kv_block_bytes(model, bs)
@@ -78,7 +78,7 @@ class ModelRunner:
             )
         s = model.spec
         shape = (self.num_blocks, bs, s.num_kv_heads, s.head_dim)
-        dtype = model.lm_head.weight.dtype
+        dtype = model.dtype
         # Zeroed: masked-out scores multiply these values, and 0 * NaN would poison a row.
         for layer in model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -53,6 +53,16 @@ class DecoderLM(nn.Module):
         self.model = Backbone(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights, activations and KV cache (the embedding's: it always
+        stays a plain float tensor, whatever form the lm_head and linears take)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:

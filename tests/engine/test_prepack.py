@@ -1,4 +1,5 @@
-"""bf16 linear layers pre-packed for oneDNN on the CPU: same results, plain weight dropped."""
+"""Linear layers and the lm_head pre-packed for oneDNN on the CPU: same results (bf16
+bitwise, float32 within rounding), plain weight dropped where nothing else reads it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams, loader
 from loraplex.engine.models.layers import (
+    PACK_HEAD_MIN_ROWS,
     LoRALinear,
+    PackedHead,
     PackedLoRALinear,
     cpu_can_prepack_bf16,
     prepack_cpu_linears,
+    prepack_cpu_lm_head,
 )
 from loraplex.engine.quantization import resident_weight_bytes
+from tests.utils.factories import make_tiny_model
 
 needs_packing = pytest.mark.skipif(
     not cpu_can_prepack_bf16(),
@@ -86,3 +91,68 @@ def test_packed_engine_generates_exactly_what_the_plain_one_does(
         assert p.outputs[0].token_ids == q.outputs[0].token_ids
         assert p.outputs[0].logprobs == q.outputs[0].logprobs  # bitwise
     assert resident_weight_bytes(model) == resident_weight_bytes(plain_llm.engine.model)
+
+
+# --------------------------------------------------------------------------- lm_head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_head_matches_f_linear(dtype):
+    if dtype == torch.bfloat16 and not cpu_can_prepack_bf16():
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(64, PACK_HEAD_MIN_ROWS, bias=False).to(dtype)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn(PACK_HEAD_MIN_ROWS, 64, generator=gen) * 0.1)
+    plain = model.lm_head
+    assert prepack_cpu_lm_head(model)
+    assert isinstance(model.lm_head, PackedHead) and not hasattr(model.lm_head, "weight")
+    for rows in (1, 5, 64):
+        x = torch.randn(2, rows, 64, generator=gen).to(dtype)  # leading dims kept
+        got, want = model.lm_head(x), plain(x)
+        assert got.shape == want.shape == (2, rows, PACK_HEAD_MIN_ROWS)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_or_biased_heads_stay_plain():
+    for head in (
+        torch.nn.Linear(64, PACK_HEAD_MIN_ROWS // 2, bias=False),  # a test model's vocabulary
+        torch.nn.Linear(64, PACK_HEAD_MIN_ROWS, bias=True),
+    ):
+        model = torch.nn.Module()
+        model.lm_head = head
+        assert not prepack_cpu_lm_head(model) and model.lm_head is head
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_with_a_packed_head_generates_what_the_plain_one_does(tmp_path, monkeypatch, tie):
+    folder = make_tiny_model("llama", tmp_path / "m", vocab_size=PACK_HEAD_MIN_ROWS, tie=tie)
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 120, 6400, 64]]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    settings = dict(dtype="float32", cpu_attention="matmul", max_model_len=256)
+    packed_llm = LLM(str(folder), **settings)
+    model = packed_llm.engine.model
+    assert isinstance(model.lm_head, PackedHead)
+    packed = packed_llm.generate(prompts, params)
+
+    monkeypatch.setattr(loader, "prepack_cpu_lm_head", lambda model: False)
+    plain_llm = LLM(str(folder), **settings)
+    plain_model = plain_llm.engine.model
+    assert type(plain_model.lm_head) is torch.nn.Linear
+    plain = plain_llm.generate(prompts, params)
+    for p, q in zip(packed, plain, strict=True):
+        assert p.outputs[0].token_ids == q.outputs[0].token_ids
+        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
+            assert lp.keys() == lq.keys()
+            for token in lp:
+                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
+    # The embedding keeps its plain table; a tied head's packed copy is one more table, an
+    # untied head's plain weight is gone.
+    assert torch.equal(model.model.embed_tokens.weight, plain_model.model.embed_tokens.weight)
+    table = plain_model.lm_head.weight.numel() * 4
+    extra = resident_weight_bytes(model) - resident_weight_bytes(plain_model)
+    assert extra == (table if tie else 0)
