@@ -210,8 +210,9 @@ def render(results: Path = RESULTS, out: Path = OUTPUT) -> str:
     files = sorted(results.glob("*.json"))
     docs = {p: json.loads(p.read_text()) for p in files}
     # Sessions land on different CPUs (with and without AVX-512): every file names its own.
-    where = {p: _machine(_doc_machine(d)) for p, d in docs.items()}
-    known = [m for p, m in where.items() if _doc_machine(docs[p])]
+    found = {p: _doc_machine(d) for p, d in docs.items()}
+    where = {p: _machine(m) for p, m in found.items()}
+    known = [where[p] for p, m in found.items() if m]
     machines = sorted(set(known), key=known.index)
     hardware = (
         f"{machines[0] if machines else _machine(None)}.\n"

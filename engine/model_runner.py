@@ -35,7 +35,7 @@ class StepBatch:
 
 def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
     s = model.spec
-    elem = torch.empty((), dtype=model.dtype).element_size()
+    elem = model.dtype.itemsize
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
 
 
