@@ -83,8 +83,9 @@ def _doc_machine(doc: dict) -> dict | None:
 def _machine(m: dict | None) -> str:
     if not m:
         return "unknown machine"
+    gen = f" (family {m['cpu_family']}, model {m['cpu_model']})" if "cpu_family" in m else ""
     return (
-        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores "
+        f"{m.get('cpu', '?')}{gen}, {m.get('cores', '?')} cores "
         f"({', '.join(m.get('isa', [])) or 'no AVX-512'}), torch {m.get('torch', '?')}"
     )
 

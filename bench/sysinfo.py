@@ -20,6 +20,11 @@ def machine() -> dict:
         info["cpu"] = next(
             ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")
         )
+        # "AMD EPYC" names several generations (Zen 4 and Zen 5 both): family and model tell.
+        for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model")):
+            info[name] = next(
+                int(ln.split(":", 1)[1]) for ln in lines if ln.split(":")[0].strip() == key
+            )
         flags = next(ln for ln in lines if ln.startswith("flags")).split()
         info["isa"] = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")
     except (OSError, StopIteration):

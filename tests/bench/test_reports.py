@@ -108,7 +108,7 @@ def test_docs_page_shows_tables_and_goal_verdicts(tmp_path):
 
 
 def test_docs_page_names_each_files_machine_when_they_differ(tmp_path):
-    def run_doc(cpu: str, isa: list[str]) -> dict:
+    def run_doc(cpu: str, isa: list[str], **generation) -> dict:
         s = summary(100, 0.2)
         return {
             "kind": "serve",
@@ -116,7 +116,7 @@ def test_docs_page_names_each_files_machine_when_they_differ(tmp_path):
             "target": {"url": "http://127.0.0.1:8000"},
             "finished": "now",
             "summary": {**s, "completed": 10, "requests": 10, "slo": {"attainment": None}},
-            "machine": {"cpu": cpu, "cores": 2, "isa": isa, "torch": "2.13.0+cpu"},
+            "machine": {"cpu": cpu, "cores": 2, "isa": isa, "torch": "2.13.0+cpu", **generation},
         }
 
     (tmp_path / "serve-a.json").write_text(json.dumps(run_doc("EPYC", ["avx2", "avx512f"])))
@@ -130,3 +130,10 @@ def test_docs_page_names_each_files_machine_when_they_differ(tmp_path):
     a, b = page.index("`serve-a.json`"), page.index("`serve-b.json`")
     assert page.index("Machine: EPYC, 2 cores (avx2, avx512f)") < a < b
     assert a < page.index("Machine: EPYC, 2 cores (avx2), torch") < b
+
+    # Same name and ISA list, another generation: family and model keep them apart.
+    gen = run_doc("EPYC", ["avx2"], cpu_family=25, cpu_model=17)
+    (tmp_path / "serve-c.json").write_text(json.dumps(gen))
+    page = render(tmp_path, tmp_path / "benchmarks.md")
+    assert page.index("`serve-b.json`") < page.index("Machine: EPYC (family 25, model 17), 2 cores")
+    assert "- EPYC (family 25, model 17), 2 cores (avx2), torch 2.13.0+cpu" in page
