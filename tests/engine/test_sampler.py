@@ -276,7 +276,7 @@ def test_tiny_temperature_is_greedy_not_nan(sampler: Sampler, logits: torch.Tens
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("vocab", [50, 100, 32000, 32001, 262144])
+@pytest.mark.parametrize("vocab", [50, 100, 4096, 32000, 32001, 128256, 262144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blockwise_argmax_equals_argmax_with_first_tie(vocab: int, dtype: torch.dtype) -> None:
     from loraplex.engine.sampler import _argmax

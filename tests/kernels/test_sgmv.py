@@ -107,9 +107,10 @@ def test_padded_tiles_do_nothing(device, gen):
 
 
 @pytest.mark.parametrize("ranks", [[8], [4, 8, 16]], ids=["one-width", "mixed-widths"])
-def test_reference_batched_decode_path_equals_per_segment(ranks):
+def test_reference_batched_decode_path_equals_per_segment(ranks, monkeypatch):
     """The oracle's batched path (many short segments, grouped by width) against its plain
     per-segment shrink/expand; rows past each slot's width and the spare slot hold NaN."""
+    monkeypatch.setattr(reference, "DENSE_MAX_COLUMNS", 0)
     gen = torch.Generator().manual_seed(3)
     a, b, widths, segments, x, _, y = _case(
         "cpu", gen, torch.float32, requests=40, num_adapters=18, ranks=ranks, mix="uniform",
@@ -126,10 +127,11 @@ def test_reference_batched_decode_path_equals_per_segment(ranks):
 
 
 @pytest.mark.parametrize("ranks", [[8], [4, 8]], ids=["one-width", "mixed-widths"])
-def test_reference_decode_rows_beside_prefills_run_batched(ranks):
+def test_reference_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
     """A step with the decode rows of many adapters and a few long prefill chunks: the oracle
     batches the decode rows and runs the prefills one by one, with the plain per-segment
     result; NaN past the widths and in the spare slot."""
+    monkeypatch.setattr(reference, "DENSE_MAX_COLUMNS", 0)
     gen = torch.Generator().manual_seed(4)
     num_adapters, dtype, in_features = 30, torch.float32, 64
     a, b, widths = slot_weights(
@@ -165,3 +167,74 @@ def test_reference_plan_follows_the_widths_of_the_same_segments():
         reference.lora_apply(batched, x, a, b, segments, ws)
         reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, ws), b, segments, ws)
         torch.testing.assert_close(batched, plain)
+
+
+def _plain(y, x, a, b, segments, widths):
+    out = y.clone()
+    reference.sgmv_expand(out, reference.sgmv_shrink(x, a, segments, widths), b, segments, widths)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranks", [[8], [2, 8]], ids=["one-width", "mixed-widths"])
+def test_reference_few_adapters_run_dense(dtype, ranks):
+    """Few adapters (the stacked columns within DENSE_MAX_COLUMNS) run as two matmuls over
+    all of them: decode rows and prefill chunks, rows without an adapter, one slot in several
+    segments; NaN past the widths and in the spare slot, which nobody may read."""
+    gen = torch.Generator().manual_seed(6)
+    num_adapters = 3
+    a, b, widths = slot_weights(
+        [ranks[i % len(ranks)] for i in range(num_adapters)],
+        64, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
+    )  # fmt: skip
+    # Not sorted by slot: slot 0 and 1 come back after others (as in any order of rows).
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, -1), (3, 20, 2), (20, 21, 0), (21, 30, 1),
+                (30, 31, -1), (31, 33, 2)]  # fmt: skip
+    rows = 33
+    _, x = guarded((rows, 64), dtype, "cpu", gen)
+    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
+    plan = reference._lora_groups(segments, widths, x.device)
+    assert plan and all(isinstance(index, reference._Dense) for *_, index in plan)
+    dense = y.clone()
+    reference.lora_apply(dense, x, a, b, segments, widths)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths), **tolerance(dtype))
+    for s, e, slot in segments:
+        if slot < 0:
+            assert torch.equal(dense[s:e], y[s:e])  # untouched, bit for bit
+        else:
+            assert not torch.equal(dense[s:e], y[s:e])
+
+
+def test_reference_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
+    """Every slot of the maximum width in use, from slot 0: no gather, same result."""
+    gen = torch.Generator().manual_seed(7)
+    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
+    segments, rows = make_segments([1, 0, 1], [1, 1, 5])
+    x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, sum(QKV), generator=gen)
+    [(width, _, index)] = reference._lora_groups(segments, widths, x.device)
+    assert index.from_zero and width == a.shape[1]
+    assert reference._stacked(a, index, width).data_ptr() == a.data_ptr()  # a view
+    dense = y.clone()
+    reference.lora_apply(dense, x, a, b, segments, widths)
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
+
+
+def test_reference_dense_run_keeps_rows_apart_when_another_adapter_overflows():
+    """In float16, row 0's input times adapter 1's A overflows to inf. Row 0 uses adapter 0
+    and row 1 adapter 1: the dense run selects (not multiplies) each row's own columns, so
+    row 0 stays finite and equal to the per-segment result."""
+    gen = torch.Generator().manual_seed(8)
+    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
+    a[1] = 1e3  # finite, as loading checks, but large
+    x = torch.randn(2, 64, generator=gen)
+    x[0], x[1] = 100.0, x[1] * 1e-3  # x[0] @ a[1]^T = 6.4e6: beyond float16
+    a, b, x = a.half(), b.half(), x.half()
+    y = torch.zeros(2, sum(QKV), dtype=torch.float16)
+    segments = [(0, 1, 0), (1, 2, 1)]
+    assert isinstance(reference._lora_groups(segments, widths, x.device)[0][2], reference._Dense)
+    assert not torch.isfinite(x[:1] @ a[1].t()).all()
+    dense = y.clone()
+    reference.lora_apply(dense, x, a, b, segments, widths)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
