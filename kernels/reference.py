@@ -358,7 +358,8 @@ def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:
 # the padded batched matmuls, which cost more at these sizes. Demo-model shapes on a Zen 4
 # CPU, bf16, 1 thread, lora_apply of one layer's qkv, o, gate_up and down: 4 adapters x 8
 # decode rows 0.96 -> 0.75 ms, x 1 row 0.69 -> 0.47 ms; 8 x 4 and 16 x 2 even (within 5 %);
-# 2 adapters x 16 rows (per-segment before) 0.83 -> 0.87 ms; past 256 columns dense loses.
+# 2 adapters x 16 rows (per-segment before) 0.83 -> 0.87 ms; 32 x 1 (768 columns at qkv)
+# even, 64 x 1 (1536) dense 30-60 % slower.
 DENSE_MAX_COLUMNS = 256
 
 
