@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -14,21 +15,8 @@ def machine() -> dict:
         "python": platform.python_version(),
         "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = text.splitlines()
-        info["cpu"] = next(
-            ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")
-        )
-        # "AMD EPYC" names several generations (Zen 4 and Zen 5 both): family and model tell.
-        for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model")):
-            info[name] = next(
-                int(ln.split(":", 1)[1]) for ln in lines if ln.split(":")[0].strip() == key
-            )
-        flags = next(ln for ln in lines if ln.startswith("flags")).split()
-        info["isa"] = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError):
+        info.update(cpu_info(Path("/proc/cpuinfo").read_text()))
     try:
         import torch
 
@@ -36,4 +24,24 @@ def machine() -> dict:
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
         pass
+    return info
+
+
+def cpu_info(text: str) -> dict:
+    """The first processor of a /proc/cpuinfo: name, AVX2/AVX-512/AMX flags, family and model
+    (where the kernel reports them; "AMD EPYC" names Zen 4 and Zen 5 alike)."""
+    fields: dict[str, str] = {}
+    for ln in text.splitlines():
+        key, sep, value = ln.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    info: dict = {}
+    if "model name" in fields:
+        info["cpu"] = fields["model name"]
+    if "flags" in fields:
+        flags = fields["flags"].split()
+        info["isa"] = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")
+    for key, name in (("cpu family", "cpu_family"), ("model", "cpu_model")):
+        if fields.get(key, "").isdigit():
+            info[name] = int(fields[key])
     return info

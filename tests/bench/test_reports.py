@@ -137,3 +137,19 @@ def test_docs_page_names_each_files_machine_when_they_differ(tmp_path):
     page = render(tmp_path, tmp_path / "benchmarks.md")
     assert page.index("`serve-b.json`") < page.index("Machine: EPYC (family 25, model 17), 2 cores")
     assert "- EPYC (family 25, model 17), 2 cores (avx2), torch 2.13.0+cpu" in page
+
+
+def test_cpu_info_names_the_generation_where_the_kernel_gives_it():
+    from loraplex.bench.sysinfo import cpu_info
+
+    x86 = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n\n"
+        "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n"
+    )
+    assert cpu_info(x86) == {
+        "cpu": "AMD EPYC", "isa": ["amx_tile", "avx2", "avx512_bf16", "avx512f"],
+        "cpu_family": 25, "cpu_model": 17,
+    }  # fmt: skip
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU part\t: 0xd0c\n"
+    assert cpu_info(arm) == {}
