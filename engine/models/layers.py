@@ -149,11 +149,16 @@ class PackedLoRALinear(LoRALinear):
         self.register_buffer("packed", packed, persistent=False)
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _packed_linear(x, self.packed, self.bias)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the rows hint
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """F.linear(x, W, bias) for W packed by `_pack` (oneDNN, no fused activation)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.cache
@@ -221,9 +226,7 @@ class PackedHead(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, self.in_features), self.packed, None, "none", [], ""
-        )
+        y = _packed_linear(x.reshape(-1, self.in_features), self.packed, None)
         return y.view(*x.shape[:-1], self.out_features)
 
 
