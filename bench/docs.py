@@ -126,7 +126,33 @@ def peers_section(doc: dict, path: Path, out: Path) -> str:
             f"- loraplex / {LABELS[peer]}: output tokens/s ×{r['throughput']:.2f}; their p99 TTFT "
             f"/ ours ×{r['ttft_p99']:.2f}{verdict}\n"
         )
+    if doc.get("compute"):
+        text += compute_lines(doc["compute"])
     return text + _image(path, out)
+
+
+def compute_lines(c: dict) -> str:
+    """The compute ceiling (bench/roofline.py) of a peers file that measured one."""
+    peak = c["peak"]
+    shape = " × ".join(map(str, peak["shape"]))
+    text = (
+        f"- Compute ceiling: the fastest GEMM measured in this run, {peak['gflops']:.0f} GFLOP/s "
+        f"({peak['dtype']}, {peak['threads']} thread(s), {peak['form']}, {shape}), over the "
+        "trace's matmul FLOPs per output token; achieved model GFLOP/s: "
+    )
+    text += "; ".join(
+        f"{LABELS[name]} {s['gflops']:.1f} ({s['of_peak']:.0%} of peak, ceiling "
+        f"{s['ceiling_tok_s']:.0f} tok/s)"
+        for name, s in c["systems"].items()
+        if s.get("gflops") is not None
+    )
+    text += "\n"
+    if goal := c.get("hf_goal"):
+        text += (
+            f"- ×{goal['factor']:.0f} over HF+peft needs {goal['needs_tok_s']:.0f} output tok/s: "
+            f"{goal['of_ceiling']:.0%} of the compute ceiling\n"
+        )
+    return text
 
 
 def scaling_section(doc: dict, path: Path, out: Path) -> str:

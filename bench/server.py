@@ -127,7 +127,7 @@ class LoraplexServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.platform.cli", "serve"],
+            [sys.executable, "-P", "-m", "loraplex.platform.cli", "serve"],  # -P: see hf_server
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

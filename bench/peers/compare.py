@@ -133,12 +133,15 @@ def target_of(server, name: str):
 
 
 def run_compare(args: argparse.Namespace) -> dict:
-    from loraplex.bench import assets
+    import torch
+
+    from loraplex.bench import assets, roofline
     from loraplex.bench.metrics import summarize
     from loraplex.bench.plots import plot_compare
     from loraplex.bench.replay import run_replay
     from loraplex.bench.sysinfo import machine
     from loraplex.bench.trace import make_trace
+    from loraplex.engine.models.spec import spec_from_config
 
     names = [s for s in args.systems.split(",") if s]
     if bad := set(names) - set(SYSTEMS):
@@ -151,6 +154,9 @@ def run_compare(args: argparse.Namespace) -> dict:
     adapters = adapters[: args.num_adapters]
     model_name = model_dir.name if args.model not in ("tiny-llama", "demo") else args.model
     cfg = trace_config(args, model_vocab(model_dir))
+    spec = spec_from_config(json.loads((model_dir / "config.json").read_text()))
+    # The machine's fastest GEMM at the model's shapes, before any server loads it.
+    peak = roofline.measure_peak(spec, getattr(torch, args.dtype), args.threads)
     servers = start_servers(names, model_dir, adapters, args, args.out / "logs")
     runs: list[dict] = []
     try:
@@ -173,7 +179,10 @@ def run_compare(args: argparse.Namespace) -> dict:
                 if rep < 0:
                     continue
                 s = summarize(results, slo_of(args))
-                runs.append({"system": name, "repeat": rep, "summary": s})
+                fpot = roofline.flops_per_output_token(
+                    spec, ((len(r.prompt), r.max_tokens) for r in mine)
+                )
+                runs.append({"system": name, "repeat": rep, "summary": s, "flops_per_token": fpot})
                 print(
                     f"  run {rep + 1} {name:8s} {s['output_throughput'] or 0:8.1f} tok/s, TTFT "
                     f"p99 {(s['ttft']['p99'] or 0) * 1000:.0f} ms, {s['errors']} errors",
@@ -183,6 +192,7 @@ def run_compare(args: argparse.Namespace) -> dict:
         for s in servers.values():
             s.stop()
     rows, ratios = rows_and_ratios(runs, names, args.repeats)
+    compute = compute_summary(runs, rows, ratios, peak)
     doc = {
         "kind": "peers",
         "model": model_name,
@@ -212,6 +222,7 @@ def run_compare(args: argparse.Namespace) -> dict:
         "runs": runs,
         "rows": rows,
         "ratios": ratios,
+        "compute": compute,
     }
     if cfg.rate == float("inf"):
         doc["trace"]["rate"] = "inf"
@@ -223,6 +234,8 @@ def run_compare(args: argparse.Namespace) -> dict:
     for peer, r in ratios.items():
         tp, tt = (f"x{v:.2f}" if v is not None else "-" for v in r.values())
         print(f"loraplex / {LABELS[peer]}: throughput {tp}, their p99 TTFT / ours {tt}")
+    for line in compute_lines(compute):
+        print(line)
     name = f"peers-{model_name}" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -272,3 +285,65 @@ def rows_and_ratios(runs: list[dict], names: list[str], repeats: int) -> tuple[l
                     tt.append(theirs["ttft"]["p99"] / ours["ttft"]["p99"])
             ratios[peer] = {"throughput": med(tp), "ttft_p99": med(tt)}  # None: no data
     return rows, ratios
+
+
+def compute_summary(runs: list[dict], rows: list[dict], ratios: dict, peak: dict) -> dict:
+    """The trace's compute ceiling on this machine and how close each system came
+    (bench/roofline.py): achieved model GFLOP/s per run = output tokens/s x FLOPs per output
+    token of the requests that system was sent; rows get the median over runs."""
+    from loraplex.bench.roofline import ceiling
+
+    per_system: dict[str, dict] = {}
+    for row in rows:
+        name = row["system"]
+        mine = [r for r in runs if r["system"] == name]
+        achieved = [
+            r["summary"]["output_throughput"] * r["flops_per_token"] / 1e9
+            for r in mine
+            if r["summary"]["output_throughput"]
+        ]
+        fpot = statistics.median(r["flops_per_token"] for r in mine) if mine else None
+        gflops = statistics.median(achieved) if achieved else None
+        per_system[name] = {
+            "gflop_per_token": fpot / 1e9 if fpot else None,
+            "gflops": gflops,
+            "of_peak": gflops / peak["gflops"] if gflops else None,
+            "ceiling_tok_s": ceiling(peak["gflops"], fpot) if fpot else None,
+        }
+    out = {"peak": {k: v for k, v in peak.items() if k != "all"}, "peak_all": peak["all"]}
+    out["systems"] = per_system
+    hf, ours = per_system.get("hf"), per_system.get("loraplex")
+    row_of = {r["system"]: r for r in rows}
+    if hf and ours and row_of["hf"]["output_throughput"] and ours["ceiling_tok_s"]:
+        # The HF goal's throughput, on the trace loraplex served (HF may get only a prefix).
+        need = GOAL_OVER_HF * row_of["hf"]["output_throughput"]
+        out["hf_goal"] = {
+            "factor": GOAL_OVER_HF,
+            "needs_tok_s": need,
+            "of_ceiling": need / ours["ceiling_tok_s"],
+        }
+    return out
+
+
+GOAL_OVER_HF = 10.0  # issue 6: loraplex's output tokens/s >= 10 x HF+peft's
+
+
+def compute_lines(compute: dict) -> list[str]:
+    peak = compute["peak"]
+    lines = [
+        f"fastest GEMM here: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['threads']} "
+        f"thread(s), {peak['form']}, {' x '.join(map(str, peak['shape']))})"
+    ]
+    for name, c in compute["systems"].items():
+        if c["gflops"] is None:
+            continue
+        lines.append(
+            f"{LABELS[name]:10s} {c['gflops']:6.1f} model GFLOP/s = {c['of_peak']:.0%} of that; "
+            f"ceiling {c['ceiling_tok_s']:.0f} tok/s at {c['gflop_per_token']:.3f} GFLOP/token"
+        )
+    if goal := compute.get("hf_goal"):
+        lines.append(
+            f"x{goal['factor']:.0f} over HF+peft needs {goal['needs_tok_s']:.0f} tok/s = "
+            f"{goal['of_ceiling']:.0%} of the compute ceiling"
+        )
+    return lines

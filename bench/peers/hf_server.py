@@ -224,6 +224,7 @@ class HFServer:
         self.adapter_names = list(adapters)
         cmd = [
             sys.executable,
+            "-P",  # no cwd on sys.path: a checkout's kernels/ would shadow HF's `kernels`
             "-m",
             "loraplex.bench.peers.hf_server",
             "--model",
