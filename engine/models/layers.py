@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ class LoRABatch:
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoRABatch | None  # None when no row has an adapter
+    # What the layers of one forward pass share (e.g. each RoPE table's rows for its
+    # positions); a new context per pass, so nothing outlives the step's positions.
+    memo: dict = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -87,10 +90,25 @@ class Rotary(nn.Module):
             shared[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.cos_sin = shared[key]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [num_tokens, heads, head_dim]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin at `positions`, full head width, [num_tokens, 1, head_dim] in dtype."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+        return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None
+    ) -> torch.Tensor:
+        """x [num_tokens, heads, head_dim]. With `memo` (one forward pass's), the layers and
+        q/k calls that share this table look its rows up once: Gemma 3 270M, 36 calls per
+        step over 2 tables, 4.5 -> 1.5 ms per decode step at 32 rows (bf16, Zen 4 EPYC)."""
+        if memo is None:
+            cos, sin = self.tables(positions, x.dtype)
+        else:
+            # The value holds the table and positions, so their ids stay theirs meanwhile.
+            key = ("rope", id(self.cos_sin), id(positions), x.dtype)
+            if key not in memo:
+                memo[key] = (self.cos_sin, positions, *self.tables(positions, x.dtype))
+            cos, sin = memo[key][2:]
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -296,7 +314,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
         if s.gemma:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        q, k = self.rotary(q, positions, ctx.memo), self.rotary(k, positions, ctx.memo)
         a = ctx.attn
         dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping)
         out = torch.empty_like(q)
