@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -44,6 +45,23 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DONE = ".complete"
 
 
+@contextmanager
+def _repo_on_path():
+    """The checkout's root importable for a while (tests/utils). Its kernels/ folder would
+    then stand in for Hugging Face's `kernels` package, which transformers >= 5.25 imports on
+    first use: the installed one is imported first, with the root out of the way."""
+    root = str(REPO_ROOT)
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
+    with suppress(ImportError):  # older transformers do without it
+        import kernels  # noqa: F401
+    sys.path[:] = [root, *saved]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def tiny_llama(cache: Path = CACHE_DIR) -> Path:
     """The tiny random Llama folder, built on first use (~10 s)."""
     out = cache / "tiny-llama"
@@ -51,8 +69,8 @@ def tiny_llama(cache: Path = CACHE_DIR) -> Path:
         return out
     import transformers
 
-    sys.path.insert(0, str(REPO_ROOT))  # the tokenizer factory lives in tests/utils
-    from tests.utils.factories import make_tokenizer
+    with _repo_on_path():  # the tokenizer factory lives in tests/utils
+        from tests.utils.factories import make_tokenizer
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -48,6 +48,12 @@ after the first token, E2E the whole request; throughput counts completed reques
 run's wall time. The tiny Llama is the random model of `shared/notes/PEERS.md` (hidden 512,
 4 layers); adapters are random PEFT LoRA r=8 on q/k/v/o. The machine is shared: compare
 systems only within one results file (their runs alternate), not across files.
+
+Peers files that measured it also give the trace's compute ceiling (`bench/roofline.py`): the
+fastest GEMM torch does on the machine at the model's shapes (timed in the same run, the
+servers' thread count), over the trace's matmul FLOPs per output token (linears, attention's
+two products, one lm_head row per output token; LoRA and elementwise work not counted). No
+system can pass it, whatever its batching; achieved model GFLOP/s say how close each came.
 """
 
 
