@@ -192,7 +192,7 @@ def run_compare(args: argparse.Namespace) -> dict:
         for s in servers.values():
             s.stop()
     rows, ratios = rows_and_ratios(runs, names, args.repeats)
-    compute = compute_summary(runs, rows, ratios, peak)
+    compute = compute_summary(runs, rows, peak)
     doc = {
         "kind": "peers",
         "model": model_name,
@@ -287,10 +287,11 @@ def rows_and_ratios(runs: list[dict], names: list[str], repeats: int) -> tuple[l
     return rows, ratios
 
 
-def compute_summary(runs: list[dict], rows: list[dict], ratios: dict, peak: dict) -> dict:
+def compute_summary(runs: list[dict], rows: list[dict], peak: dict) -> dict:
     """The trace's compute ceiling on this machine and how close each system came
     (bench/roofline.py): achieved model GFLOP/s per run = output tokens/s x FLOPs per output
     token of the requests that system was sent; rows get the median over runs."""
+    from loraplex.bench.docs import GOALS
     from loraplex.bench.roofline import ceiling
 
     per_system: dict[str, dict] = {}
@@ -316,16 +317,13 @@ def compute_summary(runs: list[dict], rows: list[dict], ratios: dict, peak: dict
     row_of = {r["system"]: r for r in rows}
     if hf and ours and row_of["hf"]["output_throughput"] and ours["ceiling_tok_s"]:
         # The HF goal's throughput, on the trace loraplex served (HF may get only a prefix).
-        need = GOAL_OVER_HF * row_of["hf"]["output_throughput"]
+        need = GOALS["hf"] * row_of["hf"]["output_throughput"]
         out["hf_goal"] = {
-            "factor": GOAL_OVER_HF,
+            "factor": GOALS["hf"],
             "needs_tok_s": need,
             "of_ceiling": need / ours["ceiling_tok_s"],
         }
     return out
-
-
-GOAL_OVER_HF = 10.0  # issue 6: loraplex's output tokens/s >= 10 x HF+peft's
 
 
 def compute_lines(compute: dict) -> list[str]:

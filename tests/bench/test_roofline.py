@@ -96,7 +96,7 @@ def test_compute_summary_and_docs_report_the_ceiling(tmp_path):
     rows, ratios = rows_and_ratios(runs, ["loraplex", "hf"], 1)
     peak = {"gflops": 200.0, "shape": [256, 640, 4096], "form": "oneDNN packed"}
     peak |= {"threads": 1, "dtype": "bfloat16", "all": []}
-    c = compute_summary(runs, rows, ratios, peak)
+    c = compute_summary(runs, rows, peak)
     ours, hf = c["systems"]["loraplex"], c["systems"]["hf"]
     assert ours["gflops"] == pytest.approx(105.0) and ours["of_peak"] == pytest.approx(0.525)
     assert ours["ceiling_tok_s"] == pytest.approx(200e9 / 7e8)
