@@ -45,17 +45,26 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DONE = ".complete"
 
 
-@contextmanager
-def _repo_on_path():
-    """The checkout's root importable for a while (tests/utils). Its kernels/ folder would
-    then stand in for Hugging Face's `kernels` package, which transformers >= 5.25 imports on
-    first use: the installed one is imported first, with the root out of the way."""
-    root = str(REPO_ROOT)
+def import_installed_kernels() -> None:
+    """Import Hugging Face's `kernels` package (transformers >= 5.25 imports it on first use)
+    with the checkout's root off sys.path, where our kernels/ folder would stand in for it;
+    later imports then get the installed one. Nothing happens where it is not installed."""
     saved = sys.path[:]
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
-    with suppress(ImportError):  # older transformers do without it
-        import kernels  # noqa: F401
-    sys.path[:] = [root, *saved]
+    try:
+        with suppress(ImportError):  # older transformers do without it
+            import kernels  # noqa: F401
+    finally:
+        sys.path[:] = saved
+
+
+@contextmanager
+def _repo_on_path():
+    """The checkout's root importable for a while (tests/utils), after
+    `import_installed_kernels`."""
+    import_installed_kernels()
+    saved = sys.path[:]
+    sys.path[:] = [str(REPO_ROOT), *saved]
     try:
         yield
     finally:

@@ -12,21 +12,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from loraplex.bench.assets import import_installed_kernels  # noqa: E402
+
 # pytest puts the checkout's root on sys.path, where our kernels/ folder (loraplex.kernels)
-# would stand in for Hugging Face's `kernels` package, which transformers >= 5.25 imports.
-# Import the installed one first, with the root out of the way.
-_ROOT = Path(__file__).resolve().parents[1]
-_saved_path = sys.path[:]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
-try:
-    import kernels  # noqa: E402, F401
-except ImportError:  # older transformers do without it
-    pass
-finally:
-    sys.path[:] = _saved_path
+# would stand in for Hugging Face's `kernels` package: import the installed one first.
+import_installed_kernels()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
