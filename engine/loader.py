@@ -123,7 +123,7 @@ def load_model(
     else:
         n = prepack_cpu_linears(model)
         if n:
-            log.info("%d bf16 linear layers pre-packed for oneDNN", n)
+            log.info("%d linear layers pre-packed for oneDNN", n)
     # A tied head packed costs a copy of the table: not where quantization is saving memory.
     if (quantization is None or not spec.tie_embeddings) and prepack_cpu_lm_head(model):
         log.info(

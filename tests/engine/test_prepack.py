@@ -1,5 +1,6 @@
 """Linear layers and the lm_head pre-packed for oneDNN on the CPU: same results (bf16
-bitwise, float32 within rounding), plain weight dropped where nothing else reads it."""
+bitwise, float32 within rounding), plain weight dropped where nothing else reads it; float32
+layers packed only where that is faster on this CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams, loader
 from loraplex.engine.models.layers import (
+    PACK_FLOAT32_MIN_WEIGHTS,
     PACK_HEAD_MIN_ROWS,
     LoRALinear,
     PackedHead,
@@ -61,9 +63,60 @@ def test_packed_base_is_bitwise_f_linear(bias):
         assert torch.equal(packed.base(x), F.linear(x, lin.weight, lin.bias))
 
 
-def test_float32_and_quantized_layers_stay_plain():
-    model = torch.nn.Sequential(LoRALinear(32, [16], False))  # float32: packing rounds apart
-    assert prepack_cpu_linears(model) == 0
+def _float32_layer(bias: bool, size: int = 512) -> LoRALinear:
+    gen = torch.Generator().manual_seed(0)
+    lin = LoRALinear(size, [size // 2, size // 2], bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(size, size, generator=gen) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn(size, generator=gen))
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_layer_packs_within_rounding_when_told(bias):
+    lin = _float32_layer(bias)
+    assert lin.weight.numel() >= PACK_FLOAT32_MIN_WEIGHTS
+    model = torch.nn.Sequential(lin)
+    assert prepack_cpu_linears(model, float32=True) == 1
+    packed = model[0]
+    assert isinstance(packed, PackedLoRALinear) and packed.weight is None
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 64, 130):
+        x = torch.randn(rows, 512, generator=gen)
+        torch.testing.assert_close(packed.base(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_float32_packing_follows_this_cpus_timing(monkeypatch):
+    from loraplex.engine.models import layers
+
+    for pays in (False, True):
+        monkeypatch.setattr(layers, "packing_pays", lambda w, packed, pays=pays: pays)
+        model = torch.nn.Sequential(_float32_layer(False), _float32_layer(False))
+        assert prepack_cpu_linears(model) == (2 if pays else 0)
+        assert all(isinstance(m, PackedLoRALinear) == pays for m in model)
+
+
+def test_packing_pays_times_each_shape_once(monkeypatch):
+    from loraplex.engine.models import layers
+
+    monkeypatch.setattr(layers, "_PACKING_PAYS", {})
+    calls = []
+    real = layers._best_time
+    monkeypatch.setattr(layers, "_best_time", lambda fn, x: calls.append(1) or real(fn, x))
+    w = _float32_layer(False).weight.detach()
+    packed = layers._pack(w)
+    first = layers.packing_pays(w, packed)
+    n = len(calls)
+    assert n > 0 and layers.packing_pays(w, packed) == first and len(calls) == n
+
+
+def test_small_or_refused_float32_layers_stay_plain():
+    model = torch.nn.Sequential(LoRALinear(32, [16], False))  # a test model's size
+    assert prepack_cpu_linears(model, float32=True) == 0
+    assert type(model[0]) is LoRALinear
+    model = torch.nn.Sequential(_float32_layer(False))
+    assert prepack_cpu_linears(model, float32=False) == 0
     assert type(model[0]) is LoRALinear
 
 
@@ -90,6 +143,38 @@ def test_packed_engine_generates_exactly_what_the_plain_one_does(
     for p, q in zip(packed, plain, strict=True):
         assert p.outputs[0].token_ids == q.outputs[0].token_ids
         assert p.outputs[0].logprobs == q.outputs[0].logprobs  # bitwise
+    assert resident_weight_bytes(model) == resident_weight_bytes(plain_llm.engine.model)
+
+
+def test_float32_engine_with_packed_layers_generates_what_the_plain_one_does(
+    tiny_models, tiny_adapters, monkeypatch
+):
+    from loraplex.engine.models import layers
+
+    kind = "qwen2"  # q/k/v biases
+    adapter = LoRARequest("all2", 1, str(tiny_adapters[kind]["all2"]))
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 120, 64]]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
+    settings = dict(dtype="float32", cpu_attention="matmul")
+    monkeypatch.setattr(layers, "PACK_FLOAT32_MIN_WEIGHTS", 0)  # the test model's layers too
+    monkeypatch.setattr(layers, "packing_pays", lambda w, packed: True)
+    packed_llm = LLM(str(tiny_models[kind]), **settings)
+    model = packed_llm.engine.model
+    assert sum(isinstance(m, PackedLoRALinear) for m in model.modules()) == 4 * len(
+        model.model.layers
+    )
+    packed = packed_llm.generate(prompts, params, [adapter, None])
+
+    monkeypatch.setattr(layers, "packing_pays", lambda w, packed: False)
+    plain_llm = LLM(str(tiny_models[kind]), **settings)
+    assert not any(isinstance(m, PackedLoRALinear) for m in plain_llm.engine.model.modules())
+    plain = plain_llm.generate(prompts, params, [adapter, None])
+    for p, q in zip(packed, plain, strict=True):
+        assert p.outputs[0].token_ids == q.outputs[0].token_ids
+        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
+            assert lp.keys() == lq.keys()
+            for token in lp:
+                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
     assert resident_weight_bytes(model) == resident_weight_bytes(plain_llm.engine.model)
 
 
