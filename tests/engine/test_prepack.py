@@ -120,30 +120,52 @@ def test_small_or_refused_float32_layers_stay_plain():
     assert type(model[0]) is LoRALinear
 
 
+def _packed_and_plain(tiny_models, tiny_adapters, settings, unpack):
+    """Greedy generations (with logprobs) of the qwen2 test model (q/k/v biases) loaded as
+    `settings` say, then again after `unpack()`: (packed, plain) outputs and engines."""
+    kind = "qwen2"
+    adapter = LoRARequest("all2", 1, str(tiny_adapters[kind]["all2"]))
+    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 120, 64]]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
+    packed_llm = LLM(str(tiny_models[kind]), **settings)
+    packed = packed_llm.generate(prompts, params, [adapter, None])
+    unpack()
+    plain_llm = LLM(str(tiny_models[kind]), **settings)
+    plain = plain_llm.generate(prompts, params, [adapter, None])
+    return packed, plain, packed_llm.engine.model, plain_llm.engine.model
+
+
+def _count_packed(model) -> int:
+    return sum(isinstance(m, PackedLoRALinear) for m in model.modules())
+
+
+def _assert_same_within_rounding(packed, plain) -> None:
+    for p, q in zip(packed, plain, strict=True):
+        assert p.outputs[0].token_ids == q.outputs[0].token_ids
+        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
+            assert lp.keys() == lq.keys()
+            for token in lp:
+                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
+
+
 @needs_packing
 def test_packed_engine_generates_exactly_what_the_plain_one_does(
     tiny_models, tiny_adapters, monkeypatch
 ):
-    kind = "qwen2"  # q/k/v biases
-    adapter = LoRARequest("all2", 1, str(tiny_adapters[kind]["all2"]))
-    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 120, 64]]
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
     # One attention form for both ("auto" times them at start and could pick either).
     settings = dict(dtype="bfloat16", cpu_float32_compute=False, cpu_attention="matmul")
-    packed_llm = LLM(str(tiny_models[kind]), **settings)
-    model = packed_llm.engine.model
-    layers = len(model.model.layers)
-    assert sum(isinstance(m, PackedLoRALinear) for m in model.modules()) == 4 * layers
-    packed = packed_llm.generate(prompts, params, [adapter, None])
-
-    monkeypatch.setattr(loader, "prepack_cpu_linears", lambda model: 0)
-    plain_llm = LLM(str(tiny_models[kind]), **settings)
-    assert not any(isinstance(m, PackedLoRALinear) for m in plain_llm.engine.model.modules())
-    plain = plain_llm.generate(prompts, params, [adapter, None])
+    packed, plain, model, plain_model = _packed_and_plain(
+        tiny_models,
+        tiny_adapters,
+        settings,
+        lambda: monkeypatch.setattr(loader, "prepack_cpu_linears", lambda model: 0),
+    )
+    assert _count_packed(model) == 4 * len(model.model.layers)
+    assert _count_packed(plain_model) == 0
     for p, q in zip(packed, plain, strict=True):
         assert p.outputs[0].token_ids == q.outputs[0].token_ids
         assert p.outputs[0].logprobs == q.outputs[0].logprobs  # bitwise
-    assert resident_weight_bytes(model) == resident_weight_bytes(plain_llm.engine.model)
+    assert resident_weight_bytes(model) == resident_weight_bytes(plain_model)
 
 
 def test_float32_engine_with_packed_layers_generates_what_the_plain_one_does(
@@ -151,31 +173,18 @@ def test_float32_engine_with_packed_layers_generates_what_the_plain_one_does(
 ):
     from loraplex.engine.models import layers
 
-    kind = "qwen2"  # q/k/v biases
-    adapter = LoRARequest("all2", 1, str(tiny_adapters[kind]["all2"]))
-    prompts = [[5, 17, 99, 3, 42, 8], [7, 7, 120, 64]]
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5)
-    settings = dict(dtype="float32", cpu_attention="matmul")
     monkeypatch.setattr(layers, "PACK_FLOAT32_MIN_WEIGHTS", 0)  # the test model's layers too
     monkeypatch.setattr(layers, "packing_pays", lambda w, packed: True)
-    packed_llm = LLM(str(tiny_models[kind]), **settings)
-    model = packed_llm.engine.model
-    assert sum(isinstance(m, PackedLoRALinear) for m in model.modules()) == 4 * len(
-        model.model.layers
+    packed, plain, model, plain_model = _packed_and_plain(
+        tiny_models,
+        tiny_adapters,
+        dict(dtype="float32", cpu_attention="matmul"),
+        lambda: monkeypatch.setattr(layers, "packing_pays", lambda w, packed: False),
     )
-    packed = packed_llm.generate(prompts, params, [adapter, None])
-
-    monkeypatch.setattr(layers, "packing_pays", lambda w, packed: False)
-    plain_llm = LLM(str(tiny_models[kind]), **settings)
-    assert not any(isinstance(m, PackedLoRALinear) for m in plain_llm.engine.model.modules())
-    plain = plain_llm.generate(prompts, params, [adapter, None])
-    for p, q in zip(packed, plain, strict=True):
-        assert p.outputs[0].token_ids == q.outputs[0].token_ids
-        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
-            assert lp.keys() == lq.keys()
-            for token in lp:
-                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
-    assert resident_weight_bytes(model) == resident_weight_bytes(plain_llm.engine.model)
+    assert _count_packed(model) == 4 * len(model.model.layers)
+    assert _count_packed(plain_model) == 0
+    _assert_same_within_rounding(packed, plain)
+    assert resident_weight_bytes(model) == resident_weight_bytes(plain_model)
 
 
 # --------------------------------------------------------------------------- lm_head
@@ -229,12 +238,7 @@ def test_engine_with_a_packed_head_generates_what_the_plain_one_does(tmp_path, m
     plain_model = plain_llm.engine.model
     assert type(plain_model.lm_head) is torch.nn.Linear
     plain = plain_llm.generate(prompts, params)
-    for p, q in zip(packed, plain, strict=True):
-        assert p.outputs[0].token_ids == q.outputs[0].token_ids
-        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
-            assert lp.keys() == lq.keys()
-            for token in lp:
-                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
+    _assert_same_within_rounding(packed, plain)
     # The embedding keeps its plain table; a tied head's packed copy is one more table, an
     # untied head's plain weight is gone.
     assert torch.equal(model.model.embed_tokens.weight, plain_model.model.embed_tokens.weight)
