@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -162,18 +163,27 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     peak = next((bw for k, bw in HBM.items() if k in name), None)
     rows: list[dict] = []
-    bench_sgmv(rows)
-    bench_attention(rows, peak)
-    bench_dequant(rows, peak)
     print(f"# kernels on {name}")
-    for r in rows:
-        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in r.items()))  # fmt: skip
+    failed = []
+    # One failing bench must not hide the others' figures: a GPU lease is short.
+    for bench in (bench_sgmv, lambda r: bench_attention(r, peak), lambda r: bench_dequant(r, peak)):
+        done = len(rows)
+        try:
+            bench(rows)
+        except Exception:
+            traceback.print_exc()
+            failed.append(bench)
+        for r in rows[done:]:
+            print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in r.items()))  # fmt: skip
     out = BENCH_DIR / "results" / "kernels.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"device": name, "rows": rows}, indent=2))
-    chart(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    if not failed:
+        chart(rows, out.with_suffix(".png"))
+    print(f"wrote {out}" + ("" if failed else f" and {out.with_suffix('.png')}"))
+    if failed:
+        sys.exit(f"{len(failed)} of the benchmarks failed")
 
 
 if __name__ == "__main__":
