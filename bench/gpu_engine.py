@@ -96,6 +96,23 @@ def decode_steps(llm, prompts, loras, steps: int) -> list[float]:
     return times[1:] or times  # the first decode step warms up caches
 
 
+def profile_steps(llm, prompts, loras_by_label: dict, steps: int = 6) -> None:
+    """Where a decode step's time goes: host-side (launches, Python, syncs) vs device kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    for label, loras in loras_by_label.items():
+        with profile(activities=activities) as prof:
+            decode_steps(llm, prompts, loras, steps)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(f"--- profile {label}: {steps} decode steps after prefill")
+        print(prof.key_averages().table(sort_by=sort, row_limit=22, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
+                                        max_name_column_width=60))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape (validate code paths)")
@@ -105,6 +122,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's top ops over a few base and LoRA steps",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny --device cpu to check the code paths")
@@ -137,6 +159,8 @@ def main() -> None:
     ):
         times = decode_steps(llm, prompts, loras, args.steps)
         results[label] = statistics.median(times)
+    if args.profile:
+        profile_steps(llm, prompts, {"base": [None] * args.batch, "lora": mixed})
     base = min(results["base"], results["base2"])  # base measured before and after
     lora = results["lora"]
     model = llm.engine.model
