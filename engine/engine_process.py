@@ -137,7 +137,7 @@ def _child_main(
     try:
         engine = LLMEngine(EngineConfig(**config), progress=progress)
     except BaseException as e:  # noqa: BLE001 - the parent reports it
-        _send(outputs, ["failed", repr(e)])
+        _send(outputs, ["failed", " ".join(f"{type(e).__name__}: {e}".split())])
         return
     cfg = dataclasses.asdict(engine.config)
     _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model)])
@@ -279,6 +279,7 @@ class EngineProcess(StreamingEngine):
                 if msg[2] is not None:
                     self._stats = EngineStats(**msg[2])
         except (EOFError, OSError) as e:
+            self._proc.join(1)  # reap it, so the exit code (e.g. -9 for SIGKILL) is known
             code = self._proc.exitcode
             self._fail_all(RuntimeError(f"engine process exited (code {code}): {e!r}"))
 

@@ -20,6 +20,7 @@ from loraplex.engine.models.spec import PROJECTIONS, ModelSpec
 
 GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
 TARGETS = tuple(GROUPS)
+_PARENTS = {t: ("self_attn" if GROUPS[t][0] in ("qkv_proj", "o_proj") else "mlp") for t in TARGETS}
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -98,6 +99,53 @@ def read_adapter_config(folder: Path) -> dict:
     return cfg
 
 
+# Modules every supported model has besides the LoRA targets: a config may name them (and we
+# say they are not supported) but a name outside both sets is a module the model does not have.
+_OTHER_MODULES = ("embed_tokens", "lm_head", "self_attn", "mlp", "input_layernorm",
+                  "post_attention_layernorm", "norm")  # fmt: skip
+
+
+def _matches(entry: str, module: str) -> bool:
+    """peft's rule for a listed target: the module's full name is it or ends with `.` + it."""
+    return module == entry or module.endswith("." + entry)
+
+
+def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None:
+    """`target_modules` checked against the base model's layout; None means every target
+    (absent, or peft's "all-linear"). Each entry must name a module the model has and that we
+    serve. peft also takes a regular expression here; we refuse one rather than run an
+    uploaded regex (and say how to write the list instead)."""
+    targets = cfg.get("target_modules")
+    if targets is None or targets == "all-linear":
+        return None
+    if isinstance(targets, str):
+        if not _PLAIN_NAME.match(targets):
+            raise AdapterError(
+                f"{path}: target_modules {targets[:80]!r} is a regular expression, which is not "
+                f"supported; list the module names instead, e.g. {list(TARGETS[:2])}"
+            )
+        targets = [targets]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
+        raise AdapterError(f"{path}: target_modules must be a non-empty list of module names")
+    modules = [f"model.layers.{i}.{parent}.{m}" for i in range(spec.num_layers)
+               for m, parent in _PARENTS.items()]  # fmt: skip
+    for entry in targets:
+        if not _PLAIN_NAME.match(entry):
+            raise AdapterError(f"{path}: target_modules entry {entry[:80]!r} is not a module name")
+        if any(_matches(entry, m) for m in modules):
+            continue
+        last = entry.rsplit(".", 1)[-1]
+        if last in _OTHER_MODULES:
+            raise AdapterError(
+                f"{path}: target module {entry!r} is not supported; supported: {', '.join(TARGETS)}"
+            )
+        raise AdapterError(
+            f"{path}: target module {entry!r} does not exist in the base model "
+            f"({spec.family}, {spec.num_layers} layers); its LoRA targets: {', '.join(TARGETS)}"
+        )
+    return targets
+
+
 def load_adapter(
     folder: str | Path, spec: ModelSpec, max_rank: int, dtype: torch.dtype, name: str | None = None
 ) -> LoRAAdapter:
@@ -142,6 +190,15 @@ def load_adapter(
         raise AdapterError(f"{wpath}: unreadable safetensors file ({e})") from None
     if not pairs:
         raise AdapterError(f"{wpath}: holds no LoRA weights")
+    declared = declared_targets(cfg, folder / "adapter_config.json", spec)
+    if declared is not None:
+        for layer, module in sorted(pairs):
+            full = f"model.layers.{layer}.{parents[module]}.{module}"
+            if not any(_matches(entry, full) for entry in declared):
+                raise AdapterError(
+                    f"{wpath.name}: holds weights for layers.{layer}.{module}, which "
+                    f"adapter_config.json's target_modules {declared} does not declare"
+                )
 
     r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
     rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}

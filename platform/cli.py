@@ -54,6 +54,7 @@ def _settings(args: argparse.Namespace):
             "port": getattr(args, "port", None),
             "model": getattr(args, "model", None),
             "quantization": getattr(args, "quantization", None),
+            "max_model_len": getattr(args, "max_model_len", None),
         }.items()
         if v is not None
     }
@@ -97,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.platform.main import create_app
 
     settings = _settings(args)
-    setup_logging(settings.log_json)
+    setup_logging(settings.log_json, level=args.log_level.upper())
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     embedded = settings.database_url == f"sqlite:///{settings.data_dir / 'loraplex.db'}"
     if embedded:  # the embedded default migrates itself; shared databases need `db upgrade`
@@ -119,15 +120,30 @@ def _serve(args: argparse.Namespace) -> int:
             _quickstart(base, secret, state.model_name, "pirate" if adapters else None),
             flush=True,
         )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        loop="asyncio",  # usage metering of streams reasons about asyncio's transports
-        timeout_graceful_shutdown=15,
-        log_config=None,  # keep our handlers (JSON lines with LORAPLEX_LOG_JSON=true)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            loop="asyncio",  # usage metering of streams reasons about asyncio's transports
+            timeout_graceful_shutdown=15,
+            log_config=None,  # keep our handlers (JSON lines with LORAPLEX_LOG_JSON=true)
+        )
     )
+    fatal: list[str] = []
+
+    def on_fatal(cause: str) -> None:
+        # An engine that cannot start or has died: stop serving (in-flight requests end with
+        # a clean error first) and exit non-zero, so the orchestrator restarts the process.
+        fatal.append(cause)
+        server.should_exit = True
+
+    state.on_fatal = on_fatal
+    server.run()
+    if fatal:
+        print(f"loraplex: error: {fatal[0]}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 
@@ -162,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="model folder or 'demo' (default: settings)")
     s.add_argument(
         "--quantization", choices=["int8", "int4"], help="weight-only base (default: settings)"
+    )
+    s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug also logs tracebacks, e.g. of an engine that cannot start",
     )
     s.set_defaults(func=_serve)
 

@@ -67,6 +67,33 @@ def load_engine(state: AppState, model_dir: str) -> None:
     log.info("model %s ready", state.model_name)
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if type(e) is RuntimeError and text else f"{type(e).__name__}: {text}"
+
+
+def load_engine_or_fail(state: AppState, model_dir: str) -> None:
+    """The loader thread: a model that cannot load must not leave a server answering 503
+    "loading" for ever. The cause goes to the log in one line (the traceback at debug level)
+    and to `state.engine_failed`, which stops `loraplex serve` with a non-zero exit."""
+    try:
+        load_engine(state, model_dir)
+    except BaseException as e:  # noqa: BLE001 - any load failure ends the server
+        cause = _one_line(e)
+        if not cause.startswith("the engine process could not start"):
+            cause = f"the engine could not start: {cause}"
+        log.error(cause)
+        log.debug("engine start failure", exc_info=True)
+        state.engine_failed(cause)
+
+
+async def watch_engine(state: AppState, interval: float = 0.2) -> None:
+    """Turn an engine that died after start (process killed, thread crashed) into a fatal
+    error at once: /readyz goes 503 and `serve` exits non-zero once in-flight requests end."""
+    while state.check_engine() is None:
+        await asyncio.sleep(interval)
+
+
 def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     """An app over `settings`. The model loads in the background; /readyz says when."""
     db = make_engine(settings.database_url)
@@ -98,11 +125,13 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = None
+        watcher = asyncio.create_task(watch_engine(state))
         if load_model:
-            loader = threading.Thread(target=load_engine, args=(state, model_dir), daemon=True)
-            loader.start()
+            threading.Thread(
+                target=load_engine_or_fail, args=(state, model_dir), daemon=True
+            ).start()
         yield
+        watcher.cancel()
         # Graceful shutdown: refuse new work, let in-flight requests finish for a while.
         state.accepting = False
         for _ in range(100):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from loraplex.engine.adapter_manager import AdapterUnavailable
+from loraplex.engine.async_engine import EngineDeadError
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -80,6 +81,8 @@ class InferenceService:
     # ---------------------------------------------------------------- preparation
     def _engine(self):
         engine = self.state.engine
+        if self.state.engine_error is not None:
+            raise APIError(503, self.state.engine_error, "engine_unavailable")
         if engine is None or not self.state.accepting:
             raise APIError(
                 503,
@@ -204,6 +207,10 @@ class InferenceService:
         except AdapterUnavailable as e:  # disk or store trouble: retrying may work
             job.status = "error"
             raise APIError(503, str(e), "adapter_unavailable") from None
+        except EngineDeadError:  # the server exits (and is restarted) once requests end
+            job.status = "error"
+            msg = "the engine stopped while serving this request; retry on another replica"
+            raise APIError(503, msg, "engine_unavailable") from None
         except AdapterError as e:
             job.status = "error"
             raise APIError(

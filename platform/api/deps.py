@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +22,8 @@ from loraplex.platform.security import constant_time_equals
 from loraplex.platform.settings import Settings
 from loraplex.platform.store import AdapterCache, AdapterStore
 
+log = logging.getLogger("loraplex.platform")
+
 
 @dataclass
 class AppState:
@@ -36,6 +39,29 @@ class AppState:
     engine: StreamingEngine | None = None  # None until the model is loaded (thread or process)
     accepting: bool = True  # False while shutting down
     inflight: set = field(default_factory=set)
+    # Why the engine could not start or stopped, in one line; /healthz and /readyz say it.
+    engine_error: str | None = None
+    # Called once with that line; `loraplex serve` sets it to stop the server with a non-zero
+    # exit so the orchestrator restarts the pod (an app without it just answers 503).
+    on_fatal: Callable[[str], None] | None = None
+
+    def engine_failed(self, cause: str) -> None:
+        if self.engine_error is not None:
+            return
+        self.engine_error = cause
+        if self.on_fatal is not None:
+            self.on_fatal(cause)
+
+    def check_engine(self) -> str | None:
+        """Why the engine cannot serve (failed to start, or died since), else None. A death
+        seen here is recorded at once, before the watcher's next look."""
+        engine = self.engine
+        if self.engine_error is None and engine is not None and not engine.stats().alive:
+            error = getattr(engine, "error", None)
+            reason = " ".join(str(error).split()) if error else "its thread or process is gone"
+            log.error("the engine stopped: %s", reason)
+            self.engine_failed(f"the engine stopped: {reason}")
+        return self.engine_error
 
 
 def get_state(request: Request) -> AppState:

@@ -31,6 +31,9 @@ BAD_MESSAGES = {
     "truncated": r"unreadable safetensors",
     "bad_json": r"not valid JSON",
     "huge_rank": rf"rank {HUGE_RANK} exceeds max_lora_rank {MAX_RANK}",
+    "config_unknown_target": r"'not_a_module' does not exist in the base model",
+    "undeclared_weights": r"which adapter_config\.json's target_modules .* does not declare",
+    "regex_targets": r"regular expression, which is not supported",
 }
 
 

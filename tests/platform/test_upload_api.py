@@ -96,6 +96,9 @@ def cases(good: Path, bad: dict[str, Path], tiny_adapters) -> dict:
             folder_parts(bad["wrong_shape"]), 422, "invalid_adapter", "(4, 67)", "expected",
         ),
         "unknown_target": (folder_parts(bad["unknown_target"]), 422, "invalid_adapter", "foo_proj"),
+        "config_unknown_target": (
+            folder_parts(bad["config_unknown_target"]), 422, "invalid_adapter", "not_a_module",
+        ),
         "rank_over_server_limit": (
             folder_parts(bad["huge_rank"]), 422, "rank_too_large", str(HUGE_RANK), "64",
         ),
@@ -169,7 +172,8 @@ def cases(good: Path, bad: dict[str, Path], tiny_adapters) -> dict:
 
 CASES = [
     "pickle_only", "wrong_shape_other_base", "wrong_shape", "unknown_target",
-    "rank_over_server_limit", "nan", "inf", "truncated", "bad_json", "config_not_lora",
+    "config_unknown_target", "rank_over_server_limit", "nan", "inf", "truncated", "bad_json",
+    "config_not_lora",
     "base_model_mismatch", "missing_config", "missing_weights", "no_files", "unknown_file",
     "path_as_file_name", "archive_dotdot", "zip_dotdot", "archive_symlink", "archive_absolute",
     "zip_bomb", "tar_bomb", "not_an_archive", "archive_and_files",

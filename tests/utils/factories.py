@@ -306,6 +306,9 @@ BAD_ADAPTER_KINDS = (
     "truncated",
     "bad_json",
     "huge_rank",
+    "config_unknown_target",
+    "undeclared_weights",
+    "regex_targets",
 )
 HUGE_RANK = 128
 
@@ -374,4 +377,11 @@ def make_bad_adapters(good_dir: Path, root: Path) -> dict[str, Path]:
         shape = (HUGE_RANK, v.shape[1]) if "lora_A" in k else (v.shape[0], HUGE_RANK)
         huge[k] = 0.01 * torch.randn(shape, generator=gen)
     write("huge_rank", {**config, "r": HUGE_RANK, "lora_alpha": 2 * HUGE_RANK}, huge)
+
+    # The config and the tensors must agree with each other and with the base model.
+    targets = [*config["target_modules"], "not_a_module"]
+    write("config_unknown_target", {**config, "target_modules": targets}, tensors)
+    present = sorted({k.split(".lora_")[0].rsplit(".", 1)[1] for k in tensors})
+    write("undeclared_weights", {**config, "target_modules": present[:1]}, tensors)
+    write("regex_targets", {**config, "target_modules": r"(.*)*(q|v)_proj"}, tensors)
     return out

@@ -13,16 +13,17 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/healthz")
 def healthz(state: StateDep):
-    """The process is alive (the engine thread too, once started)."""
-    engine = state.engine
-    if engine is not None and not engine.stats().alive:
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    """The process is alive and its engine has not failed (loading still counts as alive)."""
+    if (error := state.check_engine()) is not None:
+        return JSONResponse({"status": "engine stopped", "error": error}, status_code=503)
     return {"status": "ok"}
 
 
 @router.get("/readyz")
 def readyz(state: StateDep):
-    """Ready to serve: model loaded and not shutting down."""
+    """Ready to serve: model loaded, engine alive, not shutting down."""
+    if (error := state.check_engine()) is not None:
+        return JSONResponse({"status": "engine stopped", "error": error}, status_code=503)
     if state.engine is None or not state.accepting:
         reason = "shutting down" if not state.accepting else "loading model"
         return JSONResponse({"status": reason}, status_code=503)

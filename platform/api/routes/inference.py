@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.api.deps import CallerDep, StateDep
-from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.errors import APIError, error_body
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
@@ -151,7 +151,8 @@ async def _sse(
         yield "data: [DONE]\n\n", 0
     except APIError as e:
         status = "error"
-        yield f"data: {json.dumps({'error': {'message': e.message, 'code': e.code}})}\n\n", 0
+        yield f"data: {json.dumps(error_body(e.status, e.message, e.code, e.param))}\n\n", 0
+        yield "data: [DONE]\n\n", 0
     finally:
         await rest.aclose()
         await service.finish(job, status)
