@@ -50,6 +50,19 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     }
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
+def _is_tag(part: object) -> bool:
+    """Parts of a pydantic error location that are not the request's own path: where the value
+    came from, and which member of a union was tried ("stop.str" is about "stop")."""
+    if isinstance(part, int):
+        return False
+    text = str(part)
+    return (text in ("body", "query", "path", "header") or text in _TYPE_TAGS
+            or "[" in text or text.startswith(("function-", "literal")))  # fmt: skip
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -62,7 +75,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p not in ("body", "query", "path", "header")]
+        loc = [str(p) for p in first.get("loc", []) if not _is_tag(p)]
         param = ".".join(loc) or None
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
         return JSONResponse(

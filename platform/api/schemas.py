@@ -4,19 +4,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.api.errors import APIError
 
+# Request bodies are strict, as OpenAI's API is: a wrong JSON type ("max_tokens": "2") is a 400
+# naming the field, never coerced, and an unknown field is a 400 too. Fields that OpenAI
+# clients may send but that change nothing here are declared and documented as ignored
+# (README, "API strictness"); they are the only exceptions.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls",
+                  "skip_special_tokens", "spaces_between_special_tokens")  # fmt: skip
+# Message fields the openai client keeps when a previous answer is sent back in `messages`.
+IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "tool_calls",
+                          "tool_call_id")  # fmt: skip
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: nothing here is obfuscated
 
 
 class _Common(BaseModel):
-    # The openai client sends only what the caller set; unknown fields are ignored as OpenAI does.
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -26,7 +38,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)
@@ -37,6 +49,13 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    # Accepted and ignored (see IGNORED_FIELDS).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -116,16 +135,24 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Other keys belong to part types (image_url, input_audio...) that text() refuses by name.
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in IGNORED_MESSAGE_FIELDS}
+        return data
 
     def text(self) -> str:
         if self.content is None:

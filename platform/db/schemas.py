@@ -20,7 +20,8 @@ AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_
 # Plain notation in JSON: a zero read back from Numeric(18, 9) would print as "0E-9".
 Price = Annotated[
     Decimal,
-    Field(ge=0, max_digits=18, decimal_places=9),
+    # Not strict even in strict bodies: JSON has no decimals, so a number or "0.25" is a price.
+    Field(ge=0, max_digits=18, decimal_places=9, strict=False),
     PlainSerializer(lambda d: format(d.normalize(), "f"), return_type=str, when_used="json"),
 ]
 Limit = Annotated[int | None, Field(ge=0)]
@@ -48,7 +49,7 @@ class TenantUpdate(BaseModel):
     weight: float | None = Field(None, gt=0)
     price_prompt_per_1k: Price | None = None
     price_completion_per_1k: Price | None = None
-    status: TenantStatus | None = None
+    status: TenantStatus | None = Field(None, strict=False)  # JSON gives the enum's string
 
 
 class TenantPublic(TenantBase, _Row):
@@ -74,7 +75,7 @@ class QuotaPublic(QuotaBase, _Row):
 
 class ApiKeyCreate(BaseModel):
     name: Name = "default"
-    expires_at: datetime | None = None
+    expires_at: datetime | None = Field(None, strict=False)  # an ISO 8601 string in JSON
 
 
 class ApiKeyPublic(_Row):

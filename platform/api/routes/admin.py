@@ -42,21 +42,22 @@ class ListOf(BaseModel, Generic[T]):
 
 
 # Bodies refuse unknown fields: a misspelt limit in a quota PUT would otherwise silently make
-# the tenant unlimited, and a misspelt field in a PATCH would silently change nothing.
+# the tenant unlimited, and a misspelt field in a PATCH would silently change nothing. They
+# are strict about JSON types too ("10" is not a limit of 10), as the OpenAI routes are.
 class TenantIn(TenantCreate):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TenantPatch(TenantUpdate):
-    model_config = ConfigDict(extra="forbid", use_enum_values=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_enum_values=True)
 
 
 class QuotaIn(QuotaBase):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class KeyIn(ApiKeyCreate):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class AdminAdapter(AdapterPublic):
