@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=settings.port,
             log_level=args.log_level,
             loop="asyncio",  # usage metering of streams reasons about asyncio's transports
-            timeout_graceful_shutdown=15,
+            timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
             log_config=None,  # keep our handlers (JSON lines with LORAPLEX_LOG_JSON=true)
         )
     )

@@ -134,9 +134,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         watcher.cancel()
         # Graceful shutdown: refuse new work, let in-flight requests finish for a while.
         state.accepting = False
-        for _ in range(100):
-            if not state.inflight:
-                break
+        deadline = asyncio.get_running_loop().time() + settings.shutdown_grace_s
+        while state.inflight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         if state.engine is not None:
             state.engine.shutdown()

@@ -86,6 +86,13 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="on SIGTERM, how long in-flight requests may run on before they are cut "
+        "(keep it under the pod's terminationGracePeriodSeconds)",
+    )
     engine_process: bool = Field(
         True,
         description="run the engine in a process of its own, so that it never waits for the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -21,11 +22,18 @@ class StreamResult:
     request_id: str | None
     tokens: int  # tokens in complete events received, counted by their logprobs entries
     finished: bool  # saw `data: [DONE]`
+    error: dict | None = None  # an `error` event's body, e.g. when the engine died mid-stream
+    status: int = 200  # the HTTP status; an error status ends the stream at once
 
 
 async def stream_completion(
-    url: str, key: str, body: dict, hang_up_after: int | None = None
+    url: str,
+    key: str,
+    body: dict,
+    hang_up_after: int | None = None,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> StreamResult:
+    """`on_tokens(total)` runs after each event that carried tokens."""
     u = urlsplit(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
     conn = h11.Connection(h11.CLIENT)
@@ -48,7 +56,9 @@ async def stream_completion(
                     break  # the server closed the connection
                 conn.receive_data(data)
             elif isinstance(event, h11.Response):
-                assert event.status_code == 200, event
+                result.status = event.status_code
+                if event.status_code != 200:
+                    break
             elif isinstance(event, h11.Data):
                 buf += event.data
                 while b"\n\n" in buf:
@@ -58,9 +68,15 @@ async def stream_completion(
                         result.finished = True
                         continue
                     chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = chunk["error"]
+                        continue
                     result.request_id = chunk["id"]
+                    before = result.tokens
                     for choice in chunk["choices"]:
                         result.tokens += len((choice.get("logprobs") or {}).get("tokens", []))
+                    if on_tokens is not None and result.tokens > before:
+                        on_tokens(result.tokens)
                 if hang_up_after is not None and result.tokens >= hang_up_after and not hung_up:
                     writer.write_eof()
                     hung_up = True
