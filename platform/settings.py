@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
     shutdown_grace_s: float = Field(
-        30.0,
+        25.0,  # under Kubernetes' default terminationGracePeriodSeconds (30)
         ge=0,
         le=3600,
         description="on SIGTERM, how long in-flight requests may run on before they are cut "
