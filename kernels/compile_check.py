@@ -4,7 +4,8 @@
 
 Prints one line per kernel variant with its register and shared-memory use and exits non-zero
 if any fails. The variants are the launch configurations the wrappers pick for fp16/bf16
-(decode and prefill tiles, split-K, GQA/MQA, window, softcap), so a kernel that only the
+(decode and prefill tiles, split-K, GQA/MQA, window, softcap, split-KV decode, the
+dequant GEMV form, slice-skipping expand), so a kernel that only the
 interpreter accepts (e.g. a dot with K < 16) fails here.
 """
 
@@ -39,13 +40,16 @@ def _variants(dtypes: tuple[str, ...]):
                      stride_xm="i32", stride_as="i32", stride_ar="i32", stride_tm="i32"),
                 dict(BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=64, SPLIT_K=split),
             )  # fmt: skip
-            yield (
-                f"sgmv_expand {dt} M{block_m}",
-                sgmv._expand_kernel,
-                dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta, N="i32",
-                     stride_tm="i32", stride_bs="i32", stride_br="i32", stride_ym="i32"),
-                dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_N=64),
-            )  # fmt: skip
+            for slices, block_n in ((1, 64), (3, 256)):
+                yield (
+                    f"sgmv_expand {dt} M{block_m} N{block_n} slices{slices}",
+                    sgmv._expand_kernel,
+                    dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta,
+                         slice_ends_ptr="*i32", N="i32", stride_tm="i32", stride_bs="i32",
+                         stride_br="i32", stride_ym="i32"),
+                    dict(BLOCK_M=block_m, BLOCK_R=64 if slices == 1 else 16,
+                         BLOCK_N=block_n, NUM_SLICES=slices),
+                )  # fmt: skip
         yield (
             f"write_kv_cache {dt}",
             kv_cache._write_kv_kernel,
@@ -56,11 +60,13 @@ def _variants(dtypes: tuple[str, ...]):
         )  # fmt: skip
         # (label, group, head_dim, BLOCK_Q, window, softcap): Llama-8B GQA decode/prefill,
         # Gemma 3 MQA with head_dim 256 and a sliding window.
-        for label, group, hd, bq, win, cap in (
-            ("llama decode", 4, 128, 4, False, False),
-            ("llama prefill", 4, 128, 16, False, False),
-            ("gemma decode window", 4, 256, 4, True, False),
-            ("gemma prefill window softcap", 4, 256, 16, True, True),
+        for label, group, hd, bq, win, cap, split in (
+            ("llama decode", 4, 128, 4, False, False, 1),
+            ("llama decode split-kv", 4, 128, 4, False, False, 8),
+            ("llama prefill", 4, 128, 16, False, False, 1),
+            ("gemma decode window", 4, 256, 4, True, False, 1),
+            ("gemma decode window split-kv", 4, 256, 4, True, False, 4),
+            ("gemma prefill window softcap", 4, 256, 16, True, True, 1),
         ):
             yield (
                 f"paged_attention {dt} {label}",
@@ -70,10 +76,19 @@ def _variants(dtypes: tuple[str, ...]):
                      tile_row_ptr="*i32", q_end_ptr="*i32", seq_len_ptr="*i32",
                      scale="fp32", softcap="fp32", window="i32", stride_ot="i32",
                      stride_oh="i32", stride_qt="i32", stride_qh="i32", stride_cs="i32",
-                     stride_ch="i32", stride_bt="i32"),
+                     stride_ch="i32", stride_bt="i32", part_ptr="*fp32", ml_ptr="*fp32",
+                     stride_ps="i32", stride_ms="i32", num_heads="i32"),
                 dict(PAGE=16, GROUP=group, HEAD_DIM=hd, GP=group, BLOCK_Q=bq,
                      BLOCK_N=32 if hd >= 256 else 64, BLOCK_D=hd, USE_SOFTCAP=cap,
-                     USE_WINDOW=win),
+                     USE_WINDOW=win, SPLIT_KV=split),
+            )  # fmt: skip
+        for hd, split in ((128, 8), (256, 4)):
+            yield (
+                f"paged_attention_combine {dt} head_dim{hd} split{split}",
+                paged_attention._combine_splits_kernel,
+                dict(out_ptr=f"*{dt}", part_ptr="*fp32", ml_ptr="*fp32", rows_ptr="*i32",
+                     stride_ot="i32", stride_oh="i32", stride_ms="i32", num_heads="i32"),
+                dict(SPLIT_KV=split, BLOCK_S=split, HEAD_DIM=hd, BLOCK_D=hd),
             )  # fmt: skip
         for int4 in (False, True):
             for block_m, block_n, split in ((16, 64, 8), (64, 128, 1)):
@@ -87,6 +102,20 @@ def _variants(dtypes: tuple[str, ...]):
                          stride_sn="i32", stride_ym="i32"),
                     dict(INT4=int4, GROUP=128 if int4 else 1, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split),
+                )  # fmt: skip
+            # GEMV form at batch 1 and 4: K tile inside a group and spanning two groups.
+            for block_m, block_n, block_k, split in ((1, 32, 256, 4), (4, 16, 128, 1)):
+                name = "int4_gemv" if int4 else "int8_gemv"
+                yield (
+                    f"{name} {dt} M{block_m} N{block_n} K{block_k} split{split}",
+                    dequant_matmul._dequant_gemv_kernel,
+                    dict(x_ptr=f"*{dt}", q_ptr="*u8" if int4 else "*i8", s_ptr=f"*{dt}",
+                         z_ptr=f"*{dt}", y_ptr="*fp32" if split > 1 else f"*{dt}", M="i32",
+                         N="i32", K="i32", stride_xm="i32", stride_qn="i32",
+                         stride_sn="i32", stride_ym="i32"),
+                    dict(INT4=int4, GROUP=128 if int4 else 1,
+                         SUB_K=min(block_k, 128) if int4 else block_k, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split),
                 )  # fmt: skip
 
 

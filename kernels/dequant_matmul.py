@@ -14,6 +14,13 @@ dot products, not to each weight, because they are constant along a tile's K:
 
 (q - 8) is in [-8, 7] and int8 q in [-128, 127], both exact in fp16/bf16, so the tensor-core
 dot sees exact weights; only x's rounding and the fp32 accumulation order remain.
+
+For a handful of rows (batch-1 decode) a second kernel, `_dequant_gemv_kernel`
+(form="gemv"), skips the tensor cores: it widens each weight to fp32 in registers (integer to
+float by the 2^23 magic-number trick, not the slow int->float conversion), dequantizes it
+(int4: w = (q - 8) * scale + zero, the reference's formula) and keeps one fp32 partial sum per
+(row, column, k-lane) that is reduced once at the end: plain FMAs, many programs over N, and
+split-K for the short-N layers.
 """
 
 from __future__ import annotations
@@ -80,38 +87,139 @@ def _dequant_matmul_kernel(
         tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
-def _launch(x, qweight, scales, zeros, n, int4, group, split_k):
+@triton.jit
+def _widen_u(v, OFFSET: tl.constexpr):
+    """int32 v in [0, 2^23) -> float32 v - OFFSET, exact, without an int->float conversion."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _dequant_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    INT4: tl.constexpr, GROUP: tl.constexpr, SUB_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(2) * chunk
+    k_hi = tl.minimum(k_lo + chunk, K)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    q_rows = q_ptr + cols[:, None].to(tl.int64) * stride_qn
+    if INT4:
+        # Sub-tiles of SUB_K columns each sit inside one group (SUB_K divides GROUP).
+        HALF: tl.constexpr = SUB_K // 2
+        offs_j = tl.arange(0, HALF)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, HALF], dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            for sub in tl.static_range(BLOCK_K // SUB_K):
+                kk = k + sub * SUB_K
+                ks = kk + 2 * offs_j  # even column of each byte
+                k_ok = ks < K
+                x_mask = row_ok[:, None] & k_ok[None, :]
+                x_even = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_rows + ks[None, :] + 1, mask=x_mask, other=0.0).to(tl.float32)
+                packed = tl.load(
+                    q_rows + (kk // 2 + offs_j)[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :],
+                    other=0,
+                ).to(tl.int32)  # [BLOCK_N, HALF]
+                g_ok = col_ok & (kk < K)
+                g = kk // GROUP
+                scale = tl.load(s_ptr + cols * stride_sn + g, mask=g_ok, other=0.0)
+                zero = tl.load(z_ptr + cols * stride_sn + g, mask=g_ok, other=0.0)
+                scale = scale.to(tl.float32)[:, None]
+                zero = zero.to(tl.float32)[:, None]
+                w_lo = _widen_u(packed & 0xF, 8) * scale + zero  # [BLOCK_N, HALF]
+                w_hi = _widen_u(packed >> 4, 8) * scale + zero
+                acc += x_even[:, None, :] * w_lo[None, :, :]
+                acc += x_odd[:, None, :] * w_hi[None, :, :]
+        out = tl.sum(acc, 2)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            ks = k + offs_k
+            k_ok = ks < k_hi
+            xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            qt = tl.load(q_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            w = _widen_u(qt.to(tl.int32) + 128, 128)  # [BLOCK_N, BLOCK_K], exact q
+            acc += xt.to(tl.float32)[:, None, :] * w[None, :, :]
+        scale = tl.load(s_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = tl.sum(acc, 2) * scale[None, :]
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptrs, out, mask=mask)
+
+
+def _launch(
+    x, qweight, scales, zeros, n, int4, group, split_k, *, form=None, block_m=None,
+    block_n=None, block_k=None, num_warps=None, num_stages=None,
+):  # fmt: skip
+    """Launch the dot (default) or GEMV form; unset launch parameters take the built-in choice."""
     assert x.dim() == 2 and x.stride(1) == 1 and qweight.stride(1) == 1
+    assert form in (None, "dot", "gemv"), form
     m, k = x.shape
     if int4:
-        # One tile must sit inside one group and hold >= 16 columns of each parity.
-        block_k = min(128, group & -group)
-        assert group % block_k == 0 and block_k >= 32, f"int4 group size {group} unsupported"
         assert scales.stride() == zeros.stride() and scales.stride(1) == 1
+    gemv = form == "gemv"
+    if gemv:
+        block_m = block_m or min(triton.next_power_of_2(m), 4)
+        block_n = block_n or 32
+        block_k = block_k or 256
+        sub_k = min(block_k, group & -group) if int4 else block_k
+        assert sub_k >= 2 and block_k % sub_k == 0, f"int4 group size {group} unsupported"
+        programs = 1024
     else:
-        block_k = 128 if k % 128 == 0 else 64
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 16 else 128
+        if int4:
+            # One tile must sit inside one group and hold >= 16 columns of each parity.
+            block_k = block_k or min(128, group & -group)
+            assert group % block_k == 0 and block_k >= 32, f"int4 group size {group} unsupported"
+        else:
+            block_k = block_k or (128 if k % 128 == 0 else 64)
+        block_m = block_m or (16 if m <= 16 else (32 if m <= 32 else 64))
+        block_n = block_n or (64 if m <= 16 else 128)
+        programs = 512
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_k is None:
         # GEMV / small batch: split K until the GPU has a few programs per SM.
-        split_k = max(1, min(triton.cdiv(512, tiles), triton.cdiv(k, 2 * block_k), 16))
+        split_k = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(k, 2 * block_k), 16))
     if split_k == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _dequant_matmul_kernel[grid](
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    opts = {key: v for key, v in opts.items() if v is not None}
+    args = (
         x, qweight, scales, zeros if zeros is not None else scales, y,
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        INT4=int4, GROUP=group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
+    if gemv:
+        _dequant_gemv_kernel[grid](
+            *args, INT4=int4, GROUP=group, SUB_K=sub_k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, **opts,
+        )  # fmt: skip
+    else:
+        _dequant_matmul_kernel[grid](
+            *args, INT4=int4, GROUP=group,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, **opts,
+        )  # fmt: skip
     return y.to(x.dtype)
 
 
 def int8_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, split_k: int | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    split_k: int | None = None,
+    **launch,
 ) -> torch.Tensor:
     """Weight-only int8 linear, per-output-channel symmetric scales.
 
@@ -119,8 +227,13 @@ def int8_matmul(
 
     Shape: x [M, K] fp16/bf16/fp32 (last dim contiguous); qweight int8 [N, K];
     scales float [N] (contiguous). Returns y [M, N] in x's dtype.
+
+    `launch`: optional form ("dot" default, "gemv" for a few rows), block_m, block_n,
+    block_k, num_warps, num_stages (speed only; split_k changes the fp32 summation order).
     """
-    return _launch(x, qweight, scales.contiguous(), None, qweight.shape[0], False, 1, split_k)
+    return _launch(
+        x, qweight, scales.contiguous(), None, qweight.shape[0], False, 1, split_k, **launch
+    )
 
 
 def int4_matmul(
@@ -130,6 +243,7 @@ def int4_matmul(
     zeros: torch.Tensor,
     group_size: int = 128,
     split_k: int | None = None,
+    **launch,
 ) -> torch.Tensor:
     """Weight-only int4 linear, asymmetric group-wise along K (group G, K % G == 0).
 
@@ -138,9 +252,12 @@ def int4_matmul(
 
     Shape: x [M, K] fp16/bf16/fp32 (last dim contiguous); qweight uint8 [N, K // 2];
     scales, zeros float [N, K // G]. Returns y [M, N] in x's dtype.
+
+    `launch`: as for int8_matmul.
     """
     assert x.shape[1] % group_size == 0, "K must be a multiple of the int4 group size"
     n = qweight.shape[0]
     return _launch(
-        x, qweight, scales.contiguous(), zeros.contiguous(), n, True, group_size, split_k
-    )
+        x, qweight, scales.contiguous(), zeros.contiguous(), n, True, group_size, split_k,
+        **launch,
+    )  # fmt: skip

@@ -16,7 +16,7 @@ blocks that were never written are never read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -29,9 +29,10 @@ def _paged_attention_kernel(
     tile_seq_ptr, tile_row_ptr, q_end_ptr, seq_len_ptr,
     scale, softcap, window,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+    part_ptr, ml_ptr, stride_ps, stride_ms, num_heads,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr = 1,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     tile = tl.program_id(0)
@@ -68,6 +69,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if SPLIT_KV > 1:
+        # Split-KV (flash-decoding): program_id(2) takes one BLOCK_N-aligned chunk of the keys
+        # and writes its unnormalized partial; _combine_splits_kernel merges them.
+        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLIT_KV), BLOCK_N) * BLOCK_N
+        lo = lo + tl.program_id(2) * chunk
+        hi = tl.minimum(hi, lo + chunk)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
@@ -95,11 +102,59 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT_KV > 1:
+        # part [SPLIT_KV, tokens, heads, BLOCK_D], ml [2, SPLIT_KV, tokens, heads] (m, l): fp32.
+        idx = tl.program_id(2) * stride_ms + tok.to(tl.int64) * num_heads + head
+        tl.store(
+            part_ptr + (idx * BLOCK_D)[:, None] + dims[None, :],
+            acc,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        tl.store(ml_ptr + idx, m_i, mask=row_ok)
+        tl.store(ml_ptr + SPLIT_KV * stride_ms + idx, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr
+            + tok[:, None].to(tl.int64) * stride_ot
+            + head[:, None] * stride_oh
+            + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_ptr, ml_ptr, rows_ptr, stride_ot, stride_oh, stride_ms, num_heads,
+    SPLIT_KV: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[tok, head] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (tok, head)."""
+    tok = tl.load(rows_ptr + tl.program_id(0))
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    s_ok = splits < SPLIT_KV
+    idx = splits * stride_ms + tok.to(tl.int64) * num_heads + head
+    m = tl.load(ml_ptr + idx, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + SPLIT_KV * stride_ms + idx, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(s_ok, tl.exp2(m - m_max), 0.0)  # a split that saw no allowed key: m = -inf
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    acc = tl.load(
+        part_ptr + (idx * BLOCK_D)[:, None] + dims[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    acc = tl.where(w[:, None] > 0.0, acc, 0.0)  # partials of empty splits are never read
+    total = tl.sum(w * l_s, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
-        out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + dims,
         o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
+        mask=d_ok,
     )
 
 
@@ -119,8 +174,45 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    **launch,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
+
+    Semantics: as reference.paged_attention. For sequence i with query rows
+    [qs_i, qs_{i+1}) at positions seq_lens[i] - n_i ... seq_lens[i] - 1,
+    out[row] = softmax(softcap(scale * q k^T) masked) v over cached key positions p with
+    p <= query position and, with a sliding window W, p > query position - W. The new tokens'
+    K/V must already be in the cache (write_kv_cache). `out` is written in place.
+
+    Shape: as paged_attention_plan, whose launch parameters `launch` passes on.
+    """
+    paged_attention_plan(
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window, softcap, **launch,
+    )()  # fmt: skip
+
+
+def paged_attention_plan(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    block_n: int | None = None,
+    decode_block_m: int = 16,
+    split_kv: int = 1,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Callable[[], None]:
+    """paged_attention's launches with their tile lists already on the device: the returned
+    function only launches kernels (no host work or copies), so it can be timed alone or
+    captured in a CUDA graph; it reads the given tensors each time it runs.
 
     Semantics: as reference.paged_attention. For sequence i with query rows
     [qs_i, qs_{i+1}) at positions seq_lens[i] - n_i ... seq_lens[i] - 1,
@@ -132,6 +224,11 @@ def paged_attention(
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (contiguous);
     block_tables [num_seqs, max_blocks] int; query_start_loc: num_seqs + 1 ints;
     seq_lens: num_seqs ints (context length after this step's tokens).
+
+    Launch parameters (speed only): block_n keys per step, decode_block_m rows of a decode
+    tile, num_warps, num_stages; split_kv > 1 cuts each decode sequence's keys into that many
+    chunks run by separate programs and merged by a second kernel (flash-decoding; changes
+    the fp32 summation order only).
     """
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.stride(2) == 1 and out.stride(2) == 1
@@ -148,20 +245,46 @@ def paged_attention(
     decode = [i for i in range(num_seqs) if n_new[i] == 1]
     prefill = [i for i in range(num_seqs) if n_new[i] > 1]
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 32 if block_d >= 256 else 64
-    for seqs, block_m in ((decode, 16), (prefill, 64)):
+    block_n = block_n or (32 if block_d >= 256 else 64)
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    opts = {key: v for key, v in opts.items() if v is not None}
+    launches = []
+    for seqs, block_m in ((decode, decode_block_m), (prefill, 64)):
         if not seqs:
             continue
         block_q = max(1, block_m // gp)
         tiles = torch.tensor(_tiles(seqs, query_start_loc, block_q), dtype=torch.int32)
         tiles = tiles.T.contiguous().to(dev)  # [2, num_tiles]: sequence, first row
-        _paged_attention_kernel[(tiles.shape[1], kv_heads)](
-            out, q, k_cache, v_cache, block_tables,
-            tiles[0], tiles[1], q_end, lens,
-            float(scale), float(softcap or 0.0), int(sliding_window or 0),
-            out.stride(0), out.stride(1), q.stride(0), q.stride(1),
-            k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            PAGE=page, GROUP=group, HEAD_DIM=head_dim,
-            GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
-            USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
-        )  # fmt: skip
+        splits = split_kv if seqs is decode else 1
+        part = ml = rows = out  # not read without a split
+        stride_ms = 0
+        if splits > 1:
+            stride_ms = q.shape[0] * num_heads
+            part = torch.empty(splits, stride_ms, block_d, dtype=torch.float32, device=dev)
+            ml = torch.empty(2, splits, stride_ms, dtype=torch.float32, device=dev)
+            # The token row of each decode sequence (its only query).
+            rows = torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int32).to(dev)
+        launches.append((tiles, splits, part, ml, rows, stride_ms, block_q, len(seqs)))
+
+    def run() -> None:
+        for tiles, splits, part, ml, rows, stride_ms, block_q, n_seqs in launches:
+            _paged_attention_kernel[(tiles.shape[1], kv_heads, splits)](
+                out, q, k_cache, v_cache, block_tables,
+                tiles[0], tiles[1], q_end, lens,
+                float(scale), float(softcap or 0.0), int(sliding_window or 0),
+                out.stride(0), out.stride(1), q.stride(0), q.stride(1),
+                k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                part, ml, stride_ms * block_d, stride_ms, num_heads,
+                PAGE=page, GROUP=group, HEAD_DIM=head_dim,
+                GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
+                USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=splits,
+                **opts,
+            )  # fmt: skip
+            if splits > 1:
+                _combine_splits_kernel[(n_seqs, num_heads)](
+                    out, part, ml, rows, out.stride(0), out.stride(1), stride_ms, num_heads,
+                    SPLIT_KV=splits, BLOCK_S=triton.next_power_of_2(splits),
+                    HEAD_DIM=head_dim, BLOCK_D=block_d,
+                )  # fmt: skip
+
+    return run

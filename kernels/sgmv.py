@@ -102,8 +102,9 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     t_ptr, b_ptr, y_ptr, tile_start_ptr, tile_end_ptr, tile_slot_ptr, widths_ptr,
-    N, stride_tm, stride_bs, stride_br, stride_ym,
+    slice_ends_ptr, N, stride_tm, stride_bs, stride_br, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SLICES: tl.constexpr = 1,
 ):  # fmt: skip
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile)
@@ -118,9 +119,25 @@ def _expand_kernel(
     t_rows = t_ptr + rows[:, None].to(tl.int64) * stride_tm
     b_slot = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in range(0, width, BLOCK_R):
+    r_lo = width * 0
+    r_hi = width
+    if NUM_SLICES > 1:
+        # B is block-diagonal over equal-rank slices: a column block inside one slice only
+        # needs that slice's rank rows (the others are zero); a block across slices reads all.
+        first = width * 0
+        last = width * 0
+        n_lo = tl.program_id(1) * BLOCK_N
+        n_last = tl.minimum(n_lo + BLOCK_N, N) - 1
+        for i in tl.static_range(NUM_SLICES - 1):
+            end = tl.load(slice_ends_ptr + i)
+            first += (n_lo >= end).to(tl.int32)
+            last += (n_last >= end).to(tl.int32)
+        if first == last:
+            r_lo = first * (width // NUM_SLICES)
+            r_hi = r_lo + width // NUM_SLICES
+    for r in range(r_lo, r_hi, BLOCK_R):
         ranks = r + offs_r
-        rank_ok = ranks < width
+        rank_ok = ranks < r_hi
         tt = tl.load(t_rows + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
         bt = tl.load(
             b_slot + ranks[:, None].to(tl.int64) * stride_br,
@@ -138,12 +155,23 @@ def _rank_block(max_width: int) -> int:
     return max(16, min(64, triton.next_power_of_2(max_width)))
 
 
+def _launch_opts(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """Triton launch options that were given (None keeps Triton's default)."""
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
 def sgmv_shrink(
     t: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
     meta: SGMVMeta,
     split_k: int | None = None,
+    *,
+    block_k: int | None = None,
+    block_r: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Semantics: t[r, :w_s] = x[r] @ lora_a[s, :w_s]^T for every row r of a tile of slot s;
     other entries of t are left as they are. `t` is written in place (zero it first when
@@ -151,10 +179,14 @@ def sgmv_shrink(
 
     Shape: t float32 [num_tokens, max_width]; x [num_tokens, in];
     lora_a [num_slots, max_width, in] (x's dtype or castable to it).
+
+    Launch parameters (block_k, block_r >= 16, split_k, num_warps, num_stages) default to
+    the built-in choice; they change speed only (and the fp32 summation order with split_k).
     """
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and t.stride(1) == 1
     num_tiles, max_width, k = meta.tile_slot.shape[0], lora_a.shape[1], x.shape[1]
-    block_r, block_k = _rank_block(max_width), 64
+    block_r = block_r or _rank_block(max_width)
+    block_k = block_k or 64
     if split_k is None:
         # Decode has few tiles: split K until the GPU has a couple of programs per SM.
         base = num_tiles * triton.cdiv(max_width, block_r)
@@ -164,24 +196,48 @@ def sgmv_shrink(
         x, lora_a, t, meta.tile_start, meta.tile_end, meta.tile_slot, meta.widths,
         k, x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
         BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        **_launch_opts(num_warps, num_stages),
     )  # fmt: skip
 
 
-def sgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, meta: SGMVMeta) -> None:
+def sgmv_expand(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: SGMVMeta,
+    *,
+    block_n: int | None = None,
+    block_r: int | None = None,
+    slice_ends: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
     """Semantics: y[r] += t[r, :w_s] @ lora_b[s, :w_s] for every row r of a tile of slot s;
     rows without an adapter are left untouched. `y` is changed in place.
 
     Shape: y [num_tokens, out]; t float32 [num_tokens, max_width];
     lora_b [num_slots, max_width, out] (scale folded in).
+
+    Launch parameters (block_n, block_r >= 16, num_warps, num_stages) default to the built-in
+    choice and change speed only. `slice_ends` (int32 [num_slices] on y's device, the
+    cumulative column end of each slice, e.g. q|k|v -> [4096, 5120, 6144]) promises that each
+    slot's B is block-diagonal over that many equal-rank slices (rank rows i*w_s/S ..
+    (i+1)*w_s/S feed only slice i's columns, zeros elsewhere, as the engine lays them out):
+    column blocks then skip the zero rank rows. Same sums when those rows are exactly zero.
     """
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and t.stride(1) == 1
     num_tiles, max_width, n = meta.tile_slot.shape[0], lora_b.shape[1], y.shape[1]
-    block_n = 64
+    block_n = block_n or 64
+    block_r = block_r or _rank_block(max_width)
+    num_slices = 1 if slice_ends is None else slice_ends.numel()
+    if slice_ends is None:
+        slice_ends = meta.widths  # never read with NUM_SLICES == 1
     grid = (num_tiles, triton.cdiv(n, block_n))
     _expand_kernel[grid](
         t, lora_b, y, meta.tile_start, meta.tile_end, meta.tile_slot, meta.widths,
-        n, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=meta.block_m, BLOCK_R=_rank_block(max_width), BLOCK_N=block_n,
+        slice_ends, n, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_N=block_n, NUM_SLICES=num_slices,
+        **_launch_opts(num_warps, num_stages),
     )  # fmt: skip
 
 

@@ -20,5 +20,5 @@ def test_all_kernels_compile_for_sm90():
     kernels = {line.split()[1] for line in lines if line.startswith("ok")}
     assert kernels == {
         "sgmv_shrink", "sgmv_expand", "write_kv_cache", "paged_attention",
-        "int8_matmul", "int4_matmul",
+        "paged_attention_combine", "int8_matmul", "int4_matmul", "int8_gemv", "int4_gemv",
     }  # fmt: skip

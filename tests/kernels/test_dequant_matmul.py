@@ -64,3 +64,54 @@ def test_int4_split_k_matches_reference(device, gen, split_k):
     y = dequant_matmul.int4_matmul(x, qweight, scales, zeros, group, split_k=split_k)
     expected = reference.int4_matmul(x, qweight, scales, zeros, group)
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(("block_k", "split_k"), [(64, 1), (128, 2), (256, None)])
+def test_int8_gemv_form(device, gen, dtype, m, block_k, split_k):
+    # k = 320 is not a multiple of block_k: the last K tile of a split is partial.
+    n, k = 72, 320
+    qweight = _int_weights((n, k), -128, 128, torch.int8, device, gen)
+    scales = (torch.rand(n, generator=gen) / 50).to(device)
+    _, x = guarded((m, k), dtype, device, gen)
+    y = dequant_matmul.int8_matmul(
+        x, qweight, scales, split_k=split_k, form="gemv", block_n=16, block_k=block_k
+    )
+    assert y.dtype == dtype and y.shape == (m, n)
+    _scaled(y, reference.int8_matmul(x, qweight, scales), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(
+    ("group", "block_k", "split_k"),
+    [(128, 256, 1), (128, 64, 3), (32, 128, 2), (64, 64, None)],
+)
+def test_int4_gemv_form(device, gen, dtype, m, group, block_k, split_k):
+    n, k = 40, 384
+    qweight = _int_weights((n, k // 2), 0, 256, torch.uint8, device, gen)
+    _, scales = guarded((n, k // group), torch.float32, device, gen)
+    scales.abs_().mul_(0.05)
+    _, zeros = guarded((n, k // group), torch.float32, device, gen)
+    zeros.mul_(0.05)
+    _, x = guarded((m, k), dtype, device, gen)
+    y = dequant_matmul.int4_matmul(
+        x, qweight, scales, zeros, group_size=group, split_k=split_k, form="gemv",
+        block_m=2, block_n=16, block_k=block_k,
+    )  # fmt: skip
+    assert y.dtype == dtype and y.shape == (m, n)
+    _scaled(y, reference.int4_matmul(x, qweight, scales, zeros, group), dtype)
+
+
+def test_launch_overrides_keep_the_dot_form_exact(device, gen):
+    n, k, group = 48, 256, 128
+    qweight = _int_weights((n, k // 2), 0, 256, torch.uint8, device, gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.05).to(device)
+    zeros = (torch.randn(n, k // group, generator=gen) * 0.05).to(device)
+    x = torch.randn(2, k, generator=gen).to(device)
+    expected = reference.int4_matmul(x, qweight, scales, zeros, group)
+    y = dequant_matmul.int4_matmul(
+        x, qweight, scales, zeros, group, split_k=1, block_n=32, block_k=64, num_warps=2
+    )
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)

@@ -238,3 +238,30 @@ def test_reference_dense_run_keeps_rows_apart_when_another_adapter_overflows():
     reference.lora_apply(dense, x, a, b, segments, widths)
     assert dense.isfinite().all()
     torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "split_k", "sliced"),
+    [(16, 32, 2, True), (32, 128, 1, True), (128, 64, 4, False)],
+)
+def test_launch_overrides_and_slice_skipping(device, gen, dtype, block_n, block_k, split_k,
+                                             sliced):  # fmt: skip
+    """Launch parameters change nothing; with slice_ends, column blocks inside one slice read
+    only its rank rows (block_n 32 makes blocks that straddle slices and read them all)."""
+    out_sizes = [48, 16, 32]
+    a, b, widths, segments, x, ybuf, y = _case(
+        device, gen, dtype, requests=9, num_adapters=3, ranks=[4, 8], mix="uniform",
+        no_adapter=True, prefill=True, out_sizes=out_sizes, in_features=160,
+    )  # fmt: skip
+    expected = y.clone()
+    reference.lora_apply(expected, x, a, b, segments, widths)
+    meta = sgmv.build_meta(segments, widths, device)
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=device)
+    sgmv.sgmv_shrink(t, x, a, meta, split_k, block_k=block_k, block_r=16, num_warps=2)
+    ends = torch.tensor([48, 64, 96], dtype=torch.int32, device=device) if sliced else None
+    sgmv.sgmv_expand(y, t, b, meta, block_n=block_n, block_r=16, slice_ends=ends, num_stages=2)
+    torch.testing.assert_close(y.float(), expected.float(), **tolerance(dtype))
+    outside = torch.ones_like(ybuf, dtype=torch.bool)
+    outside[3 : 3 + y.shape[0], 3 : 3 + y.shape[1]] = False
+    assert ybuf[outside].isnan().all()
