@@ -10,13 +10,16 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -53,6 +56,50 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "invalid request: wrong type, unknown field, value out of range",
+    401: "missing, unknown, revoked or expired API key",
+    403: "the key may not use this route",
+    404: "no such model, adapter, tenant or key (for this tenant)",
+    409: "already exists",
+    413: "body or adapter too large",
+    422: "an adapter that cannot be served",
+    429: "quota or rate limit reached; see Retry-After",
+    503: "the model is loading, the engine stopped, or the adapter store is unreachable",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI entries for the errors a router's routes answer, all in ErrorBody's shape, so
+    that the published document says every status a client can see (schemathesis checks it)."""
+    return {c: {"model": ErrorBody, "description": _DESCRIPTIONS[c]} for c in codes}
+
+
+API_ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503)
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> str:
+    """Every method some route serves at this path (Starlette's 405 names only the first
+    route whose path matched, so GET /x with a PATCH /x beside it said `Allow: GET`)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "__none__"})
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
 def _is_tag(part: object) -> bool:
     """Parts of a pydantic error location that are not the request's own path: where the value
     came from, and which member of a union was tried ("stop.str" is about "stop")."""
@@ -83,9 +130,12 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(app, request)
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers,
         )

@@ -50,7 +50,7 @@ class RunningServer:
 @contextmanager
 def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
     port = free_port()
-    settings = Settings(
+    defaults = dict(
         data_dir=data_dir,
         model=str(model_dir),
         host="127.0.0.1",
@@ -60,8 +60,8 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
         max_model_len=256,
         # The server shares this process with the tests: keep their thread count.
         engine_threads=torch.get_num_threads(),
-        **settings_overrides,
     )
+    settings = Settings(**{**defaults, **settings_overrides})
     upgrade(settings.database_url)
     app = create_app(settings)
     server = uvicorn.Server(

@@ -12,7 +12,7 @@ from starlette.types import Message, Receive
 
 from loraplex.platform import quotas
 from loraplex.platform.api.deps import CallerDep, StateDep
-from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.store import StoreError
@@ -23,7 +23,7 @@ from loraplex.platform.uploads import (
     validate_adapter,
 )
 
-router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=API_ERRORS)
 log = logging.getLogger("loraplex.platform")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

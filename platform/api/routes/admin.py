@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
-from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.api.routes import admin_usage
 from loraplex.platform.api.routes.adapters import remove_adapter
 from loraplex.platform.db import crud
@@ -31,7 +31,9 @@ from loraplex.platform.db.schemas import (
     TenantUpdate,
 )
 
-router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
+router = APIRouter(
+    prefix="/admin/api", tags=["admin"], dependencies=[AdminDep], responses=API_ERRORS
+)
 
 T = TypeVar("T")
 

@@ -28,6 +28,7 @@ from loraplex.platform.admin_session import (
     set_session_cookie,
 )
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
+from loraplex.platform.api.errors import API_ERRORS
 from loraplex.platform.db.models import UsageRecord, utcnow
 from loraplex.platform.security import constant_time_equals
 
@@ -47,7 +48,9 @@ _HEADERS = {
 }
 
 router = APIRouter(prefix="/admin", tags=["admin dashboard"], include_in_schema=False)
-stats_router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
+stats_router = APIRouter(
+    prefix="/admin/api", tags=["admin"], dependencies=[AdminDep], responses=API_ERRORS
+)
 
 
 def _page(name: str) -> Response:

@@ -5,13 +5,26 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from loraplex.platform.api.deps import StateDep
 
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz")
+class Health(BaseModel):
+    status: str  # "ok" / "ready", or why not: "loading model", "engine stopped"...
+    model: str | None = None
+    error: str | None = None  # the engine's failure, in one line
+
+
+_PROBE = {
+    "response_model": Health,
+    "responses": {503: {"model": Health, "description": "not ready"}},
+}
+
+
+@router.get("/healthz", **_PROBE)
 def healthz(state: StateDep):
     """The process is alive and its engine has not failed (loading still counts as alive)."""
     if (error := state.check_engine()) is not None:
@@ -19,7 +32,7 @@ def healthz(state: StateDep):
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", **_PROBE)
 def readyz(state: StateDep):
     """Ready to serve: model loaded, engine alive, not shutting down."""
     if (error := state.check_engine()) is not None:
@@ -30,7 +43,11 @@ def readyz(state: StateDep):
     return {"status": "ready", "model": state.model_name}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+)
 def metrics(state: StateDep):
     m = state.metrics
     m.model_loaded.set(1 if state.engine is not None else 0)

@@ -11,14 +11,16 @@ from fastapi import APIRouter, Request
 
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.api.deps import CallerDep, StateDep
-from loraplex.platform.api.errors import APIError, error_body
+from loraplex.platform.api.errors import API_ERRORS, APIError, error_body
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
 
-router = APIRouter(prefix="/v1", tags=["inference"])
+router = APIRouter(prefix="/v1", tags=["inference"], responses=API_ERRORS)
+# JSON, or server-sent events with "stream": true.
+_STREAMABLE = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 @router.get("/models")
@@ -192,7 +194,7 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
     }
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_STREAMABLE)
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, caller: CallerDep
 ):
@@ -233,7 +235,7 @@ async def completions(
     return await _respond(service, job, request, body, render, "text_completion", created, choice)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=_STREAMABLE)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, caller: CallerDep
 ):
