@@ -79,7 +79,15 @@ def tiny_llama(cache: Path = CACHE_DIR) -> Path:
     import transformers
 
     with _repo_on_path():  # the tokenizer factory lives in tests/utils
-        from tests.utils.factories import make_tokenizer
+        try:
+            from tests.utils.factories import make_tokenizer
+        except ModuleNotFoundError as e:
+            if e.name not in ("tests", "tests.utils", "tests.utils.factories"):
+                raise
+            raise SystemExit(  # an installed package has no tests/
+                "loraplex: error: --model tiny-llama is built with tests/utils of a loraplex "
+                "checkout; run from a clone, or pass --model demo or a model folder"
+            ) from None
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

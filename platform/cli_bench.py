@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+
+EXTRA = "pip install 'loraplex[bench]'"
+
+
+def _require(args: argparse.Namespace, *, adapters: bool) -> None:
+    """Stop before a run, with the extra to install, when the `bench` extra is missing:
+    peft writes the generated adapters' configs, matplotlib draws the charts."""
+    needed = (["peft"] if adapters else []) + ([] if args.no_plot else ["matplotlib"])
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        hint = " (or pass --no-plot)" if missing == ["matplotlib"] else ""
+        raise SystemExit(
+            f"loraplex: error: `loraplex bench {args.bench_command}` needs "
+            f"{' and '.join(missing)}: {EXTRA}{hint}"
+        )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from loraplex.bench.serve import run_serve
 
+    _require(args, adapters=False)
     doc = run_serve(args)
     return 0 if doc["summary"]["completed"] else 1
 
@@ -15,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _offline(args: argparse.Namespace) -> int:
     from loraplex.bench.serve import run_offline
 
+    _require(args, adapters=True)
     doc = run_offline(args)
     return 0 if doc["summary"]["completed"] else 1
 
@@ -22,6 +40,7 @@ def _offline(args: argparse.Namespace) -> int:
 def _scaling(args: argparse.Namespace) -> int:
     from loraplex.bench.scaling import run_scaling
 
+    _require(args, adapters=True)
     run_scaling(args)
     return 0
 
@@ -29,6 +48,7 @@ def _scaling(args: argparse.Namespace) -> int:
 def _peers(args: argparse.Namespace) -> int:
     from loraplex.bench.peers.compare import run_compare
 
+    _require(args, adapters=True)
     run_compare(args)
     return 0
 
