@@ -18,3 +18,7 @@ Library modules (imported as `loraplex.bench.…`, used by `loraplex bench serve
 The older offline scripts (offline.py and its helpers) import their siblings by plain name
 and are run as `python bench/offline.py`.
 """
+
+# Scripts that work only from a checkout (`python bench/<name>.py`: they import their siblings,
+# or `bench.…`, by plain name), never as `loraplex.bench.<name>`; import checks skip them.
+CHECKOUT_SCRIPTS = frozenset({"engines", "gpu_engine", "offline", "options", "peer"})
