@@ -6,8 +6,11 @@ Shapes are Llama-3-8B's (hidden 4096, 32 layers, 32 heads / 8 KV heads, FFN 1433
 - SGMV: 32 distinct rank-16 adapters at decode batch 64 on all four LoRA modules of a layer,
   x 32 layers = what LoRA adds to one decode step; against a Python loop of per-adapter
   matmuls, the torch reference, and the base model's own linear layers at the same batch.
+  Tiles and launch parameters are the engine's (the wrappers' defaults, recorded per row
+  under "launch"); "triton" is the engine's call (lora_apply), "triton_graph" its kernels.
 - Paged attention: decode at batch 32 (context 2048) -> GB/s and % of HBM peak.
-- Dequant: int4 / int8 GEMV (batch 1) against the bf16 GEMV of the same layer.
+- Dequant: int4 / int8 GEMV (batch 1, the wrappers' defaults) against the bf16 GEMV of the
+  same layer.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def _sgmv_module(fin: int, outs: list[int], segments, n_ad: int, rank: int) -> dict:
+def _sgmv_module(fin: int, outs: list[int], segments, n_ad: int, rank: int) -> tuple[dict, dict]:
     from loraplex.kernels import reference, sgmv
 
     bf, batch, k, n = torch.bfloat16, segments[-1][1], len(outs), sum(outs)
@@ -53,7 +56,14 @@ def _sgmv_module(fin: int, outs: list[int], segments, n_ad: int, rank: int) -> d
     x = torch.randn(batch, fin, device="cuda", dtype=bf)
     y = torch.zeros(batch, n, device="cuda", dtype=bf)
     w = torch.randn(n, fin, device="cuda", dtype=bf)
-    meta = sgmv.build_meta(segments, widths, "cuda", block_m=16)
+    # Tiles and launch parameters as the engine's path (dispatch -> sgmv.lora_apply) picks
+    # them: build_meta's own block_m, the wrappers' defaults, no slice-skipping.
+    meta = sgmv.build_meta(segments, widths, "cuda")
+    launch = {
+        "block_m": meta.block_m,
+        "shrink": sgmv.shrink_params(len(meta.tile_slot), meta.block_m, k * rank, fin),
+        "expand": sgmv.expand_params(len(meta.tile_slot), meta.block_m, k * rank, n),
+    }
 
     def loop():
         for s, e, slot in segments:
@@ -63,7 +73,7 @@ def _sgmv_module(fin: int, outs: list[int], segments, n_ad: int, rank: int) -> d
     sgmv.lora_apply_meta(y, x, a, b, meta)  # compile outside the capture
     with torch.cuda.graph(graph):
         sgmv.lora_apply_meta(y, x, a, b, meta)
-    return {
+    return launch, {
         "triton": cuda_ms(lambda: sgmv.lora_apply(y, x, a, b, segments, widths)),
         "triton_graph": cuda_ms(graph.replay),
         "loop": cuda_ms(loop),
@@ -77,10 +87,11 @@ def bench_sgmv(rows: list[dict]) -> None:
     segments = [(2 * i, 2 * i + 2, i) for i in range(n_ad)]  # batch 64: 2 rows per adapter
     total = dict.fromkeys(("triton", "triton_graph", "loop", "reference", "base"), 0.0)
     for name, (fin, outs) in MODULES.items():
-        t = _sgmv_module(fin, outs, segments, n_ad, rank)
+        launch, t = _sgmv_module(fin, outs, segments, n_ad, rank)
         for key in total:
             total[key] += t[key] * LAYERS
-        rows.append({"bench": "sgmv", "module": name, **{f"{k}_ms": v for k, v in t.items()}})
+        rows.append({"bench": "sgmv", "module": name, **{f"{k}_ms": v for k, v in t.items()},
+                     "launch": launch})  # fmt: skip
     rows.append({"bench": "sgmv", "module": "per decode step (x32 layers)",
                  **{f"{k}_ms": v for k, v in total.items()},
                  "lora_over_base_linear": total["triton_graph"] / total["base"]})  # fmt: skip
@@ -109,6 +120,10 @@ def _gemv(n: int, k: int, peak: float | None) -> dict:
     from loraplex.kernels import dequant_matmul
 
     bf = torch.bfloat16
+    launch = {  # the wrappers' defaults at M = 1 (no overrides below)
+        "int8": dequant_matmul.launch_params(1, n, k, False, 1),
+        "int4": dequant_matmul.launch_params(1, n, k, True, 128),
+    }
     x = torch.randn(1, k, device="cuda", dtype=bf)
     w = torch.randn(n, k, device="cuda", dtype=bf)
     q8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
@@ -125,6 +140,7 @@ def _gemv(n: int, k: int, peak: float | None) -> dict:
         "bf16_ms": t_bf, "int8_ms": t_8, "int4_ms": t_4,
         "int4_speedup": t_bf / t_4, "int8_speedup": t_bf / t_8,
         "int4_hbm_fraction": int4_bytes / (t_4 * 1e-3) / peak if peak else None,
+        "launch": launch,
     }  # fmt: skip
 
 

@@ -32,24 +32,29 @@ def _variants(dtypes: tuple[str, ...]):
     for dt in dtypes:
         meta = dict(tile_start_ptr="*i32", tile_end_ptr="*i32", tile_slot_ptr="*i32",
                     widths_ptr="*i32")  # fmt: skip
-        for block_m, split in ((16, 4), (64, 1)):
+        # Decode tiles with the defaults (split 16-32, block_k 128 / 64, rank block 64 / 16)
+        # and prefill tiles.
+        for block_m, block_r, block_k, split in ((16, 16, 64, 4), (16, 64, 128, 16),
+                                                 (16, 16, 64, 32), (64, 16, 64, 1)):  # fmt: skip
             yield (
-                f"sgmv_shrink {dt} M{block_m} split{split}",
+                f"sgmv_shrink {dt} M{block_m} R{block_r} K{block_k} split{split}",
                 sgmv._shrink_kernel,
                 dict(x_ptr=f"*{dt}", a_ptr=f"*{dt}", t_ptr="*fp32", **meta, K="i32",
                      stride_xm="i32", stride_as="i32", stride_ar="i32", stride_tm="i32"),
-                dict(BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=64, SPLIT_K=split),
+                dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split),
             )  # fmt: skip
-            for slices, block_n in ((1, 64), (3, 256)):
-                yield (
-                    f"sgmv_expand {dt} M{block_m} N{block_n} slices{slices}",
-                    sgmv._expand_kernel,
-                    dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta,
-                         slice_ends_ptr="*i32", N="i32", stride_tm="i32", stride_bs="i32",
-                         stride_br="i32", stride_ym="i32"),
-                    dict(BLOCK_M=block_m, BLOCK_R=64 if slices == 1 else 16,
-                         BLOCK_N=block_n, NUM_SLICES=slices),
-                )  # fmt: skip
+        for block_m, block_r, block_n, slices in ((16, 64, 64, 1), (16, 64, 128, 1),
+                                                  (16, 16, 128, 1), (16, 16, 128, 3),
+                                                  (16, 16, 256, 3), (64, 64, 64, 1),
+                                                  (64, 16, 256, 3)):  # fmt: skip
+            yield (
+                f"sgmv_expand {dt} M{block_m} R{block_r} N{block_n} slices{slices}",
+                sgmv._expand_kernel,
+                dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", **meta,
+                     slice_ends_ptr="*i32", N="i32", stride_tm="i32", stride_bs="i32",
+                     stride_br="i32", stride_ym="i32"),
+                dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, NUM_SLICES=slices),
+            )  # fmt: skip
         yield (
             f"write_kv_cache {dt}",
             kv_cache._write_kv_kernel,
@@ -103,8 +108,11 @@ def _variants(dtypes: tuple[str, ...]):
                     dict(INT4=int4, GROUP=128 if int4 else 1, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split),
                 )  # fmt: skip
-            # GEMV form at batch 1 and 4: K tile inside a group and spanning two groups.
-            for block_m, block_n, block_k, split in ((1, 32, 256, 4), (4, 16, 128, 1)):
+            # GEMV form at batch 1 (the defaults: block_k 512, block_n 32 / 16, split or
+            # not) and 4: K tile inside a group and spanning several groups.
+            for block_m, block_n, block_k, split in ((1, 32, 256, 4), (4, 16, 128, 1),
+                                                     (1, 32, 512, 1), (1, 16, 512, 4),
+                                                     (4, 32, 128, 1)):  # fmt: skip
                 name = "int4_gemv" if int4 else "int8_gemv"
                 yield (
                     f"{name} {dt} M{block_m} N{block_n} K{block_k} split{split}",

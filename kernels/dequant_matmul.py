@@ -16,11 +16,11 @@ dot products, not to each weight, because they are constant along a tile's K:
 dot sees exact weights; only x's rounding and the fp32 accumulation order remain.
 
 For a handful of rows (batch-1 decode) a second kernel, `_dequant_gemv_kernel`
-(form="gemv"), skips the tensor cores: it widens each weight to fp32 in registers (integer to
-float by the 2^23 magic-number trick, not the slow int->float conversion), dequantizes it
-(int4: w = (q - 8) * scale + zero, the reference's formula) and keeps one fp32 partial sum per
-(row, column, k-lane) that is reduced once at the end: plain FMAs, many programs over N, and
-split-K for the short-N layers.
+(form="gemv", the default at M = 1: see `launch_params`), skips the tensor cores: it widens
+each weight to fp32 in registers (integer to float by the 2^23 magic-number trick, not the
+slow int->float conversion), dequantizes it (int4: w = (q - 8) * scale + zero, the
+reference's formula) and keeps one fp32 partial sum per (row, column, k-lane) that is reduced
+once at the end: plain FMAs, many programs over N, and split-K for the short-N layers.
 """
 
 from __future__ import annotations
@@ -158,25 +158,54 @@ def _dequant_gemv_kernel(
         tl.atomic_add(y_ptrs, out, mask=mask)
 
 
-def _launch(
-    x, qweight, scales, zeros, n, int4, group, split_k, *, form=None, block_m=None,
-    block_n=None, block_k=None, num_warps=None, num_stages=None,
-):  # fmt: skip
-    """Launch the dot (default) or GEMV form; unset launch parameters take the built-in choice."""
-    assert x.dim() == 2 and x.stride(1) == 1 and qweight.stride(1) == 1
+# Default form and launch parameters. Measured on an H200 (bench/results/kernel-sweep.log:
+# triton 3.6, bf16 x, L2 flushed; shapes N x K 4096x4096, 28672x4096, 4096x14336; M = 1
+# and M = 16 only, nothing in between).
+GEMV_MAX_M = 1  # the GEMV form up to this many rows, the tensor-core dot form above
+# The int4 layers above this many weights take the narrower, split GEMV tile.
+INT4_GEMV_SMALL = 4096 * 4096
+
+
+def launch_params(
+    m: int, n: int, k: int, int4: bool, group: int, split_k: int | None = None, *,
+    form: str | None = None, block_m: int | None = None, block_n: int | None = None,
+    block_k: int | None = None,
+) -> dict:  # fmt: skip
+    """The form, blocks and split_k a call runs with: the given ones, defaults for the rest.
+
+    form: "gemv" for M <= GEMV_MAX_M, else "dot". At M = 1 the GEMV form with its tiles
+    below beat the dot form on all six shapes (us; x = vs the old dot default):
+      int8  block_n 32, block_k 512, split 1:  4096x4096 16.7 (x3.13), 28672x4096 61.0
+            (x1.32), 4096x14336 46.7 (x1.19)
+      int4  4096x4096: block_n 32, block_k 512, split 1: 35.9 (x1.96)
+            bigger: block_n 16, block_k 512, split to ~1024 programs: 28672x4096 110.3
+            (split 1, x1.27), 4096x14336 67.7 (split 4, x1.13); block_n 32 / split 1 there
+            152.5 and 115.6 (too few programs for the slower int4 GEMV)
+    At M = 16 the dot form won everywhere (GEMV block_m 4: x0.13-0.82 of it). M = 2..15 is
+    not measured, so the GEMV form stays at M = 1 (GEMV_MAX_M): the int8 tile's fp32
+    accumulator (BLOCK_M x 32 x 512) already takes 128 registers a thread at M = 1. An
+    explicit form="gemv" at M > 1 shrinks the int8 block_k to keep that accumulator size.
+    The dot form keeps its earlier defaults.
+    """
     assert form in (None, "dot", "gemv"), form
-    m, k = x.shape
-    if int4:
-        assert scales.stride() == zeros.stride() and scales.stride(1) == 1
-    gemv = form == "gemv"
-    if gemv:
+    if form is None:
+        form = "gemv" if m <= GEMV_MAX_M else "dot"
+    if form == "gemv":
         block_m = block_m or min(triton.next_power_of_2(m), 4)
-        block_n = block_n or 32
-        block_k = block_k or 256
+        pow2_k = triton.next_power_of_2(k)
+        if int4:
+            small = n * k <= INT4_GEMV_SMALL
+            block_n = block_n or (32 if small else 16)
+            block_k = block_k or min(512, pow2_k)
+            programs = 128 if small else 1024
+        else:
+            block_n = block_n or 32
+            block_k = block_k or min(max(64, 512 // block_m), pow2_k)
+            programs = 128
         sub_k = min(block_k, group & -group) if int4 else block_k
         assert sub_k >= 2 and block_k % sub_k == 0, f"int4 group size {group} unsupported"
-        programs = 1024
     else:
+        sub_k = None
         if int4:
             # One tile must sit inside one group and hold >= 16 columns of each parity.
             block_k = block_k or min(128, group & -group)
@@ -188,8 +217,25 @@ def _launch(
         programs = 512
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_k is None:
-        # GEMV / small batch: split K until the GPU has a few programs per SM.
+        # Few tiles: split K until the GPU has enough programs (a split costs a zeroed fp32
+        # output, atomics and a cast back: the GEMV form asks for fewer).
         split_k = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(k, 2 * block_k), 16))
+    return dict(form=form, block_m=block_m, block_n=block_n, block_k=block_k,
+                split_k=split_k, sub_k=sub_k)  # fmt: skip
+
+
+def _launch(
+    x, qweight, scales, zeros, n, int4, group, split_k, *, form=None, block_m=None,
+    block_n=None, block_k=None, num_warps=None, num_stages=None,
+):  # fmt: skip
+    """Launch the GEMV or dot form (`launch_params`); unset parameters take the defaults."""
+    assert x.dim() == 2 and x.stride(1) == 1 and qweight.stride(1) == 1
+    m, k = x.shape
+    if int4:
+        assert scales.stride() == zeros.stride() and scales.stride(1) == 1
+    p = launch_params(m, n, k, int4, group, split_k, form=form, block_m=block_m,
+                      block_n=block_n, block_k=block_k)  # fmt: skip
+    block_m, block_n, block_k, split_k = p["block_m"], p["block_n"], p["block_k"], p["split_k"]
     if split_k == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
@@ -201,9 +247,9 @@ def _launch(
         x, qweight, scales, zeros if zeros is not None else scales, y,
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
     )  # fmt: skip
-    if gemv:
+    if p["form"] == "gemv":
         _dequant_gemv_kernel[grid](
-            *args, INT4=int4, GROUP=group, SUB_K=sub_k,
+            *args, INT4=int4, GROUP=group, SUB_K=p["sub_k"],
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, **opts,
         )  # fmt: skip
     else:
@@ -228,8 +274,9 @@ def int8_matmul(
     Shape: x [M, K] fp16/bf16/fp32 (last dim contiguous); qweight int8 [N, K];
     scales float [N] (contiguous). Returns y [M, N] in x's dtype.
 
-    `launch`: optional form ("dot" default, "gemv" for a few rows), block_m, block_n,
-    block_k, num_warps, num_stages (speed only; split_k changes the fp32 summation order).
+    `launch`: optional form ("gemv" or "dot"; default by M, see `launch_params`), block_m,
+    block_n, block_k, num_warps, num_stages (speed only; split_k changes the fp32 summation
+    order).
     """
     return _launch(
         x, qweight, scales.contiguous(), None, qweight.shape[0], False, 1, split_k, **launch

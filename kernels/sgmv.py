@@ -161,6 +161,83 @@ def _launch_opts(num_warps: int | None, num_stages: int | None) -> dict[str, int
     return {k: v for k, v in opts.items() if v is not None}
 
 
+# Default launch parameters. Measured on an H200 (bench/results/kernel-sweep.log: triton 3.6,
+# bf16, L2 flushed; Llama-8B modules, 32 rank-16 adapters x 2 rows = decode batch 64 = 32
+# tiles of block_m 16, and one adapter x 1 row = batch 1). Only decode-shaped tiles
+# (block_m <= 16, every segment <= 16 rows) take the measured choice; prefill tiles keep
+# the earlier rule, which nothing measured against.
+DECODE_BLOCK_M = 16
+
+
+def shrink_params(
+    num_tiles: int,
+    block_m: int,
+    max_width: int,
+    k: int,
+    *,
+    split_k: int | None = None,
+    block_k: int | None = None,
+    block_r: int | None = None,
+) -> dict[str, int]:
+    """sgmv_shrink's launch parameters: the given ones, the default for the others.
+
+    Decode tiles: block_k 128 for K <= 4096, else 64; split K up to ~512 programs, at most
+    32 splits and one block_k per split. Measured (H200, us, default = the old rule's
+    block_k 64 / split 8 at b64):
+      b64 qkv (K 4096, w 48)   split 16 / bk 128: 15.3    bk 64: 23.2    old default 35.4
+      b64 o   (K 4096, w 16)   split 16 / bk 128: 11.2    bk 64: 45.3    old default 12.4
+      b64 gate_up (K 4096, w 32)  split 16 / bk 128: 43.0  bk 64: 34.2   old default 36.7
+      b64 down (K 14336, w 16) split 16 / bk 64: 27.4     bk 128: 29.2   old default 36.0
+      b1 qkv / o / gate_up (K 4096)  split 32 / bk 128: 34.8 / 19.6 / 37.1
+                                     vs old default (split 16, bk 64): 43.6 / 30.8 / 43.1
+      b1 down (K 14336)  old default (split 56, bk 64) 9.3, split 32 / bk 128 10.0;
+                         this rule gives split 32 / bk 64 (not measured)
+    gate_up at b64 is the one measured loss of the rule (43.0 vs 36.7 us); nothing in its
+    shapes tells it from qkv and o, and across the three K = 4096 modules bk 128 sums to
+    69.5 us against 102.7 for bk 64 (old default 84.5). LoRA shrinks of one b64 decode step
+    (x32 layers): old default 3.86 ms, this rule 3.10 ms, per-op best 2.82 ms.
+    """
+    block_r = block_r or _rank_block(max_width)
+    base = num_tiles * triton.cdiv(max_width, block_r)
+    if block_m <= DECODE_BLOCK_M:
+        block_k = block_k or (128 if k <= 4096 else 64)
+        if split_k is None:
+            split_k = max(1, min(triton.cdiv(512, base), 32, triton.cdiv(k, block_k)))
+    else:
+        block_k = block_k or 64
+        if split_k is None:
+            # Few tiles: split K until the GPU has a couple of programs per SM.
+            split_k = max(1, min(triton.cdiv(256, base), triton.cdiv(k, 4 * block_k)))
+    return {"split_k": split_k, "block_k": block_k, "block_r": block_r}
+
+
+def expand_params(
+    num_tiles: int,
+    block_m: int,
+    max_width: int,
+    n: int,
+    *,
+    block_n: int | None = None,
+    block_r: int | None = None,
+) -> dict[str, int]:
+    """sgmv_expand's launch parameters: the given ones, the default for the others.
+
+    Decode tiles with >= 512 programs at block_n 128 (about 4 per SM of an H200's 132) take
+    block_n 128, else 64: fewer, wider programs only pay when the GPU stays full.
+    Measured (H200, us, without slice-skipping):
+      b64 (32 tiles)  qkv 15.7 vs 25.3 (block_n 64), gate_up 32.5 vs 44.6,
+                      o 9.3 vs 9.4, down 19.5 vs 19.9 (block_n 256 / 8 warps: 17.8 on down
+                      but 20.4 on o, the same problem: t [64, 16] @ B [16, 4096]; noise)
+      b1  (1 tile)    block_n 64 best or within 3% on all four (block_n 256: 0.81-1.03x);
+                      128 not measured there, so batch 1 keeps 64.
+    """
+    block_r = block_r or _rank_block(max_width)
+    if block_n is None:
+        wide = block_m <= DECODE_BLOCK_M and num_tiles * triton.cdiv(n, 128) >= 512
+        block_n = 128 if wide else 64
+    return {"block_n": block_n, "block_r": block_r}
+
+
 def sgmv_shrink(
     t: torch.Tensor,
     x: torch.Tensor,
@@ -175,28 +252,24 @@ def sgmv_shrink(
 ) -> None:
     """Semantics: t[r, :w_s] = x[r] @ lora_a[s, :w_s]^T for every row r of a tile of slot s;
     other entries of t are left as they are. `t` is written in place (zero it first when
-    split_k > 1: the splits add into it).
+    split_k > 1 or None: the splits add into it, and the default splits).
 
     Shape: t float32 [num_tokens, max_width]; x [num_tokens, in];
     lora_a [num_slots, max_width, in] (x's dtype or castable to it).
 
     Launch parameters (block_k, block_r >= 16, split_k, num_warps, num_stages) default to
-    the built-in choice; they change speed only (and the fp32 summation order with split_k).
+    `shrink_params`; they change speed only (and the fp32 summation order with split_k).
     """
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and t.stride(1) == 1
     num_tiles, max_width, k = meta.tile_slot.shape[0], lora_a.shape[1], x.shape[1]
-    block_r = block_r or _rank_block(max_width)
-    block_k = block_k or 64
-    if split_k is None:
-        # Decode has few tiles: split K until the GPU has a couple of programs per SM.
-        base = num_tiles * triton.cdiv(max_width, block_r)
-        split_k = max(1, min(triton.cdiv(256, base), triton.cdiv(k, 4 * block_k)))
-    grid = (num_tiles, triton.cdiv(max_width, block_r), split_k)
+    p = shrink_params(num_tiles, meta.block_m, max_width, k, split_k=split_k,
+                      block_k=block_k, block_r=block_r)  # fmt: skip
+    grid = (num_tiles, triton.cdiv(max_width, p["block_r"]), p["split_k"])
     _shrink_kernel[grid](
         x, lora_a, t, meta.tile_start, meta.tile_end, meta.tile_slot, meta.widths,
         k, x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0),
-        BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-        **_launch_opts(num_warps, num_stages),
+        BLOCK_M=meta.block_m, BLOCK_R=p["block_r"], BLOCK_K=p["block_k"],
+        SPLIT_K=p["split_k"], **_launch_opts(num_warps, num_stages),
     )  # fmt: skip
 
 
@@ -218,17 +291,23 @@ def sgmv_expand(
     Shape: y [num_tokens, out]; t float32 [num_tokens, max_width];
     lora_b [num_slots, max_width, out] (scale folded in).
 
-    Launch parameters (block_n, block_r >= 16, num_warps, num_stages) default to the built-in
-    choice and change speed only. `slice_ends` (int32 [num_slices] on y's device, the
+    Launch parameters (block_n, block_r >= 16, num_warps, num_stages) default to
+    `expand_params` and change speed only. `slice_ends` (int32 [num_slices] on y's device, the
     cumulative column end of each slice, e.g. q|k|v -> [4096, 5120, 6144]) promises that each
     slot's B is block-diagonal over that many equal-rank slices (rank rows i*w_s/S ..
-    (i+1)*w_s/S feed only slice i's columns, zeros elsewhere, as the engine lays them out):
-    column blocks then skip the zero rank rows. Same sums when those rows are exactly zero.
+    (i+1)*w_s/S feed only slice i's columns, zeros elsewhere): column blocks then skip the
+    zero rank rows. Same sums when those rows are exactly zero.
+
+    Off unless given: the promise holds for an adapter the engine installed only when it
+    targets every slice of the module at one rank (q|k|v all rank r gives w_s = 3r), not for
+    one that targets q and v only, or mixes ranks, and the engine's call (`lora_apply`:
+    segments and widths) does not carry the slice ranks. Measured gain where it holds (H200,
+    kernel-sweep.log, b64, block_n 128): qkv 15.7 -> 9.8 us, gate_up 32.5 -> 22.7 us.
     """
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and t.stride(1) == 1
     num_tiles, max_width, n = meta.tile_slot.shape[0], lora_b.shape[1], y.shape[1]
-    block_n = block_n or 64
-    block_r = block_r or _rank_block(max_width)
+    p = expand_params(num_tiles, meta.block_m, max_width, n, block_n=block_n, block_r=block_r)
+    block_n, block_r = p["block_n"], p["block_r"]
     num_slices = 1 if slice_ends is None else slice_ends.numel()
     if slice_ends is None:
         slice_ends = meta.widths  # never read with NUM_SLICES == 1
@@ -248,11 +327,33 @@ def lora_apply_meta(
     lora_b: torch.Tensor,
     meta: SGMVMeta,
     split_k: int | None = None,
+    *,
+    slice_ends: torch.Tensor | None = None,
 ) -> None:
-    """y += shrink-then-expand over prebuilt tiles (the CUDA-graph friendly entry point)."""
+    """y += shrink-then-expand over prebuilt tiles (the CUDA-graph friendly entry point).
+
+    Launch parameters are the defaults (`shrink_params`, `expand_params`); `slice_ends` as
+    for sgmv_expand (off unless given)."""
     t = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     sgmv_shrink(t, x, lora_a, meta, split_k)
-    sgmv_expand(y, t, lora_b, meta)
+    sgmv_expand(y, t, lora_b, meta, slice_ends=slice_ends)
+
+
+# The layers of one step call lora_apply with the same segments (and the same widths per
+# module kind): the tiles are built and copied to the device once per distinct value, not
+# once per call (a host-to-device copy each, twice per LoRA module and layer).
+_METAS: dict[tuple, SGMVMeta] = {}
+_MAX_METAS = 8
+
+
+def _meta(segments, widths, device: torch.device) -> SGMVMeta:
+    key = (tuple(segments), tuple(widths), str(device))
+    meta = _METAS.get(key)
+    if meta is None:
+        if len(_METAS) >= _MAX_METAS:
+            _METAS.clear()
+        meta = _METAS[key] = build_meta(segments, widths, device)
+    return meta
 
 
 def lora_apply(
@@ -267,7 +368,8 @@ def lora_apply(
 
     Shape: y [num_tokens, out]; x [num_tokens, in]; lora_a [num_slots, max_width, in];
     lora_b [num_slots, max_width, out]; segments (start, end, slot); widths per slot.
+    The default launch parameters; no slice-skipping (the call does not carry slice ranks).
     """
     if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
         return
-    lora_apply_meta(y, x, lora_a, lora_b, build_meta(segments, widths, x.device))
+    lora_apply_meta(y, x, lora_a, lora_b, _meta(segments, widths, x.device))

@@ -115,3 +115,45 @@ def test_launch_overrides_keep_the_dot_form_exact(device, gen):
         x, qweight, scales, zeros, group, split_k=1, block_n=32, block_k=64, num_warps=2
     )
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("int4", [False, True], ids=["int8", "int4"])
+def test_default_form_is_gemv_at_one_row_and_dot_above(int4):
+    """The measured defaults (kernel-sweep.log, H200): GEMV at M = 1 with block_k 512, the
+    dot form from M = 2 on (M = 16 measured); int8 and small int4 layers unsplit."""
+    group = 128 if int4 else 1
+    one = dequant_matmul.launch_params(1, 4096, 4096, int4, group)
+    assert one["form"] == "gemv" and one["block_k"] == 512 and one["split_k"] == 1
+    assert one["block_n"] == 32
+    big = dequant_matmul.launch_params(1, 4096, 14336, int4, group)
+    assert big["form"] == "gemv" and big["block_n"] == (16 if int4 else 32)
+    assert big["split_k"] == (4 if int4 else 1)
+    for m in (2, 16, 300):
+        assert dequant_matmul.launch_params(m, 4096, 4096, int4, group)["form"] == "dot"
+    # Explicit choices win over the defaults.
+    forced = dequant_matmul.launch_params(16, 4096, 4096, int4, group, 3, form="gemv",
+                                          block_n=64, block_k=128)  # fmt: skip
+    assert (forced["form"], forced["block_n"], forced["block_k"], forced["split_k"]) == (
+        "gemv", 64, 128, 3,
+    )  # fmt: skip
+    assert dequant_matmul.launch_params(1, 4096, 4096, int4, group, form="dot")["form"] == "dot"
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_default_form_matches_reference_and_explicit_forms(device, gen, m):
+    """The defaults (GEMV at M = 1, dot above) give the reference's result, as do both
+    explicit forms."""
+    n, k, group = 48, 256, 64
+    q8 = _int_weights((n, k), -128, 128, torch.int8, device, gen)
+    s8 = (torch.rand(n, generator=gen) / 50).to(device)
+    q4 = _int_weights((n, k // 2), 0, 256, torch.uint8, device, gen)
+    s4 = (torch.rand(n, k // group, generator=gen) * 0.05).to(device)
+    z4 = (torch.randn(n, k // group, generator=gen) * 0.05).to(device)
+    x = torch.randn(m, k, generator=gen).to(device)
+    want8 = reference.int8_matmul(x, q8, s8)
+    want4 = reference.int4_matmul(x, q4, s4, z4, group)
+    for form in (None, "gemv", "dot"):
+        y8 = dequant_matmul.int8_matmul(x, q8, s8, form=form)
+        y4 = dequant_matmul.int4_matmul(x, q4, s4, z4, group, form=form)
+        _scaled(y8, want8, torch.float32)
+        _scaled(y4, want4, torch.float32)

@@ -265,3 +265,64 @@ def test_launch_overrides_and_slice_skipping(device, gen, dtype, block_n, block_
     outside = torch.ones_like(ybuf, dtype=torch.bool)
     outside[3 : 3 + y.shape[0], 3 : 3 + y.shape[1]] = False
     assert ybuf[outside].isnan().all()
+
+
+def test_default_launch_parameters_follow_the_sweep():
+    """Decode tiles take the measured defaults (kernel-sweep.log, H200); prefill tiles keep
+    the earlier rule; explicit parameters win."""
+    # Batch 64, 32 adapters x 2 rows: 32 tiles of 16 rows; qkv width 48 / K 4096, down K 14336.
+    assert sgmv.shrink_params(32, 16, 48, 4096) == {"split_k": 16, "block_k": 128, "block_r": 64}
+    assert sgmv.shrink_params(32, 16, 16, 14336) == {"split_k": 16, "block_k": 64, "block_r": 16}
+    assert sgmv.shrink_params(1, 16, 48, 4096)["split_k"] == 32  # batch 1
+    assert sgmv.shrink_params(8, 64, 48, 4096) == {"split_k": 16, "block_k": 64, "block_r": 64}
+    assert sgmv.shrink_params(32, 16, 48, 4096, split_k=1, block_k=32) == {
+        "split_k": 1, "block_k": 32, "block_r": 64,
+    }  # fmt: skip
+    assert sgmv.shrink_params(2, 16, 48, 64)["split_k"] == 1  # K shorter than one block
+    assert sgmv.expand_params(32, 16, 48, 6144)["block_n"] == 128
+    assert sgmv.expand_params(1, 16, 48, 6144)["block_n"] == 64  # too few programs
+    assert sgmv.expand_params(32, 64, 48, 6144)["block_n"] == 64  # prefill tiles
+    assert sgmv.expand_params(32, 16, 48, 6144, block_n=32)["block_n"] == 32
+
+
+@pytest.mark.parametrize("requests", [1, 6])
+def test_default_split_k_equals_unsplit_shrink(device, gen, requests):
+    """The default shrink splits K at decode (many programs over few tiles); its fp32 sums
+    equal split_k=1's within rounding, and lora_apply's result the reference's."""
+    dtype = torch.float32
+    a, b, widths, segments, x, _, y = _case(
+        device, gen, dtype, requests=requests, num_adapters=3, ranks=[4, 16], mix="uniform",
+        no_adapter=True, prefill=False, in_features=384,
+    )  # fmt: skip
+    meta = sgmv.build_meta(segments, widths, device)
+    params = sgmv.shrink_params(len(meta.tile_slot), meta.block_m, a.shape[1], x.shape[1])
+    assert params["split_k"] > 1 and params["block_k"] == 128
+    split = torch.zeros(x.shape[0], a.shape[1], device=device)
+    plain = torch.zeros_like(split)
+    sgmv.sgmv_shrink(split, x, a, meta)
+    sgmv.sgmv_shrink(plain, x, a, meta, split_k=1)
+    torch.testing.assert_close(split, plain, atol=1e-5, rtol=1e-5)
+    expected = y.clone()
+    reference.lora_apply(expected, x, a, b, segments, widths)
+    sgmv.lora_apply(y, x, a, b, segments, widths)
+    torch.testing.assert_close(y, expected, **tolerance(dtype))
+
+
+def test_lora_apply_reuses_tiles_for_the_same_segments_and_widths(device, gen):
+    """lora_apply builds the tile metadata once per (segments, widths) value: a slot refilled
+    at another width gets new tiles, and the result stays the reference's."""
+    dtype = torch.float32
+    a, b, widths, segments, x, _, y = _case(
+        device, gen, dtype, requests=5, num_adapters=3, ranks=[8], mix="uniform",
+        no_adapter=False, prefill=False,
+    )  # fmt: skip
+    sgmv._METAS.clear()
+    first = sgmv._meta(segments, widths, x.device)
+    assert sgmv._meta(list(segments), list(widths), x.device) is first
+    narrower = [w // 2 if i == segments[0][2] else w for i, w in enumerate(widths)]
+    assert sgmv._meta(segments, narrower, x.device) is not first
+    for ws in (widths, narrower, widths):
+        got, expected = y.clone(), y.clone()
+        reference.lora_apply(expected, x, a, b, segments, ws)
+        sgmv.lora_apply(got, x, a, b, segments, ws)
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
