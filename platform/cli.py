@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import NoReturn
@@ -140,6 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.on_fatal = on_fatal
+    # uvicorn re-raises the SIGTERM/SIGINT it handled once shutdown is complete, which would
+    # end a graceful shutdown with status 143; a no-op handler beneath its own makes it 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     if fatal:
         print(f"loraplex: error: {fatal[0]}", file=sys.stderr, flush=True)

@@ -382,6 +382,7 @@ def test_sigterm_under_load_finishes_inflight_streams(
         except httpx.HTTPError:
             refused_after.append(True)
         serve.assert_clean_exit(signal.SIGTERM, timeout=150)
+        assert serve.proc.returncode == 0
         elapsed = time.monotonic() - start
     finally:
         serve.close()
