@@ -28,7 +28,7 @@ from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from tests.platform.test_faults import _engine_child
 from tests.platform.test_quickstart import Serve
 from tests.utils.factories import make_adapter
-from tests.utils.server import ADMIN_KEY, run_server
+from tests.utils.server import ADMIN_KEY, run_server, upload_adapter
 from tests.utils.sse_client import StreamResult, stream_completion
 
 TARGETS = [("q_proj", "v_proj"), ("k_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")]
@@ -40,21 +40,6 @@ def _adapter_folders(base: Path, root: Path, n: int) -> list[Path]:
         make_adapter(base, root / f"a{j}", r=(4, 8)[j % 2], targets=TARGETS[j % 3], seed=100 + j)
         for j in range(n)
     ]
-
-
-def _upload(url: str, key: str, name: str, folder: Path) -> httpx.Response:
-    files = [
-        ("files", (p.name, p.read_bytes()))
-        for p in sorted(folder.iterdir())
-        if p.name in ("adapter_config.json", "adapter_model.safetensors")
-    ]
-    return httpx.post(
-        f"{url}/v1/adapters",
-        headers={"Authorization": f"Bearer {key}"},
-        data={"name": name},
-        files=files,
-        timeout=60,
-    )
 
 
 def _wait_idle(state, timeout: float = 30) -> None:
@@ -90,7 +75,7 @@ def test_concurrent_streams_with_hang_ups_keep_the_ledger_exact(
         _adapter_folders(tiny_models["llama"], tmp_path, soak_size["adapters"])
     ):
         t = j % len(tenants)
-        assert _upload(server.url, tenants[t][1], f"a{j}", folder).status_code == 201
+        assert upload_adapter(server.url, tenants[t][1], f"a{j}", folder).status_code == 201
         owned[t].append(f"a{j}")
     rng = random.Random(7)
     plan = []
@@ -256,7 +241,7 @@ def test_deleting_and_reuploading_an_adapter_under_traffic(
 ):
     _, key = server.new_tenant(_unique("churn"))
     folders = _adapter_folders(tiny_models["llama"], tmp_path, 2)
-    assert _upload(server.url, key, "churn", folders[0]).status_code == 201
+    assert upload_adapter(server.url, key, "churn", folders[0]).status_code == 201
     statuses: list[int] = []
     churn: list[tuple[str, int]] = []
 
@@ -283,7 +268,9 @@ def test_deleting_and_reuploading_an_adapter_under_traffic(
             )
             churn.append(("delete", r.status_code))
             await asyncio.sleep(0.05)
-            r = await asyncio.to_thread(_upload, server.url, key, "churn", folders[(i + 1) % 2])
+            r = await asyncio.to_thread(
+                upload_adapter, server.url, key, "churn", folders[(i + 1) % 2]
+            )
             churn.append(("upload", r.status_code))
 
     async def main():
@@ -321,6 +308,19 @@ def _serve_with_tenant(tmp_path: Path, tiny_models, soak_database, env: dict) ->
         tenant = crud.create_tenant(session, name=_unique("proc"))
         secret, _ = crud.create_key(session, tenant_id=tenant.id)
     return serve, sessions, tenant.id, secret, db
+
+
+def _billed_as_received(sessions, db, tenant_id: int, results, status: str) -> dict:
+    """One ledger row per stream, billing exactly what its client received, with `status`."""
+    rows = _ledger(sessions, tenant_id)
+    db.dispose()
+    assert {r.request_id for r in results} == set(rows)
+    wrong = [(r.request_id, r.tokens, rows[r.request_id].completion_tokens,
+              rows[r.request_id].status) for r in results
+             if rows[r.request_id].completion_tokens != r.tokens
+             or rows[r.request_id].status != status]  # fmt: skip
+    assert not wrong, wrong[:5]
+    return rows
 
 
 def _ledger(sessions, tenant_id: int) -> dict[str, UsageRecord]:
@@ -389,13 +389,7 @@ def test_sigterm_under_load_finishes_inflight_streams(
     assert all(isinstance(r, StreamResult) for r in results), results[:3]
     assert all(r.finished and r.error is None and r.tokens == max_tokens for r in results)
     assert refused_after == [True]
-    rows = _ledger(sessions, tenant_id)
-    db.dispose()
-    assert {r.request_id for r in results} == set(rows)
-    assert all(
-        rows[r.request_id].completion_tokens == r.tokens and rows[r.request_id].status == "ok"
-        for r in results
-    )
+    rows = _billed_as_received(sessions, db, tenant_id, results, "ok")
     record(
         "sigterm",
         streams=count,
@@ -429,13 +423,7 @@ def test_engine_killed_under_load_ends_streams_and_the_server(
     assert rc == 3
     assert all(isinstance(r, StreamResult) for r in results), results[:3]
     assert all(r.finished and r.error and r.error["code"] == "engine_unavailable" for r in results)
-    rows = _ledger(sessions, tenant_id)
-    db.dispose()
-    assert {r.request_id for r in results} == set(rows)
-    assert all(
-        rows[r.request_id].completion_tokens == r.tokens and rows[r.request_id].status == "error"
-        for r in results
-    )
+    _billed_as_received(sessions, db, tenant_id, results, "error")
     record(
         "engine_sigkill",
         streams=count,

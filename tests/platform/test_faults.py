@@ -57,24 +57,19 @@ def _stream(url: str, key: str, model: str, on_tokens) -> tuple[list[str], int]:
     return events, received
 
 
+def _serve_too_long(model: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`serve` asked for a context longer than the model's position table: cannot start."""
+    return subprocess.run(
+        [str(BIN / "loraplex"), "serve", "--model", str(model), "--max-model-len", "100000",
+         "--port", "0", *args],
+        env={**os.environ, "LORAPLEX_DATA_DIR": str(data_dir)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 def test_serve_exits_at_once_with_one_line_when_the_engine_cannot_start(tiny_models, tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(
-        [
-            str(BIN / "loraplex"),
-            "serve",
-            "--model",
-            str(tiny_models["llama"]),
-            "--max-model-len",
-            "100000",
-            "--port",
-            "0",
-        ],  # fmt: skip
-        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve_too_long(tiny_models["llama"], tmp_path)
     elapsed = time.monotonic() - start
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert elapsed < 30
@@ -85,24 +80,7 @@ def test_serve_exits_at_once_with_one_line_when_the_engine_cannot_start(tiny_mod
 
 
 def test_debug_log_level_adds_the_traceback(tiny_models, tmp_path):
-    proc = subprocess.run(
-        [
-            str(BIN / "loraplex"),
-            "serve",
-            "--model",
-            str(tiny_models["llama"]),
-            "--max-model-len",
-            "100000",
-            "--port",
-            "0",
-            "--log-level",
-            "debug",
-        ],  # fmt: skip
-        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve_too_long(tiny_models["llama"], tmp_path, "--log-level", "debug")
     assert proc.returncode == 3
     assert "Traceback" in proc.stderr and "in __post_init__" in proc.stderr
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loraplex.platform.db.models import UsageRecord
-from tests.utils.server import run_server
+from tests.utils.server import run_server, upload_adapter
 from tests.utils.sse_client import stream_completion
 
 
@@ -31,18 +31,7 @@ def client(server, tenant):
 
 
 def _upload(server, key, name, folder):
-    files = [
-        ("files", (p.name, p.read_bytes()))
-        for p in sorted(folder.iterdir())
-        if p.name in ("adapter_config.json", "adapter_model.safetensors")
-    ]
-    return httpx.post(
-        f"{server.url}/v1/adapters",
-        headers={"Authorization": f"Bearer {key}"},
-        data={"name": name},
-        files=files,
-        timeout=60,
-    )
+    return upload_adapter(server.url, key, name, folder)
 
 
 def test_models_lists_base_and_own_adapters(server, tenant, client, tiny_adapters):

@@ -87,3 +87,11 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
         server.should_exit = True
         thread.join(30)
         db.dispose()
+
+
+def upload_adapter(url: str, key: str, name: str, folder: Path) -> httpx.Response:
+    """POST /v1/adapters with a PEFT folder's two files, as a tenant's client would."""
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())
+             if p.name in ("adapter_config.json", "adapter_model.safetensors")]  # fmt: skip
+    return httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {key}"},
+                      data={"name": name}, files=files, timeout=60)  # fmt: skip
