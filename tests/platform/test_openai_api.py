@@ -158,6 +158,11 @@ def test_open_streams_hold_no_database_connection(server, tenant):
     """A stream keeps no pooled connection while it runs, so many long streams cannot exhaust
     the pool (15 connections by default) and fail everyone else's requests."""
     pool = server.state.sessions.kw["bind"].pool
+    # Earlier tests' usage writes (run after their requests leave `inflight`) may still hold
+    # connections on a loaded machine: start from an idle pool.
+    deadline = time.monotonic() + 30
+    while pool.checkedout() and time.monotonic() < deadline:
+        time.sleep(0.05)
     body = {"model": server.state.model_name, "prompt": "hi", "max_tokens": 200,
             "ignore_eos": True, "stream": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {tenant[1]}"}
