@@ -7,11 +7,13 @@ keeps only queues, the tokenizer and a reader thread:
 
     server process                                    engine process (spawned)
     generate() ── JSON commands (add / abort / stop) ──▶ apply, step, step…
-    asyncio queues ◀── reader thread ◀── JSON outputs + stats, one message per step
+    asyncio queues ◀── reader thread ◀── JSON output deltas + stats, one message per step
 
-Messages are JSON over two one-way pipes, never pickles. An error a request causes (bad
-input, an adapter that cannot be loaded or read) comes back typed to that request's caller;
-if the engine process dies, every waiting caller gets EngineDeadError and /readyz says so.
+Messages are JSON over two one-way pipes, never pickles; a step's outputs carry only what
+changed per request (engine/output_deltas.py), and the reader rebuilds whole outputs. An
+error a request causes (bad input, an adapter that cannot be loaded or read) comes back typed
+to that request's caller; if the engine process dies, every waiting caller gets
+EngineDeadError and /readyz says so.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -35,7 +38,12 @@ from loraplex.engine.async_engine import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
-from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.output_deltas import (
+    OutputDecoder,
+    OutputEncoder,
+    RequestError,
+    StepMessage,
+)
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
 from loraplex.engine.tokenizer import Tokenizer
@@ -55,72 +63,13 @@ def _send(conn: Connection, msg: list) -> None:
     conn.send_bytes(json.dumps(msg, separators=(",", ":")).encode())
 
 
-def _error_msg(e: BaseException) -> list:
+def _request_error(request_id: str, e: BaseException) -> RequestError:
     name = type(e).__name__
-    return [name if name in _ERRORS else "RuntimeError", str(e)]
+    return RequestError(request_id, name if name in _ERRORS else "RuntimeError", str(e))
 
 
-def _error_from(msg: list) -> BaseException:
-    return _ERRORS.get(msg[0], RuntimeError)(msg[1])
-
-
-def _encode_output(out: RequestOutput, first: bool) -> list:
-    """A RequestOutput as JSON-ready lists; the prompt only with a request's first output."""
-    return [
-        out.request_id,
-        out.finished,
-        out.delta_text,
-        out.delta_token_ids,
-        out.num_cached_tokens,
-        out.lora_name,
-        out.error,
-        [
-            [
-                c.index,
-                c.text,
-                c.token_ids,
-                c.finish_reason,
-                c.stop_reason,
-                c.logprobs,
-                c.cumulative_logprob,
-            ]
-            for c in out.outputs
-        ],
-        [out.prompt, out.prompt_token_ids] if first else None,
-    ]
-
-
-def _decode_output(m: list, prompts: dict[str, tuple]) -> RequestOutput:
-    rid = m[0]
-    if m[8] is not None:
-        prompts[rid] = tuple(m[8])
-    prompt, prompt_ids = prompts[rid]
-    outputs = [
-        CompletionOutput(
-            index=c[0],
-            text=c[1],
-            token_ids=c[2],
-            finish_reason=c[3],
-            stop_reason=c[4],
-            logprobs=None if c[5] is None else [{int(k): v for k, v in d.items()} for d in c[5]],
-            cumulative_logprob=c[6],
-        )
-        for c in m[7]
-    ]
-    if m[1]:
-        prompts.pop(rid, None)
-    return RequestOutput(
-        request_id=rid,
-        prompt=prompt,
-        prompt_token_ids=prompt_ids,
-        outputs=outputs,
-        finished=m[1],
-        num_cached_tokens=m[4],
-        lora_name=m[5],
-        delta_text=m[2],
-        delta_token_ids=m[3],
-        error=m[6],
-    )
+def _error_from(e: RequestError) -> BaseException:
+    return _ERRORS.get(e.type, RuntimeError)(e.message)
 
 
 # ---------------------------------------------------------------------------- child
@@ -141,7 +90,7 @@ def _child_main(
         return
     cfg = dataclasses.asdict(engine.config)
     _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model)])
-    started: set[str] = set()  # requests whose first output has gone out
+    encoder = OutputEncoder()  # how much of each running request's output has gone out
     last_stats = 0.0
     try:
         while True:
@@ -151,32 +100,30 @@ def _child_main(
                     cmd = json.loads(commands.recv_bytes())
                     if cmd[0] == "stop":
                         return
-                    for msg in _apply(engine, cmd, started):
-                        _send(outputs, msg)
-            items = []
+                    msg = _apply(engine, cmd, encoder)
+                    if msg is not None:
+                        outputs.send_bytes(msg.to_json())
+            msg = StepMessage()
             if engine.has_unfinished():
                 for out in engine.step():
                     err = engine.load_errors.pop(out.request_id, None)
                     if err is not None:  # its adapter failed to load: the caller's error
-                        items.append(["err", out.request_id, _error_msg(err)])
-                        started.discard(out.request_id)
+                        msg.errors.append(_request_error(out.request_id, err))
+                        encoder.forget(out.request_id)
                         continue
-                    items.append(_encode_output(out, out.request_id not in started))
-                    started.add(out.request_id)
-                    if out.finished:
-                        started.discard(out.request_id)
-            stats, now = None, time.monotonic()
+                    msg.outputs.append(encoder.encode(out))
+            now = time.monotonic()
             if now - last_stats > STATS_EVERY_S:
-                stats, last_stats = dataclasses.asdict(engine_stats(engine, True)), now
-            if items or stats is not None:
-                _send(outputs, ["step", items, stats])
+                msg.stats, last_stats = dataclasses.asdict(engine_stats(engine, True)), now
+            if msg.outputs or msg.errors or msg.stats is not None:
+                outputs.send_bytes(msg.to_json())
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
     finally:
         engine.adapters.close()
 
 
-def _apply(engine, cmd: list, started: set[str]) -> list[list]:
+def _apply(engine, cmd: list, encoder: OutputEncoder) -> StepMessage | None:
     if cmd[0] == "add":
         _, rid, prompt, params, lora, tenant, weight = cmd
         try:
@@ -190,15 +137,11 @@ def _apply(engine, cmd: list, started: set[str]) -> list[list]:
                 wait_for_adapter=False,
             )
         except Exception as e:  # bad input: that caller's error only
-            return [["step", [["err", rid, _error_msg(e)]], None]]
-        return []
+            return StepMessage(errors=[_request_error(rid, e)])
+        return None
     if cmd[0] == "abort":
         out = engine.abort(cmd[1])
-        if out is None:
-            return []
-        first = cmd[1] not in started
-        started.discard(cmd[1])
-        return [["step", [_encode_output(out, first)], None]]
+        return None if out is None else StepMessage(outputs=[encoder.encode(out)])
     raise ValueError(f"unknown engine command {cmd[0]!r}")
 
 
@@ -226,8 +169,10 @@ class EngineProcess(StreamingEngine):
         cmd_recv.close()
         out_send.close()  # EOF on the reader side once the child is gone
         self._send_lock = threading.Lock()
-        self._prompts: dict[str, tuple] = {}
+        self._decoder = OutputDecoder()  # touched by the reader thread only
         self._stats: EngineStats | None = None
+        # Sizes of the step messages that carried outputs, newest last (benchmarks, tests).
+        self.step_bytes: deque[int] = deque(maxlen=1 << 16)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.spec: ModelSpec = spec_from_config(
             json.loads((Path(config.model) / "config.json").read_text())
@@ -264,20 +209,19 @@ class EngineProcess(StreamingEngine):
     def _read(self) -> None:
         try:
             while True:
-                msg = json.loads(self._out_recv.recv_bytes())
-                if msg[0] != "step":
-                    continue
-                items = []
-                for m in msg[1]:
-                    if m[0] == "err":
-                        self._prompts.pop(m[1], None)
-                        items.append((m[1], _error_from(m[2])))
-                    else:
-                        items.append((m[0], _decode_output(m, self._prompts)))
+                raw = self._out_recv.recv_bytes()
+                msg = StepMessage.from_json(raw)
+                items: list[tuple[str, object]] = []
+                for e in msg.errors:
+                    self._decoder.forget(e.request_id)
+                    items.append((e.request_id, _error_from(e)))
+                for d in msg.outputs:
+                    items.append((d.request_id, self._decoder.decode(d)))
                 if items:
+                    self.step_bytes.append(len(raw))
                     self._deliver_all(items)
-                if msg[2] is not None:
-                    self._stats = EngineStats(**msg[2])
+                if msg.stats is not None:
+                    self._stats = EngineStats(**msg.stats)
         except (EOFError, OSError) as e:
             self._proc.join(1)  # reap it, so the exit code (e.g. -9 for SIGKILL) is known
             code = self._proc.exitcode

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import statistics
 import time
 
 import pytest
@@ -80,6 +81,18 @@ def test_streams_match_the_engine_in_process(pengine, tiny_models, tiny_adapters
             )
     assert pengine.config.max_model_len > 0 and pengine.tokenizer is not None
     assert pengine.weight_bytes > 0
+
+
+def test_step_messages_stay_flat_over_a_long_output(pengine):
+    params = SamplingParams(temperature=0, max_tokens=220, ignore_eos=True, logprobs=2)
+    pengine.step_bytes.clear()
+    outs = asyncio.run(_collect(pengine, "Once", params))
+    assert len(outs[-1].outputs[0].token_ids) == 220 and len(outs[-1].outputs[0].logprobs) == 220
+    sizes = list(pengine.step_bytes)
+    assert len(sizes) == 220  # one message per step, each carrying this request's new token
+    # Medians: now and then a message also carries the engine's stats snapshot.
+    early, late = statistics.median(sizes[5:15]), statistics.median(sizes[195:205])
+    assert late <= early + 16, (sizes[5:15], sizes[195:205])
 
 
 def test_errors_come_back_typed_to_their_request_only(pengine, tmp_path):
