@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
+from tests.utils.hf_reference import greedy_decode, peft_reference
 
 STEPS, LOGIT_STEPS = 32, 16
 ROW_ADAPTERS = ["qv4", None, "attn8", "mlp16", None, "all2", "attn8"]
@@ -29,39 +28,12 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-@torch.no_grad()
 def _hf_reference(base, adapters) -> list[dict]:
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    names = list(adapters)
-    peft = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        peft.load_adapter(adapters[name], adapter_name=name)
-    peft.eval()
-    rows = []
-    for prompt, name in zip(_prompts(), ROW_ADAPTERS, strict=True):
-        ctx = peft.disable_adapter() if name is None else _nullctx()
-        if name is not None:
-            peft.set_adapter(name)
-        with ctx:
-            out = peft(input_ids=torch.tensor([prompt]), use_cache=True)
-            prefill = out.logits[0]  # [len, vocab]
-            past, logits, tokens = out.past_key_values, [prefill[-1]], []
-            for _ in range(STEPS):
-                tok = int(logits[-1].argmax())
-                tokens.append(tok)
-                out = peft(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                logits.append(out.logits[0, -1])
-        rows.append({"prefill": prefill, "logits": logits[:STEPS], "tokens": tokens})
-    return rows
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    peft = peft_reference(base, adapters)
+    return [
+        greedy_decode(peft, prompt, name, STEPS)
+        for prompt, name in zip(_prompts(), ROW_ADAPTERS, strict=True)
+    ]
 
 
 _REF_CACHE: dict[str, list[dict]] = {}
