@@ -173,19 +173,11 @@ def launch_params(
 ) -> dict:  # fmt: skip
     """The form, blocks and split_k a call runs with: the given ones, defaults for the rest.
 
-    form: "gemv" for M <= GEMV_MAX_M, else "dot". At M = 1 the GEMV form with its tiles
-    below beat the dot form on all six shapes (us; x = vs the old dot default):
-      int8  block_n 32, block_k 512, split 1:  4096x4096 16.7 (x3.13), 28672x4096 61.0
-            (x1.32), 4096x14336 46.7 (x1.19)
-      int4  4096x4096: block_n 32, block_k 512, split 1: 35.9 (x1.96)
-            bigger: block_n 16, block_k 512, split to ~1024 programs: 28672x4096 110.3
-            (split 1, x1.27), 4096x14336 67.7 (split 4, x1.13); block_n 32 / split 1 there
-            152.5 and 115.6 (too few programs for the slower int4 GEMV)
-    At M = 16 the dot form won everywhere (GEMV block_m 4: x0.13-0.82 of it). M = 2..15 is
-    not measured, so the GEMV form stays at M = 1 (GEMV_MAX_M): the int8 tile's fp32
-    accumulator (BLOCK_M x 32 x 512) already takes 128 registers a thread at M = 1. An
-    explicit form="gemv" at M > 1 shrinks the int8 block_k to keep that accumulator size.
-    The dot form keeps its earlier defaults.
+    form: "gemv" for M <= GEMV_MAX_M (1), else "dot" (the only M the sweep measured between
+    1 and 16 were those two; docs/gpu.md has the figures). The int8 GEMV tile's fp32
+    accumulator (BLOCK_M x 32 x 512) already takes 128 registers a thread at M = 1, so an
+    explicit form="gemv" at M > 1 shrinks the int8 block_k to keep that size. The dot form
+    keeps its earlier defaults.
     """
     assert form in (None, "dot", "gemv"), form
     if form is None:

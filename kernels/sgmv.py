@@ -161,11 +161,8 @@ def _launch_opts(num_warps: int | None, num_stages: int | None) -> dict[str, int
     return {k: v for k, v in opts.items() if v is not None}
 
 
-# Default launch parameters. Measured on an H200 (bench/results/kernel-sweep.log: triton 3.6,
-# bf16, L2 flushed; Llama-8B modules, 32 rank-16 adapters x 2 rows = decode batch 64 = 32
-# tiles of block_m 16, and one adapter x 1 row = batch 1). Only decode-shaped tiles
-# (block_m <= 16, every segment <= 16 rows) take the measured choice; prefill tiles keep
-# the earlier rule, which nothing measured against.
+# Default launch parameters, from an H200 sweep (docs/gpu.md): only decode-shaped tiles
+# (block_m <= 16, every segment <= 16 rows) take the measured choice.
 DECODE_BLOCK_M = 16
 
 
@@ -182,20 +179,8 @@ def shrink_params(
     """sgmv_shrink's launch parameters: the given ones, the default for the others.
 
     Decode tiles: block_k 128 for K <= 4096, else 64; split K up to ~512 programs, at most
-    32 splits and one block_k per split. Measured (H200, us, default = the old rule's
-    block_k 64 / split 8 at b64):
-      b64 qkv (K 4096, w 48)   split 16 / bk 128: 15.3    bk 64: 23.2    old default 35.4
-      b64 o   (K 4096, w 16)   split 16 / bk 128: 11.2    bk 64: 45.3    old default 12.4
-      b64 gate_up (K 4096, w 32)  split 16 / bk 128: 43.0  bk 64: 34.2   old default 36.7
-      b64 down (K 14336, w 16) split 16 / bk 64: 27.4     bk 128: 29.2   old default 36.0
-      b1 qkv / o / gate_up (K 4096)  split 32 / bk 128: 34.8 / 19.6 / 37.1
-                                     vs old default (split 16, bk 64): 43.6 / 30.8 / 43.1
-      b1 down (K 14336)  old default (split 56, bk 64) 9.3, split 32 / bk 128 10.0;
-                         this rule gives split 32 / bk 64 (not measured)
-    gate_up at b64 is the one measured loss of the rule (43.0 vs 36.7 us); nothing in its
-    shapes tells it from qkv and o, and across the three K = 4096 modules bk 128 sums to
-    69.5 us against 102.7 for bk 64 (old default 84.5). LoRA shrinks of one b64 decode step
-    (x32 layers): old default 3.86 ms, this rule 3.10 ms, per-op best 2.82 ms.
+    32 splits and one block_k per split. Prefill tiles keep the earlier rule. The H200
+    measurements behind it are in docs/gpu.md ("Default launch parameters").
     """
     block_r = block_r or _rank_block(max_width)
     base = num_tiles * triton.cdiv(max_width, block_r)
@@ -222,14 +207,8 @@ def expand_params(
 ) -> dict[str, int]:
     """sgmv_expand's launch parameters: the given ones, the default for the others.
 
-    Decode tiles with >= 512 programs at block_n 128 (about 4 per SM of an H200's 132) take
-    block_n 128, else 64: fewer, wider programs only pay when the GPU stays full.
-    Measured (H200, us, without slice-skipping):
-      b64 (32 tiles)  qkv 15.7 vs 25.3 (block_n 64), gate_up 32.5 vs 44.6,
-                      o 9.3 vs 9.4, down 19.5 vs 19.9 (block_n 256 / 8 warps: 17.8 on down
-                      but 20.4 on o, the same problem: t [64, 16] @ B [16, 4096]; noise)
-      b1  (1 tile)    block_n 64 best or within 3% on all four (block_n 256: 0.81-1.03x);
-                      128 not measured there, so batch 1 keeps 64.
+    block_n 128 for decode tiles with >= 512 programs at that width (about 4 per SM of an
+    H200), else 64: fewer, wider programs only pay when the GPU stays full (docs/gpu.md).
     """
     block_r = block_r or _rank_block(max_width)
     if block_n is None:
