@@ -23,36 +23,13 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
+from loraplex.engine.stats import EngineStats, engine_stats
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_usage: float  # fraction of KV blocks held
-    kv_blocks: int
-    preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    adapter_hits: int
-    adapter_loads: int
-    adapters_in_host: int
-    adapter_slots_used: int
-    adapter_slots: int
-    alive: bool
-    adapter_misses: int = 0  # requests that waited for a host load
-    adapter_load_failures: int = 0
-    adapter_load_seconds: float = 0.0
-    adapters_loading: int = 0
-    adapter_slot_writes: int = 0
-    adapter_slot_bytes: int = 0  # device memory of the slots, out of the same budget as…
-    kv_cache_bytes: int = 0  # …the KV pool
 
 
 def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
@@ -62,34 +39,6 @@ def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an internal error; requests cannot be served."""
-
-
-def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
-    """A snapshot of `engine` for metrics (read without locking: may be one step stale)."""
-    bm, ad = engine.block_manager, engine.adapters
-    c = ad.counters
-    return EngineStats(
-        running=len(engine.scheduler.running),
-        waiting=len(engine.scheduler.waiting),
-        kv_usage=bm.usage,
-        kv_blocks=bm.num_blocks,
-        preemptions=engine.scheduler.num_preemptions,
-        prefix_queries=bm.prefix_queries,
-        prefix_hits=bm.prefix_hits,
-        adapter_hits=ad.hits,
-        adapter_loads=ad.loads,
-        adapters_in_host=len(ad.host),
-        adapter_slots_used=sum(s is not None for s in ad.slots),
-        adapter_slots=len(ad.slots),
-        alive=alive,
-        adapter_misses=c.misses,
-        adapter_load_failures=c.load_failures,
-        adapter_load_seconds=c.load_seconds,
-        adapters_loading=len(ad.loading),
-        adapter_slot_writes=c.slot_writes,
-        adapter_slot_bytes=engine.memory.adapter_slot_bytes,
-        kv_cache_bytes=engine.memory.kv_cache_bytes,
-    )
 
 
 class StreamingEngine:

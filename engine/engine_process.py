@@ -29,12 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from loraplex.engine.adapter_manager import AdapterUnavailable
-from loraplex.engine.async_engine import (
-    EngineDeadError,
-    EngineStats,
-    StreamingEngine,
-    engine_stats,
-)
+from loraplex.engine.async_engine import EngineDeadError, StreamingEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
@@ -46,6 +41,7 @@ from loraplex.engine.output_deltas import (
 )
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
+from loraplex.engine.stats import EngineStats, engine_stats
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
@@ -235,8 +231,7 @@ class EngineProcess(StreamingEngine):
         alive = self.error is None and self._proc.is_alive()
         s = self._stats
         if s is None:  # no snapshot yet: an idle, empty engine
-            zero = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
-            s = EngineStats(**{**zero, "adapter_slots": self.config.max_loras, "alive": alive})
+            s = EngineStats(adapter_slots=self.config.max_loras, block_size=self.config.block_size)
         return dataclasses.replace(s, alive=alive)
 
     def shutdown(self, timeout: float = 10.0) -> None:

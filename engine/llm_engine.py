@@ -21,6 +21,7 @@ from loraplex.engine.adapter_manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.loader import load_model
+from loraplex.engine.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampler import Sampler
@@ -104,6 +105,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager, adapter_loaded=self.adapters.loaded)
         self.vocab_size = spec.vocab_size
+        self.processor_context = ProcessorContext(
+            vocab_size=spec.vocab_size,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            tokenizer=self.tokenizer,
+        )
         self.requests: dict[str, _Request] = {}
         self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
         self._pending: list[RequestOutput] = []  # outputs made outside a step
@@ -149,6 +155,9 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context length {limit}"
             )
+        processors = []
+        if params.has_processors:
+            processors = build_processors(params, self.processor_context)
         if lora_request is not None:
             self.adapters.acquire(lora_request)
             if wait_for_adapter and not self.adapters.loaded(lora_request.lora_int_id):
@@ -166,6 +175,7 @@ class LLMEngine:
             tenant=tenant,
             weight=weight,
             arrival=time.monotonic(),
+            processors=processors,
         )
         stops = params.stop or []
         self.requests[request_id] = _Request(
@@ -221,6 +231,8 @@ class LLMEngine:
             seqs, so = result
             for i, seq in enumerate(seqs):
                 sampled[seq.seq_no] = so.token_ids[i]
+                for proc in seq.processors:
+                    proc.accept(so.token_ids[i])
                 if seq.params.logprobs is not None:
                     seq.logprobs.append(so.logprobs[i])
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
@@ -249,6 +261,8 @@ class LLMEngine:
                     end = base + at + (len(s) if p.include_stop_str_in_output else 0)
                     req.text = req.text[:end]
                     return self._finish(req, "stop", s)
+            if any(proc.is_finished() for proc in seq.processors):
+                return self._finish(req, "stop", None)
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return self._finish(req, "length")
         if seq.num_tokens >= self.config.max_model_len:

@@ -158,5 +158,6 @@ class ModelRunner:
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
+            [s.processors for s in seqs],
         )
         return seqs, result

@@ -1,11 +1,13 @@
 """Turns one step's logits into next tokens, batched across requests with mixed parameters.
 
-Per row, in order: repetition penalty → frequency/presence penalties → min_tokens masking of
-EOS/stop ids → greedy rows take the argmax; the others go through temperature → top_k →
-top_p → min_p and are drawn with the exponential race `argmax(probs / E)`, `E ~ Exp(1)`,
-whose noise for a seeded request comes from that request's own generator, so its tokens do
-not depend on which other requests share the batch. Reported logprobs are those of the raw
-model distribution (before penalties, temperature and truncation), as OpenAI reports them.
+Per row, in order: repetition penalty → frequency/presence penalties → the request's logits
+processors (logit_bias, grammars: engine/logits_processors.py, one batched call per processor
+class) → min_tokens masking of EOS/stop ids → greedy rows take the argmax; the others go
+through temperature → top_k → top_p → min_p and are drawn with the exponential race
+`argmax(probs / E)`, `E ~ Exp(1)`, whose noise for a seeded request comes from that request's
+own generator, so its tokens do not depend on which other requests share the batch. Reported
+logprobs are those of the raw model distribution (before penalties, processors, temperature
+and truncation), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.logits_processors import LogitsProcessor, apply_processors
 from loraplex.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -73,16 +76,21 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        processors: list[list[LogitsProcessor]] | None = None,  # per row, possibly empty
     ) -> SamplerOutput:
         rows, vocab = logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == rows
         masked = self._min_tokens_mask(params, output_ids, vocab)
-        if not masked[0] and all(p.greedy and not p.has_penalties for p in params):
+        processed = processors is not None and any(processors)
+        plain = all(p.greedy and not p.has_penalties for p in params)
+        if not masked[0] and not processed and plain:
             # Hot path: argmax is exact in any float dtype, so no float32 copy is needed.
             token_ids = _argmax(logits)  # [rows]
         else:
             x = logits.to(torch.float32, copy=True)  # [rows, vocab]
             self._apply_penalties(x, params, prompt_ids, output_ids)
+            if processed:
+                apply_processors(x, processors)
             if masked[0]:
                 rows_t, cols_t = torch.tensor(masked, device=x.device)  # [2, num_masked]
                 x[rows_t, cols_t] = _NEG_INF

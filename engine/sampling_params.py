@@ -46,10 +46,15 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit, clamped to [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # specs of registered logits processors, `{"kind": ..., ...}` (engine/logits_processors.py)
+    logits_processors: list[dict] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         self._normalise_stops()
+        self._normalise_processors()
         self._check_ranges()
 
     @property
@@ -123,6 +128,36 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         self.stop_token_ids = ids
+
+    def _normalise_processors(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            out: dict[int, float] = {}
+            for key, value in bias.items():
+                # JSON object keys are strings: "50256" names token 50256.
+                if isinstance(key, str) and key.isdigit():
+                    key = int(key)
+                if not _is_int(key) or key < 0:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not _is_number(value) or value != value:
+                    raise ValueError(f"logit_bias values must be numbers, got {value!r}")
+                out[key] = float(value)
+            self.logit_bias = out or None
+        procs = self.logits_processors
+        if procs is not None:
+            if not isinstance(procs, list | tuple) or not all(
+                isinstance(p, dict) and isinstance(p.get("kind"), str) for p in procs
+            ):
+                raise ValueError(
+                    'logits_processors must be a list of specs like {"kind": "...", ...}'
+                )
+            self.logits_processors = list(procs) or None
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(self.logit_bias or self.logits_processors)
 
     def _check_ranges(self) -> None:
         if self.n != 1:

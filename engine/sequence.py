@@ -60,6 +60,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     seq_no: int = field(default_factory=lambda: next(_ids))
+    # built by the engine from params (engine/logits_processors.py); live only in the engine
+    processors: list = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

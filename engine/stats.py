@@ -1,0 +1,98 @@
+"""`EngineStats`: what a server, a metrics scrape or a fleet router reads of a running engine.
+
+A snapshot, taken on the engine's side without stopping its loop (plain reads of counters and
+small lists; it may be one step stale). In process mode it crosses the pipe as a JSON dict now
+and then, so every field is a number, a bool or a list of adapter names.
+
+Adapter residency is reported as it is, not as request states: `resident_adapters` hold a
+device slot now, `host_adapters` are in host memory, `waiting_adapters` have requests queued
+whose adapter is not in a slot (loading from disk, or loaded but not yet activated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loraplex.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks held
+    kv_blocks: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    adapter_hits: int = 0
+    adapter_loads: int = 0
+    adapters_in_host: int = 0
+    adapter_slots_used: int = 0
+    adapter_slots: int = 0
+    alive: bool = True
+    adapter_misses: int = 0  # requests that waited for a host load
+    adapter_load_failures: int = 0
+    adapter_load_seconds: float = 0.0
+    adapters_loading: int = 0
+    adapter_slot_writes: int = 0
+    adapter_slot_bytes: int = 0  # device memory of the slots, out of the same budget as…
+    kv_cache_bytes: int = 0  # …the KV pool
+    block_size: int = 0
+    kv_blocks_used: int = 0
+    resident_adapters: list[str] = field(default_factory=list)  # in a device slot, slot order
+    host_adapters: list[str] = field(default_factory=list)  # in host memory (LRU order)
+    running_adapters: list[str] = field(default_factory=list)  # adapters of running requests
+    waiting_adapters: list[str] = field(default_factory=list)  # queued, not in a slot
+
+
+def _names(ids, names: dict[int, str]) -> list[str]:
+    return [names[i] for i in ids if i in names]
+
+
+def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
+    """A snapshot of `engine` (read without locking: may be one step stale)."""
+    bm, ad, sched = engine.block_manager, engine.adapters, engine.scheduler
+    c = ad.counters
+    # Names of every adapter the engine knows now: from its requests, then host memory.
+    names = {a_id: a.name for a_id, a in list(ad.host.items())}
+    running = list(sched.running)
+    waiting = list(sched.waiting)
+    for seq in running + waiting:
+        if seq.lora is not None:
+            names[seq.lora.lora_int_id] = seq.lora.lora_name
+    slots = [s for s in list(ad.slots) if s is not None]
+    running_ids = dict.fromkeys(s.adapter_id for s in running if s.adapter_id)
+    waiting_ids = dict.fromkeys(
+        s.adapter_id for s in waiting if s.adapter_id and s.adapter_id not in slots
+    )
+    return EngineStats(
+        running=len(running),
+        waiting=len(waiting),
+        kv_usage=bm.usage,
+        kv_blocks=bm.num_blocks,
+        kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+        block_size=engine.config.block_size,
+        preemptions=sched.num_preemptions,
+        prefix_queries=bm.prefix_queries,
+        prefix_hits=bm.prefix_hits,
+        adapter_hits=c.hits,
+        adapter_loads=c.loads,
+        adapters_in_host=len(ad.host),
+        adapter_slots_used=len(slots),
+        adapter_slots=len(ad.slots),
+        alive=alive,
+        adapter_misses=c.misses,
+        adapter_load_failures=c.load_failures,
+        adapter_load_seconds=c.load_seconds,
+        adapters_loading=len(ad.loading),
+        adapter_slot_writes=c.slot_writes,
+        adapter_slot_bytes=engine.memory.adapter_slot_bytes,
+        kv_cache_bytes=engine.memory.kv_cache_bytes,
+        resident_adapters=_names(slots, names),
+        host_adapters=_names(list(ad.host), names),
+        running_adapters=_names(running_ids, names),
+        waiting_adapters=_names(waiting_ids, names),
+    )
