@@ -116,7 +116,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         sessions=make_sessionmaker(db),
         store=store,
         cache=AdapterCache(store, settings.adapter_cache_dir, max_bytes=8 * 1024**3),
-        metrics=Metrics(),
+        metrics=Metrics(adapter_names=settings.metrics_adapter_names),
         admin_key=admin_key,
     )
     model_dir = resolve_model_dir(settings)

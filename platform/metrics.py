@@ -1,6 +1,22 @@
-"""Prometheus metrics of one server process, on a registry of its own (bounded labels only)."""
+"""Prometheus metrics of one server process, on a registry of its own.
+
+Two families side by side:
+
+- `loraplex_*`: ours. Bounded labels only (never tenant or adapter names).
+- `vllm:*`: the model-server protocol a LoRA-aware router reads (the Gateway API Inference
+  Extension's endpoint picker, llm-d), under vLLM's names and meanings: queue depth, KV use,
+  the cache geometry, and which adapters a replica holds. `vllm:lora_requests_info` reports
+  residency, not request states: `running_lora_adapters` are the adapters in a device slot
+  now, `waiting_lora_adapters` those with requests queued that are not in a slot (loading
+  from the store, or in host memory waiting for a slot). Its labels carry served adapter
+  names (what a tenant puts in `model`, the only name a router can match), so they are
+  bounded by `max_lora` + the queue, and `/metrics` is for operators: see docs/fleet.md.
+"""
 
 from __future__ import annotations
+
+import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -8,7 +24,11 @@ _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, *, adapter_names: bool = True) -> None:
+        # Off: `vllm:lora_requests_info` carries empty adapter lists (no router affinity then).
+        self.adapter_names = adapter_names
+        # Held from refresh to rendering: a concurrent scrape never sees a half-swapped series.
+        self.lock = threading.Lock()
         r = self.registry = CollectorRegistry()
         # Labels: route (fixed set), status (ok|aborted|error|rejected). Never tenant or adapter
         # names: those are unbounded.
@@ -54,10 +74,61 @@ class Metrics:
             registry=r,
         )
 
+        # The model-server protocol (vLLM's names; `:` is legal in Prometheus names).
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be processed", registry=r
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests in model execution batches", registry=r
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", registry=r
+        )
+        self.vllm_cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration (value 1)",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+        self.vllm_lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Adapters resident in device slots (running) and queued for a slot (waiting); "
+            "value: the snapshot's Unix time",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.adapters_resident = Gauge(
+            "loraplex_adapters_resident",
+            "Adapters held per memory tier (device: in a slot; host: in host memory, which "
+            "also backs every device-resident adapter)",
+            ["tier"],
+            registry=r,
+        )
+        self.adapters_waiting = Gauge(
+            "loraplex_adapters_waiting",
+            "Adapters with queued requests that are not in a device slot",
+            registry=r,
+        )
+
     def refresh(self, stats) -> None:
-        """Copy the engine's counters into gauges (at scrape time)."""
+        """Copy the engine's snapshot into gauges (at scrape time)."""
         if stats is None:
             return
+        self.vllm_waiting.set(stats.waiting)
+        self.vllm_running.set(stats.running)
+        self.vllm_kv_usage.set(stats.kv_usage)
+        # One series each: a changed label set replaces the old one instead of piling up.
+        self.vllm_cache_config.clear()
+        self.vllm_cache_config.labels(str(stats.block_size), str(stats.kv_blocks)).set(1)
+        running = served_names(stats.resident_adapters) if self.adapter_names else []
+        waiting = served_names(stats.waiting_adapters) if self.adapter_names else []
+        self.vllm_lora_info.clear()
+        self.vllm_lora_info.labels(
+            str(stats.adapter_slots), ",".join(running), ",".join(waiting)
+        ).set(time.time())
+        self.adapters_resident.labels("device").set(len(stats.resident_adapters))
+        self.adapters_resident.labels("host").set(stats.adapters_in_host)
+        self.adapters_waiting.set(len(stats.waiting_adapters))
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
@@ -65,3 +136,9 @@ class Metrics:
         self.adapter_loads.set(stats.adapter_loads)
         self.adapter_slots.set(stats.adapter_slots_used)
         self.preemptions.set(stats.preemptions)
+
+
+def served_names(engine_names: list[str]) -> list[str]:
+    """The names tenants serve adapters under, from the engine's `<tenant id>/<name>`: sorted,
+    once each (two tenants' adapters of one name are one name to a router)."""
+    return sorted({n.split("/", 1)[-1] for n in engine_names})

@@ -117,6 +117,16 @@ class Settings(BaseSettings):
         "by the server and printed once",
     )
     max_upload_bytes: int = Field(512 * 1024**2, ge=1)
+    adapter_import_roots: list[Path] = Field(
+        default_factory=list,
+        description="folders POST /v1/load_lora_adapter may read adapters from (its "
+        "lora_path must lie inside one); default: <data_dir>/adapter-imports",
+    )
+    metrics_adapter_names: bool = Field(
+        True,
+        description="name resident adapters in /metrics' vllm:lora_requests_info (what a "
+        "LoRA-aware router needs); false leaves the lists empty",
+    )
     adapter_cache_dir: Path | None = Field(None, description="default: <data_dir>/adapter-cache")
     log_json: bool = False
 
@@ -180,6 +190,9 @@ class Settings(BaseSettings):
             self.store_url = (self.data_dir / "adapters").as_uri()
         if self.adapter_cache_dir is None:
             self.adapter_cache_dir = self.data_dir / "adapter-cache"
+        if not self.adapter_import_roots:
+            self.adapter_import_roots = [self.data_dir / "adapter-imports"]
+        self.adapter_import_roots = [p.expanduser().resolve() for p in self.adapter_import_roots]
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise ValueError(
                 "set both aws_access_key_id and aws_secret_access_key, or neither "

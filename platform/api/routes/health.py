@@ -49,8 +49,12 @@ def readyz(state: StateDep):
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
 )
 def metrics(state: StateDep):
+    """Ours (`loraplex_*`) and the model-server protocol a LoRA-aware router scrapes
+    (`vllm:*`); see platform/metrics.py."""
     m = state.metrics
-    m.model_loaded.set(1 if state.engine is not None else 0)
-    if state.engine is not None:
-        m.refresh(state.engine.stats())
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    with m.lock:
+        m.model_loaded.set(1 if state.engine is not None else 0)
+        if state.engine is not None:
+            m.refresh(state.engine.stats())
+        text = generate_latest(m.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
