@@ -25,8 +25,21 @@ _STREAMABLE = {200: {"content": {"application/json": {}, "text/event-stream": {}
 
 @router.get("/models")
 def list_models(state: StateDep, caller: CallerDep):
+    """The base model and the caller's ready adapters, with vLLM's lineage fields: the base
+    has `root` = its name (never its folder: a server path) and `parent` null; an adapter has
+    `parent` = the base and `root` = "sha256:<digest>", the content it was stored as."""
     created = int(time.time())
-    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "loraplex"}]
+    base = state.model_name
+    data = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "loraplex",
+            "root": base,
+            "parent": None,
+        }
+    ]
     with state.sessions() as session:
         for a in crud.list_adapters(session, tenant_id=caller.tenant.id):
             if a.status == AdapterStatus.ready:
@@ -36,8 +49,8 @@ def list_models(state: StateDep, caller: CallerDep):
                         "object": "model",
                         "created": int(a.created_at.timestamp()),
                         "owned_by": caller.tenant.name,
-                        "parent": state.model_name,
-                        "root": state.model_name,
+                        "parent": base,
+                        "root": f"sha256:{a.sha256}",
                     }
                 )
     return {"object": "list", "data": data}
