@@ -18,7 +18,14 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.platform.api.deps import AppState
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.routes import adapters, admin, admin_ui, health, inference
+from loraplex.platform.api.routes import (
+    adapters,
+    admin,
+    admin_ui,
+    health,
+    inference,
+    lora_admin,
+)
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
@@ -148,5 +155,6 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(inference.router)
     app.include_router(adapters.router)
     app.include_router(admin.router)
+    app.include_router(lora_admin.router)
     admin_ui.mount(app)
     return app
