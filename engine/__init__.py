@@ -1,5 +1,7 @@
 """loraplex data plane: many LoRA adapters batched on one base model."""
 
+# structured_output registers the "grammar" logits-processor kind wherever the engine runs.
+from loraplex.engine import structured_output  # noqa: F401
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.llm_engine import LLMEngine

@@ -150,6 +150,11 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object itself (grammar engines build their vocabulary from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
