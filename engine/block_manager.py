@@ -117,15 +117,19 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(b)
         for _ in range(max(need, 0)):
-            b, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[b]
-            if block.key is not None:
-                if self.cached.get(block.key) == b:
-                    del self.cached[block.key]
-                block.key = None
-            block.ref_count = 1
-            seq.block_table.append(b)
+            seq.block_table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self) -> int:
+        """The least recently freed block, its prefix-cache entry dropped; ref count 1."""
+        b, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[b]
+        if block.key is not None:
+            if self.cached.get(block.key) == b:
+                del self.cached[block.key]
+            block.key = None
+        block.ref_count = 1
+        return b
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""
@@ -150,9 +154,27 @@ class BlockManager:
         seq.block_table = []
         self._keys.pop(seq.seq_no, None)
 
-    def forget_keys(self, seq: Sequence) -> None:
-        """Drop memoised keys (the token list changed under them, e.g. after preemption)."""
-        self._keys.pop(seq.seq_no, None)
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Give `child` the KV of `parent`'s first `num_tokens` tokens without computing them.
+
+        Full blocks are shared (reference counted, as prefix-cache hits are); a partly filled
+        last block is copied into a fresh block (copy-on-write done eagerly: both will write
+        their own next tokens into it). Returns the (source, destination) block copies the
+        runner must make, or None, changing nothing, when no block is free for the copy.
+        """
+        assert not child.block_table
+        full, rest = divmod(num_tokens, self.block_size)
+        if rest and not self.num_free_blocks:
+            return None
+        for b in parent.block_table[:full]:
+            self.blocks[b].ref_count += 1
+            child.block_table.append(b)
+        copies = []
+        if rest:
+            b = self._take_free_block()
+            child.block_table.append(b)
+            copies.append((parent.block_table[full], b))
+        return copies
 
     def check_all_free(self) -> None:
         """Assert that no block is held (used by tests and at shutdown)."""

@@ -60,6 +60,25 @@ class _Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # built once per token
 
 
+@dataclass
+class _Group:
+    """One request: its samples in index order (one unless n or best_of > 1)."""
+
+    samples: list[_Request]
+    n: int  # completions returned: the best n of the samples by cumulative logprob
+
+    @property
+    def finished(self) -> bool:
+        return all(r.seq.is_finished for r in self.samples)
+
+
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s own seed: the request's seed for the first, derived for the others."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 1_000_003 + index) % 2**63
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False):
         self.config = config
@@ -113,6 +132,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
         self._pending: list[RequestOutput] = []  # outputs made outside a step
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all steps
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -155,6 +175,12 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context length {limit}"
             )
+        samples = params.num_samples
+        if samples > self.config.max_num_seqs:
+            raise ValueError(
+                f"n / best_of ({samples}) exceeds the engine's max_num_seqs "
+                f"({self.config.max_num_seqs})"
+            )
         processors = []
         if params.has_processors:
             processors = build_processors(params, self.processor_context)
@@ -167,32 +193,43 @@ class LLMEngine:
                     self.adapters.release(lora_request)
                     raise err
         self.load_errors.pop(request_id, None)
-        seq = Sequence(
-            request_id,
-            ids,
-            params,
-            lora=lora_request,
-            tenant=tenant,
-            weight=weight,
-            arrival=time.monotonic(),
-            processors=processors,
-        )
         stops = params.stop or []
-        self.requests[request_id] = _Request(
-            seq=seq,
-            prompt=text,
-            detok=self.tokenizer.detokenizer(ids, params.skip_special_tokens),
-            stop_holdback=max((len(s) for s in stops), default=1) - 1,
-        )
-        self.scheduler.add(seq)
+        group = _Group(samples=[], n=params.n)
+        arrival = time.monotonic()
+        for index in range(samples):
+            seq = Sequence(
+                request_id,
+                ids,
+                params,
+                lora=lora_request,
+                tenant=tenant,
+                weight=weight,
+                arrival=arrival,
+                processors=processors if index == 0 else [p.fork() for p in processors],
+                index=index,
+                seed=_sample_seed(params.seed, index),
+            )
+            group.samples.append(
+                _Request(
+                    seq=seq,
+                    prompt=text,
+                    detok=self.tokenizer.detokenizer(ids, params.skip_special_tokens),
+                    stop_holdback=max((len(s) for s in stops), default=1) - 1,
+                )
+            )
+        first = group.samples[0].seq
+        first.fork_children = [r.seq for r in group.samples[1:]]
+        self.requests[request_id] = group
+        self.scheduler.add(first)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output."""
-        req = self.requests.get(request_id)
-        if req is None:
+        group = self.requests.get(request_id)
+        if group is None:
             return None
-        self._finish(req, "abort")
-        return self._output(req)
+        for req in group.samples:
+            self._finish(req, "abort")
+        return self._output(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,14 +239,15 @@ class LLMEngine:
         """Take in finished adapter loads; fail the requests of each load that failed."""
         failed = self.adapters.poll()
         for lora_id, err in failed.items():
-            for req in list(self.requests.values()):
-                seq = req.seq
+            for group in list(self.requests.values()):
+                seq = group.samples[0].seq
                 if seq.adapter_id != lora_id or seq.is_finished:
                     continue
                 assert seq.status is SequenceStatus.WAITING, "admitted before its adapter loaded"
                 self.load_errors[seq.request_id] = err
-                self._finish(req, "error")
-                output = self._output(req)
+                for req in group.samples:
+                    self._finish(req, "error")
+                output = self._output(group)
                 output.error = f"adapter '{seq.lora.lora_name}' cannot be served: {err}"
                 self._pending.append(output)
         return failed
@@ -225,6 +263,10 @@ class LLMEngine:
         slots = self.adapters.activate(
             {s.adapter_id for s in out.seqs if s.adapter_id}, self.scheduler.running_adapters()
         )
+        self.num_prompt_tokens_computed += sum(
+            max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+            for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
+        )
         result = self.runner.run(out, slots)
         sampled: dict[int, int] = {}
         if result is not None:
@@ -233,14 +275,32 @@ class LLMEngine:
                 sampled[seq.seq_no] = so.token_ids[i]
                 for proc in seq.processors:
                     proc.accept(so.token_ids[i])
-                if seq.params.logprobs is not None:
+                if seq.params.logprobs is not None or seq.params.best_of:
                     seq.logprobs.append(so.logprobs[i])
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
-        for seq in self.scheduler.postprocess(out, sampled):
-            req = self.requests[seq.request_id]
-            self._check_stop(req)
-            outputs.append(self._output(req))
+        stepped = self.scheduler.postprocess(out, sampled)
+        for seq in list(stepped):
+            if seq.fork_children and len(seq.output_token_ids) == 1:
+                stepped += self._fork(seq, sampled)
+        changed: dict[str, _Group] = {}
+        for seq in stepped:
+            group = self.requests[seq.request_id]
+            self._check_stop(group.samples[seq.index])
+            changed[seq.request_id] = group
+        for group in changed.values():
+            output = self._output(group)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _fork(self, seq: Sequence, sampled: dict[int, int]) -> list[Sequence]:
+        """Start `seq`'s sibling samples on its computed prompt, each with the first token it
+        drew from the same logits this step."""
+        children, seq.fork_children = seq.fork_children, []
+        for child in children:
+            child.output_token_ids.append(sampled[child.seq_no])
+            self.runner.copy_blocks(self.scheduler.fork(seq, child))
+        return children
 
     def _check_stop(self, req: _Request) -> None:
         seq, p = req.seq, req.seq.params
@@ -275,12 +335,56 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, reason)
         seq.stop_reason = stop_reason
-        if seq.lora is not None:
-            self.adapters.release(seq.lora)
+        children, seq.fork_children = seq.fork_children, []
+        for child in children:  # never started (abort, adapter error): not in the scheduler
+            child.status, child.finish_reason = SequenceStatus.FINISHED, reason
+        if seq.lora is not None and self.requests[seq.request_id].finished:
+            self.adapters.release(seq.lora)  # once per request, by its last sample
         if reason != "stop" or not isinstance(stop_reason, str):
             req.text += req.detok.flush()
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, group: _Group) -> RequestOutput | None:
+        """The request's output now; None for best_of > n until it finishes (only the n best
+        samples are returned, and which they are is known at the end)."""
+        finished = group.finished
+        ranked = len(group.samples) > group.n
+        if ranked and not finished:
+            return None
+        many = len(group.samples) > 1
+        done = [self._completion(req, visible_only=many) for req in group.samples]
+        if ranked:  # best_of: the n with the highest cumulative logprob, renumbered
+            done.sort(key=lambda d: -d[0].cumulative_logprob)
+            done = done[: group.n]
+            for i, (c, _, _) in enumerate(done):
+                c.index = i
+                if group.samples[0].seq.params.logprobs is None:
+                    c.logprobs = None  # drawn only to rank the samples
+        first, delta_text, delta_ids = done[0]
+        if ranked:
+            delta_text, delta_ids = first.text, list(first.token_ids)
+        seq = group.samples[0].seq
+        if finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=group.samples[0].prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[c for c, _, _ in done],
+            finished=finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            lora_name=seq.lora.lora_name if seq.lora else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+
+    def _completion(
+        self, req: _Request, visible_only: bool
+    ) -> tuple[CompletionOutput, str, list[int]]:
+        """One sample's output, and its text and token ids new since the previous call.
+
+        With `visible_only` (n > 1) an unfinished sample's text leaves out the characters held
+        back for a stop string, so each completion's text only grows and can be streamed.
+        """
         seq = req.seq
         finished = seq.is_finished
         # Hold back a possible stop string's prefix until it is known not to complete.
@@ -291,7 +395,7 @@ class LLMEngine:
         delta_ids = seq.output_token_ids[req.sent_tokens :]
         req.sent_tokens = len(seq.output_token_ids)
         logprobs = None
-        if seq.params.logprobs is not None:
+        if seq.logprobs:
             # Only the new tokens' entries are built: rebuilding all would be quadratic.
             for i in range(len(req.logprobs), len(seq.logprobs)):
                 tok = seq.output_token_ids[i]
@@ -299,26 +403,15 @@ class LLMEngine:
                 entry.update({t: v for t, v in seq.top_logprobs[i] if t != tok})
                 req.logprobs.append(entry)
             logprobs = list(req.logprobs)
-        if finished:
-            self.requests.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=0,
-                    text=req.text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=logprobs,
-                    cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
-                )
-            ],
-            finished=finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            lora_name=seq.lora.lora_name if seq.lora else None,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
+        if seq.params.logprobs is None and not seq.params.best_of:
+            logprobs = None
+        completion = CompletionOutput(
+            index=seq.index,
+            text=req.text[: req.sent_text] if visible_only else req.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
         )
+        return completion, delta_text, delta_ids

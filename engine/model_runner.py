@@ -119,6 +119,10 @@ class ModelRunner:
             if out.samples(i):
                 sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
+                if seq.fork_children and not seq.output_token_ids:
+                    # n > 1: the other samples draw their first token from the same logits.
+                    sample_rows += [row0 + n - 1] * len(seq.fork_children)
+                    sample_seqs += seq.fork_children
         width = max(len(t) for t in tables)
         block_tables = torch.tensor(
             [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=self.device
@@ -141,6 +145,18 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source -> destination) in every layer (forked samples)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            attn.k_cache[dst] = attn.k_cache[src]
+            attn.v_cache[dst] = attn.v_cache[src]
+
+    @torch.inference_mode()
     def run(self, out: SchedulerOutput, slots: dict[int, int]):
         """Run one step; returns (sampling sequences, SamplerOutput) or None if none sample."""
         batch = self.prepare(out, slots)
@@ -150,8 +166,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [rows, vocab]
         seqs = batch.sample_seqs
         for s in seqs:
-            if s.generator is None and s.params.seed is not None:
-                s.generator = make_generator(s.params.seed, logits.device)
+            if s.generator is None and s.seed is not None:
+                s.generator = make_generator(s.seed, logits.device)
         result = self.sampler(
             logits,
             [s.params for s in seqs],

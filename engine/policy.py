@@ -45,6 +45,10 @@ class SchedulingPolicy(Protocol):
 
     def on_admitted(self, seq: Sequence) -> None: ...
 
+    def on_forked(self, seq: Sequence) -> None:
+        """`seq` is another sample of an admitted request (n > 1): its prompt is shared."""
+        ...
+
     def on_blocked(self, seq: Sequence) -> None:
         """`seq` was skipped because every adapter slot is taken by other adapters."""
         ...
@@ -70,6 +74,9 @@ class FCFSPolicy:
         return iter(sorted(waiting, key=lambda s: (s.arrival, s.seq_no)))
 
     def on_admitted(self, seq: Sequence) -> None:
+        pass
+
+    def on_forked(self, seq: Sequence) -> None:
         pass
 
     def on_blocked(self, seq: Sequence) -> None:
@@ -132,6 +139,10 @@ class VTCPolicy:
         if seq.seq_no not in self._charged:
             self._charged.add(seq.seq_no)
             self.counters[_tenant(seq)] += seq.num_prompt_tokens / self._weight(seq)
+
+    def on_forked(self, seq: Sequence) -> None:
+        self.on_arrival(seq)
+        self._charged.add(seq.seq_no)  # the prompt was charged once, to the first sample
 
     def on_blocked(self, seq: Sequence) -> None:
         self._blocked_floor = min(self._blocked_floor, self.counters[_tenant(seq)])

@@ -202,7 +202,8 @@ class Sampler:
         rows = len(params)
         chosen: list[float | None] = [None] * rows
         top: list[list[tuple[int, float]] | None] = [None] * rows
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # best_of ranks samples by cumulative logprob: the chosen token's is always needed.
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of]
         if not asked:
             return chosen, top
         idx = torch.tensor(asked, device=logits.device)

@@ -8,6 +8,7 @@ from typing import Any
 # Below this a temperature divides logits into overflow; such requests are decoded greedily.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions per request (n, best_of): each holds a running sequence
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -29,7 +30,8 @@ class SamplingParams:
     multiplied). `stop` and `stop_token_ids` are normalised to lists.
     """
 
-    n: int = 1
+    n: int = 1  # completions returned
+    best_of: int | None = None  # completions generated (>= n), the n best by cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -63,6 +65,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of, or n."""
+        return self.best_of or self.n
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
@@ -85,6 +92,7 @@ class SamplingParams:
             setattr(self, name, float(value))
         for name, optional in (
             ("n", False),
+            ("best_of", True),
             ("top_k", False),
             ("min_tokens", False),
             ("max_tokens", True),
@@ -160,10 +168,11 @@ class SamplingParams:
         return bool(self.logit_bias or self.logits_processors)
 
     def _check_ranges(self) -> None:
-        if self.n != 1:
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
             raise ValueError(
-                f"n={self.n} is not supported: only one completion per request (n=1); "
-                "send the request several times with different seeds instead"
+                f"best_of must be between n ({self.n}) and {MAX_N}, got {self.best_of}"
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")

@@ -109,7 +109,8 @@ class Scheduler:
             return out
         adapters = self.running_adapters()
         for seq in self.policy.admission_order(self.waiting):
-            if budget == 0 or len(self.running) >= cfg.max_num_seqs:
+            # A request with n > 1 brings its other samples into the running set at once.
+            if budget == 0 or len(self.running) + 1 + len(seq.fork_children) > cfg.max_num_seqs:
                 break
             if seq.adapter_id and not self.adapter_loaded(seq.adapter_id):
                 continue  # still loading in the background; never wait for it
@@ -158,6 +159,25 @@ class Scheduler:
                 self.policy.on_tokens(seq, 1)
                 stepped.append(seq)
         return stepped
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Start `child`, a sibling sample of `parent` that sampled its first token at the
+        step that computed `parent`'s prompt, on `parent`'s prompt KV. Returns the block
+        copies the runner must make. Without a free block for the copy the child waits and
+        recomputes its prompt like a preempted sequence (the prefix cache serves most of it).
+        """
+        copies = self.block_manager.fork(parent, child, parent.num_prompt_tokens)
+        self.policy.on_forked(child)
+        if copies is None:
+            child.status = SequenceStatus.WAITING
+            self.waiting.append(child)
+            return []
+        child.num_computed_tokens = parent.num_prompt_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self.policy.on_tokens(child, 1)
+        return copies
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (or abort) a sequence wherever it is and free everything it holds."""

@@ -62,6 +62,11 @@ class Sequence:
     seq_no: int = field(default_factory=lambda: next(_ids))
     # built by the engine from params (engine/logits_processors.py); live only in the engine
     processors: list = field(default_factory=list)
+    # n > 1: the request's other samples, forked from this one when its prompt is computed
+    # (they share its prompt's KV blocks and sample from the same logits at that step)
+    fork_children: list[Sequence] = field(default_factory=list)
+    index: int = 0  # which completion of its request this is
+    seed: int | None = None  # this sample's seed (params.seed for index 0, derived for others)
 
     @property
     def all_token_ids(self) -> list[int]:

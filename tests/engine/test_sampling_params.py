@@ -42,7 +42,8 @@ def test_off_values_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n": 2}, r"n=2 is not supported.*n=1"),
+        ({"n": 17}, r"n must be between 1 and 16"),
+        ({"n": 3, "best_of": 2}, r"best_of must be between n \(3\) and 16"),
         ({"temperature": -0.5}, r"temperature must be >= 0"),
         ({"temperature": "hot"}, r"temperature must be a number"),
         ({"temperature": None}, r"temperature must be a number"),
