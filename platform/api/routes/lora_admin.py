@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.api.deps import AdminDep, StateDep
@@ -88,7 +88,7 @@ def _load(state, body: LoadLoRAAdapterRequest):
         return store_and_register(state, tenant_id, body.lora_name, copy, info)
 
 
-@router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_TEXT)
+@router.post("/load_lora_adapter", response_class=Response, responses=_TEXT)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: StateDep):
     """Register the PEFT folder at `lora_path` (inside an import root) as `lora_name`."""
     if body.lora_name == state.model_name:
@@ -103,10 +103,10 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: StateDep):
         msg = f"the adapter store is unavailable: {e}"
         raise APIError(503, msg, "store_unavailable", headers={"Retry-After": "30"}) from None
     state.metrics.uploads.labels("ok").inc()
-    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_TEXT)
+@router.post("/unload_lora_adapter", response_class=Response, responses=_TEXT)
 def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: StateDep):
     """Delete the adapter `lora_name` of the owner (as DELETE /v1/adapters/{name} does)."""
     with state.sessions() as session:
@@ -119,4 +119,4 @@ def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: StateDep):
             raise APIError(
                 404, f"The lora adapter '{body.lora_name}' cannot be found.", "adapter_not_found"
             )
-    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
