@@ -37,3 +37,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "loraplex.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{- define "loraplex.poolLabels" -}}
+{{ include "loraplex.selectorLabels" . }}
+inference.loraplex.io/pool: {{ include "loraplex.fullname" . }}
+{{- end -}}
+
+{{- define "loraplex.eppName" -}}
+{{- default (printf "%s-epp" (include "loraplex.fullname" .)) .Values.inferencePool.endpointPicker.serviceName | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "loraplex.eppSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "loraplex.name" . }}-epp
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
