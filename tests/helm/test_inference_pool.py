@@ -99,3 +99,11 @@ def test_the_schema_catches_what_the_api_server_would(breakage):
     (pool,) = _kinds(_render(ON))["InferencePool"]
     breakage(pool["spec"])
     assert _pool_errors(pool) != []
+
+
+def test_the_ingress_keeps_metrics_inside_the_cluster():
+    """/metrics names every tenant's resident adapters: the public ingress must not route it."""
+    kinds = _kinds(_render({"secrets": SECRETS, "ingress": {"enabled": True}}))
+    paths = [p["path"] for p in kinds["Ingress"][0]["spec"]["rules"][0]["http"]["paths"]]
+    assert sorted(paths) == ["/admin", "/v1"]
+    assert not any("/metrics".startswith(p) for p in paths)
