@@ -1,8 +1,10 @@
 """The synchronous engine: add_request / step / abort.
 
-One step is three calls: the scheduler picks sequences and token counts, the model runner
-computes them and samples, the scheduler advances progress. Around that, this class turns
-tokens into text, applies stop conditions and builds outputs.
+One step reads schedule -> run -> sample -> process: the scheduler picks sequences and token
+counts, the model runner computes them and samples, the scheduler advances progress, and the
+output processor (engine/output_processor.py) turns the new tokens into text, stop decisions
+and outputs. This class wires them together and owns the requests' lifetimes (blocks,
+adapter references, the samples of n > 1).
 
 Adapters load in the background from `add_request` on; a request whose adapter fails to load
 finishes with `finish_reason="error"` and `error` set, and no other request notices.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,12 +25,13 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.loader import load_model
 from loraplex.engine.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
+from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
-from loraplex.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
 
@@ -45,31 +48,6 @@ class MemoryReport:
     adapter_slot_bytes: int
     kv_cache_bytes: int
     num_kv_blocks: int
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    text: str = ""
-    sent_text: int = 0  # chars of `text` already delivered
-    sent_tokens: int = 0
-    stop_holdback: int = 0  # a stop string may still complete over this many trailing chars
-    extra: dict = field(default_factory=dict)
-    logprobs: list[dict[int, float]] = field(default_factory=list)  # built once per token
-
-
-@dataclass
-class _Group:
-    """One request: its samples in index order (one unless n or best_of > 1)."""
-
-    samples: list[_Request]
-    n: int  # completions returned: the best n of the samples by cumulative logprob
-
-    @property
-    def finished(self) -> bool:
-        return all(r.seq.is_finished for r in self.samples)
 
 
 def _sample_seed(seed: int | None, index: int) -> int | None:
@@ -129,7 +107,8 @@ class LLMEngine:
             eos_token_ids=frozenset(self.eos_token_ids),
             tokenizer=self.tokenizer,
         )
-        self.requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.requests: dict[str, RequestState] = {}
         self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
         self._pending: list[RequestOutput] = []  # outputs made outside a step
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all steps
@@ -193,11 +172,9 @@ class LLMEngine:
                     self.adapters.release(lora_request)
                     raise err
         self.load_errors.pop(request_id, None)
-        stops = params.stop or []
-        group = _Group(samples=[], n=params.n)
         arrival = time.monotonic()
-        for index in range(samples):
-            seq = Sequence(
+        seqs = [
+            Sequence(
                 request_id,
                 ids,
                 params,
@@ -209,14 +186,9 @@ class LLMEngine:
                 index=index,
                 seed=_sample_seed(params.seed, index),
             )
-            group.samples.append(
-                _Request(
-                    seq=seq,
-                    prompt=text,
-                    detok=self.tokenizer.detokenizer(ids, params.skip_special_tokens),
-                    stop_holdback=max((len(s) for s in stops), default=1) - 1,
-                )
-            )
+            for index in range(samples)
+        ]
+        group = self.outputs.new_request(text, seqs)
         first = group.samples[0].seq
         first.fork_children = [r.seq for r in group.samples[1:]]
         self.requests[request_id] = group
@@ -267,6 +239,12 @@ class LLMEngine:
             max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
             for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
         )
+        sampled = self._run(out, slots)
+        stepped = self.scheduler.postprocess(out, sampled)
+        return outputs + self._process(stepped, sampled)
+
+    def _run(self, out, slots: dict[int, int]) -> dict[int, int]:
+        """Run the model and sample; returns seq_no -> token for each sequence that sampled."""
         result = self.runner.run(out, slots)
         sampled: dict[int, int] = {}
         if result is not None:
@@ -278,15 +256,22 @@ class LLMEngine:
                 if seq.params.logprobs is not None or seq.params.best_of:
                     seq.logprobs.append(so.logprobs[i])
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
-        stepped = self.scheduler.postprocess(out, sampled)
+        return sampled
+
+    def _process(self, stepped: list[Sequence], sampled: dict[int, int]) -> list[RequestOutput]:
+        """Fork n > 1 samples whose prompt is done, apply stop conditions, build outputs."""
         for seq in list(stepped):
             if seq.fork_children and len(seq.output_token_ids) == 1:
                 stepped += self._fork(seq, sampled)
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestState] = {}
         for seq in stepped:
             group = self.requests[seq.request_id]
-            self._check_stop(group.samples[seq.index])
+            sample = group.samples[seq.index]
+            stop = self.outputs.check_stop(sample)
+            if stop is not None:
+                self._finish(sample, stop.reason, stop.stop_reason)
             changed[seq.request_id] = group
+        outputs = []
         for group in changed.values():
             output = self._output(group)
             if output is not None:
@@ -302,35 +287,10 @@ class LLMEngine:
             self.runner.copy_blocks(self.scheduler.fork(seq, child))
         return children
 
-    def _check_stop(self, req: _Request) -> None:
-        seq, p = req.seq, req.seq.params
-        token = seq.output_token_ids[-1]
-        req.text += req.detok.push(token)
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return self._finish(req, "stop", token)
-            if token in self.eos_token_ids and not p.ignore_eos:
-                return self._finish(req, "stop", None)
-            if p.stop:
-                window = req.text[-(req.stop_holdback + 64 + 1) * 2 :]
-                base = len(req.text) - len(window)
-                hits = [(window.find(s), s) for s in p.stop if s in window]
-                if hits:
-                    at, s = min(hits)
-                    end = base + at + (len(s) if p.include_stop_str_in_output else 0)
-                    req.text = req.text[:end]
-                    return self._finish(req, "stop", s)
-            if any(proc.is_finished() for proc in seq.processors):
-                return self._finish(req, "stop", None)
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return self._finish(req, "length")
-        if seq.num_tokens >= self.config.max_model_len:
-            return self._finish(req, "length")
-        return None
-
-    def _finish(self, req: _Request, reason: str, stop_reason: str | int | None = None) -> None:
-        seq = req.seq
+    def _finish(
+        self, sample: SampleState, reason: str, stop_reason: str | int | None = None
+    ) -> None:
+        seq = sample.seq
         if seq.is_finished:
             return
         self.scheduler.finish(seq, reason)
@@ -340,78 +300,10 @@ class LLMEngine:
             child.status, child.finish_reason = SequenceStatus.FINISHED, reason
         if seq.lora is not None and self.requests[seq.request_id].finished:
             self.adapters.release(seq.lora)  # once per request, by its last sample
-        if reason != "stop" or not isinstance(stop_reason, str):
-            req.text += req.detok.flush()
+        self.outputs.finished(sample)
 
-    def _output(self, group: _Group) -> RequestOutput | None:
-        """The request's output now; None for best_of > n until it finishes (only the n best
-        samples are returned, and which they are is known at the end)."""
-        finished = group.finished
-        ranked = len(group.samples) > group.n
-        if ranked and not finished:
-            return None
-        many = len(group.samples) > 1
-        done = [self._completion(req, visible_only=many) for req in group.samples]
-        if ranked:  # best_of: the n with the highest cumulative logprob, renumbered
-            done.sort(key=lambda d: -d[0].cumulative_logprob)
-            done = done[: group.n]
-            for i, (c, _, _) in enumerate(done):
-                c.index = i
-                if group.samples[0].seq.params.logprobs is None:
-                    c.logprobs = None  # drawn only to rank the samples
-        first, delta_text, delta_ids = done[0]
-        if ranked:
-            delta_text, delta_ids = first.text, list(first.token_ids)
-        seq = group.samples[0].seq
-        if finished:
-            self.requests.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=group.samples[0].prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[c for c, _, _ in done],
-            finished=finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            lora_name=seq.lora.lora_name if seq.lora else None,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-        )
-
-    def _completion(
-        self, req: _Request, visible_only: bool
-    ) -> tuple[CompletionOutput, str, list[int]]:
-        """One sample's output, and its text and token ids new since the previous call.
-
-        With `visible_only` (n > 1) an unfinished sample's text leaves out the characters held
-        back for a stop string, so each completion's text only grows and can be streamed.
-        """
-        seq = req.seq
-        finished = seq.is_finished
-        # Hold back a possible stop string's prefix until it is known not to complete.
-        visible = len(req.text) if finished else len(req.text) - req.stop_holdback
-        visible = max(req.sent_text, visible)
-        delta_text = req.text[req.sent_text : visible]
-        req.sent_text = max(req.sent_text, visible)
-        delta_ids = seq.output_token_ids[req.sent_tokens :]
-        req.sent_tokens = len(seq.output_token_ids)
-        logprobs = None
-        if seq.logprobs:
-            # Only the new tokens' entries are built: rebuilding all would be quadratic.
-            for i in range(len(req.logprobs), len(seq.logprobs)):
-                tok = seq.output_token_ids[i]
-                entry = {tok: seq.logprobs[i]}
-                entry.update({t: v for t, v in seq.top_logprobs[i] if t != tok})
-                req.logprobs.append(entry)
-            logprobs = list(req.logprobs)
-        if seq.params.logprobs is None and not seq.params.best_of:
-            logprobs = None
-        completion = CompletionOutput(
-            index=seq.index,
-            text=req.text[: req.sent_text] if visible_only else req.text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=logprobs,
-            cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
-        )
-        return completion, delta_text, delta_ids
+    def _output(self, group: RequestState) -> RequestOutput | None:
+        output = group.output()
+        if group.finished:
+            self.requests.pop(group.samples[0].seq.request_id, None)
+        return output
