@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.api.errors import APIError
+from loraplex.platform.api.structured import StructuredFields
 
 # Request bodies are strict, as OpenAI's API is: a wrong JSON type ("max_tokens": "2") is a 400
 # naming the field, never coerced, and an unknown field is a 400 too. Fields that OpenAI
@@ -27,7 +28,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # ignored: nothing here is obfuscated
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):
     model_config = _STRICT
 
     model: str
@@ -42,6 +43,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)
+    # token id (as a string: JSON keys are strings) -> bias, clamped to [-100, 100]
     logit_bias: dict[str, float] | None = None
     # Extensions in vLLM's style.
     top_k: int | None = None
@@ -70,11 +72,10 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, "n > 1 is not supported; send several requests", "unsupported", "n")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "unsupported", "logit_bias")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self.check_supported()
+        grammar = self.grammar()
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -90,9 +91,12 @@ class _Common(BaseModel):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=self.logit_bias,
+                logits_processors=[grammar] if grammar else None,
             )
         except ValueError as e:
-            raise APIError(400, str(e), "invalid_value") from None
+            param = "logit_bias" if str(e).startswith("logit_bias") else None
+            raise APIError(400, str(e), "invalid_value", param) from None
 
     @property
     def include_usage(self) -> bool:
@@ -178,19 +182,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise APIError(400, "tools are not supported", "unsupported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(
-                400,
-                "only response_format type 'text' is supported",
-                "unsupported",
-                "response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 400, "top_logprobs requires logprobs=true", "invalid_value", "top_logprobs"
