@@ -46,7 +46,8 @@ class EngineConfig:
     # On a CPU without bf16/fp16 matmul instructions, compute in float32 (None: decide from
     # the CPU's flags). Twice the weight memory, several times the speed.
     cpu_float32_compute: bool | None = None
-    # Weight-only quantization of the base model's linear layers: None | "int8" | "int4".
+    # Weight-only quantization of the base model's linear layers: None | "int8" | "int4" |
+    # "fp8" (from a float checkpoint; a GPTQ / AWQ / FP8 checkpoint is detected by itself).
     quantization: str | None = None
     # How the CPU path computes attention: "sdpa" (torch's fused kernel), "matmul" (batched
     # matmuls, float32 softmax) or "auto": time both on the model's shape at start, keep the
@@ -86,9 +87,9 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_attention must be 'auto', 'sdpa' or 'matmul', got {self.cpu_attention!r}"
             )
-        if self.quantization not in (None, "int8", "int4"):
+        if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
-                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}"
+                f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two between 8 and 128")
