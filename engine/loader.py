@@ -2,6 +2,9 @@
 
 Tensors are read one at a time from the (memory-mapped) files and copied straight into the
 model's parameters, converting dtype on the way, so peak memory is the model plus one tensor.
+A checkpoint stored quantized (GPTQ, AWQ, FP8: engine/quant_formats.py) allocates no float
+weight for its quantized linears: their tensors are collected and converted once into our
+weight-only layers after the files are read.
 """
 
 from __future__ import annotations
@@ -12,11 +15,18 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import prepack_cpu_linears, prepack_cpu_lm_head
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
+from loraplex.engine.quant_formats import (
+    checkpoint_quantization,
+    fused_name,
+    install,
+    quantized_modules,
+)
 from loraplex.engine.quantization import (
     calibration_sequences,
     quantize_model,
@@ -26,6 +36,8 @@ from loraplex.engine.quantization import (
 # Checkpoint names that load into a slice of one of our fused parameters.
 FUSED = {name: where for name, where in PROJECTIONS.items() if where[0] != name}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# FP8 checkpoints may carry KV-cache scales; loraplex keeps its KV cache in the compute dtype.
+_IGNORED_QUANT_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 log = logging.getLogger("loraplex.engine")
 
 
@@ -72,23 +84,40 @@ def load_model(
     progress: bool = False,
     quantization: str | None = None,
 ) -> DecoderLM:
-    """The model in `dtype` on `device`; with `quantization` ("int8" | "int4") its linear
+    """The model in `dtype` on `device`; with `quantization` ("int8" | "int4" | "fp8") its linear
     layers are then quantized in place (peak memory: the float model plus one layer); int4
     runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. Without
     quantization, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
     (same results, less work per matmul; see PackedLoRALinear), and a vocabulary-sized
     lm_head is packed too (PackedHead)."""
     folder = Path(folder)
-    spec: ModelSpec = spec_from_config(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    spec: ModelSpec = spec_from_config(config)
+    stored = checkpoint_quantization(config)
+    if stored is not None and quantization is not None:
+        raise ValueError(
+            f"{folder} is already quantized ({stored.method}); load it with quantization=None"
+        )
+    files = weight_files(folder)
+    quantized: set[str] = set()
+    if stored is not None:
+        names = []
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                names += list(f.keys())
+        quantized = quantized_modules(names, stored)
     with torch.device("meta"):
         model = DecoderLM(spec).to(dtype)  # no memory yet; to_empty allocates once
+        for name in quantized:  # an empty stand-in: no float weight is ever allocated
+            lin = model.get_submodule(fused_name(name)[0])
+            lin.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
     model = model.to_empty(device=device)
     if spec.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
     expected = {n: p.numel() for n, p in model.named_parameters()}
     loaded: dict[str, int] = dict.fromkeys(expected, 0)
-    files = weight_files(folder)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized module -> suffix -> tensor
     bar = tqdm(total=len(files), desc="loading weights", disable=not progress, unit="file")
     with torch.no_grad():
         for path in files:
@@ -98,7 +127,18 @@ def load_model(
                         continue
                     if name == "lm_head.weight" and spec.tie_embeddings:
                         continue
+                    if stored is not None and name.endswith(_IGNORED_QUANT_SUFFIXES):
+                        continue
+                    module, _, suffix = name.rpartition(".")
+                    if module in quantized and suffix != "bias":
+                        pending.setdefault(module, {})[suffix] = f.get_tensor(name)
+                        continue
                     hit = _target(model, name)
+                    if module in quantized and (hit is None or hit[0] is None):
+                        # GPTQ packers write a bias for every layer; zeros are no bias.
+                        if f.get_tensor(name).any():
+                            raise ValueError(f"{name}: a bias the model's config has no room for")
+                        continue
                     if hit is None:
                         raise ValueError(f"{path.name}: unexpected tensor {name!r}")
                     param, rows, pname = hit
@@ -116,6 +156,9 @@ def load_model(
     missing = [n for n, k in expected.items() if loaded[n] != k]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for {missing[:5]}")
+    if pending:
+        n = install(model, pending, stored)
+        log.info("%d linear layers loaded from %s checkpoint tensors", n, stored.method)
     model.build_buffers(torch.device(device), max_len)  # GPTQ calibration runs the model
     if quantization is not None:
         calibration = calibration_sequences(folder, max_len) if quantization == "int4" else None
@@ -124,8 +167,9 @@ def load_model(
         n = prepack_cpu_linears(model)
         if n:
             log.info("%d linear layers pre-packed for oneDNN", n)
+    method = quantization or (stored.method if stored is not None else None)
     # A tied head packed costs a copy of the table: not where quantization is saving memory.
-    if (quantization is None or not spec.tie_embeddings) and prepack_cpu_lm_head(model):
+    if (method is None or not spec.tie_embeddings) and prepack_cpu_lm_head(model):
         log.info(
             "lm_head pre-packed for oneDNN (%s)",
             "one more copy of the tied embedding" if spec.tie_embeddings else "plain copy dropped",
@@ -134,6 +178,6 @@ def load_model(
         "resident weights: %.1f MiB (%s, quantization=%s)",
         resident_weight_bytes(model) / 2**20,
         str(dtype).removeprefix("torch."),
-        quantization,
+        method,
     )
     return model.eval()

@@ -6,6 +6,9 @@ Triton dequant kernels):
 
     int8  per output channel, symmetric     qweight int8 [N, K], scales float [N]
           W[n, k] = qweight[n, k] * scales[n]
+    fp8   per output channel, e4m3 (weight-only)  qweight float8_e4m3fn [N, K], scales float [N]
+          W[n, k] = qweight[n, k] * scales[n]; or block scales float [N // bn, K // bk]
+          (checkpoints quantized that way: W[n, k] = qweight[n, k] * scales[n // bn, k // bk])
     int4  group-wise along K (group G), asymmetric
           qweight uint8 [N, K // 2]: byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4, q in [0, 15]
           scales, zeros float [N, K // G]
@@ -54,7 +57,7 @@ from loraplex.engine.models.layers import LoRALinear
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "fp8")
 GROUP_SIZE = 128
 log = logging.getLogger("loraplex.engine")
 
@@ -269,23 +272,40 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         group_size: int = GROUP_SIZE,
         xtx: torch.Tensor | None = None,
         rotate: bool = True,
+        codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        in_perm: torch.Tensor | None = None,
     ):
         """Round-to-nearest, or GPTQ when given X^T X [K, K] of calibration inputs; in the
-        Hadamard-rotated basis unless `rotate` is False (module docstring)."""
+        Hadamard-rotated basis unless `rotate` is False (module docstring).
+
+        `codes` (q uint8 [N, K] in [0, 15], scales, zeros float32 [N, K // group_size]) takes
+        an already quantized weight as is (a GPTQ / AWQ checkpoint, engine/quant_formats.py):
+        no rotation; `in_perm` int64 [K] then says which input column each stored column
+        multiplies (GPTQ act-order: x[..., in_perm] @ W_stored^T = x @ W^T).
+        """
         super().__init__(lin)
-        self.group_size = group_size_for(self.in_features, group_size)
-        self.rotate = rotate
-        w = lin.weight.detach()
-        if rotate:
+        self.rotate = rotate and codes is None
+        self.register_buffer("in_perm", in_perm)  # None unless a checkpoint reordered K
+        if codes is not None:
+            self.group_size = group_size
+            q, s, z = pack_int4(codes[0]), codes[1].float(), codes[2].float()
+        else:
+            self.group_size = group_size_for(self.in_features, group_size)
+            q, s, z = self._quantize(lin.weight.detach(), xtx)
+        self._store(q, s, z)
+
+    def _quantize(self, w: torch.Tensor, xtx: torch.Tensor | None):
+        if self.rotate:
             self._hadamard(self.compute_dtype)  # built now, not inside a CUDA graph capture
             h = self._hadamard(torch.float32)
             w = rotate_groups(w.float(), h)
             xtx = None if xtx is None else rotate_xtx(xtx.float(), h)
         if xtx is None:
-            q, s, z = quantize_int4(w, self.group_size)
-        else:
-            codes, s, lows = gptq_int4(w, xtx, self.group_size)
-            q, z = pack_int4(codes), lows + 8 * s  # (q - 8) * s + z = q * s + low
+            return quantize_int4(w, self.group_size)
+        codes, s, lows = gptq_int4(w, xtx, self.group_size)
+        return pack_int4(codes), s, lows + 8 * s  # (q - 8) * s + z = q * s + low
+
+    def _store(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
         # The CPU op's own layout replaces the canonical one (same bytes, not both resident).
         block = cpu_int4_block() if self.device.type == "cpu" else None
         self.cpu_layout = block is not None and self.out_features % block == 0
@@ -307,6 +327,8 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
 
     def _rotated(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.to(dtype)
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
         return rotate_groups(x, self._hadamard(dtype)) if self.rotate else x
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -327,13 +349,71 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
 
     def dequantize(self) -> torch.Tensor:
         w = dequantize_int4(self.canonical_qweight(), self.scales, self.zeros, self.group_size)
+        if self.in_perm is not None:  # stored column j multiplies input in_perm[j]
+            w = torch.empty_like(w).index_copy_(1, self.in_perm, w)
         return rotate_groups(w, self._hadamard(w.dtype)) if self.rotate else w  # H^-1 = H
+
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3: each row scaled so its largest magnitude maps to 448.
+
+    Shape: w [N, K] -> qweight float8_e4m3fn [N, K], scales float32 [N].
+    """
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)  # all-zero rows stay exact
+    q = (w / scales.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from e4m3 [N, K] and per-channel scales [N] or block scales
+    [ceil(N / bn), ceil(K / bk)] (the block shape follows from the two shapes)."""
+    w = qweight.float()
+    if scales.dim() == 1:
+        return w * scales.float().unsqueeze(1)
+    n, k = w.shape
+    bn, bk = -(-n // scales.shape[0]), -(-k // scales.shape[1])
+    s = scales.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w * s
+
+
+class WeightOnlyFp8Linear(QuantizedLoRALinear):
+    """e4m3 weights, 1 byte each, widened to the activations' dtype per call (exact: e4m3's
+    3 mantissa bits fit bf16's 7). Per-channel scales multiply the output instead of the
+    weight; block scales (checkpoints only) are applied to the widened weight."""
+
+    method = "fp8"
+
+    def __init__(
+        self, lin: LoRALinear, qweight: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ):  # fmt: skip
+        super().__init__(lin)
+        if qweight is None:
+            qweight, scales = quantize_fp8(lin.weight.detach())
+        self.register_buffer("qweight", qweight.to(self.device))  # float8_e4m3fn [N, K]
+        self.register_buffer("scales", scales.float().to(self.device))  # [N] or blocks
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales.dim() == 1:
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return F.linear(x, dequantize_fp8(self.qweight, self.scales).to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.scales)
 
 
 _HADAMARDS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-_CLASSES = {"int8": WeightOnlyInt8Linear, "int4": WeightOnlyInt4Linear}
+_CLASSES = {
+    "int8": WeightOnlyInt8Linear,
+    "int4": WeightOnlyInt4Linear,
+    "fp8": WeightOnlyFp8Linear,
+}
 
 
 def calibration_sequences(folder: str | Path, max_len: int) -> list[list[int]] | None:
