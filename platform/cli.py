@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="demo", help="model folder, or 'demo' (Gemma 3 270M)")
     g.add_argument("--adapter", help="PEFT adapter folder to apply")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", choices=["int8", "int4"], help="weight-only base")
+    g.add_argument("--quantization", choices=["int8", "int4", "fp8"], help="weight-only base")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int)
     s.add_argument("--model", help="model folder or 'demo' (default: settings)")
     s.add_argument(
-        "--quantization", choices=["int8", "int4"], help="weight-only base (default: settings)"
+        "--quantization",
+        choices=["int8", "int4", "fp8"],
+        help="weight-only base (default: settings)",
     )
     s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
     s.add_argument(

@@ -72,7 +72,7 @@ class Settings(BaseSettings):
         "minute each) and register the demo tenant's adapters 'pirate' and 'shout'",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["int8", "int4"] | None = None
+    quantization: Literal["int8", "int4", "fp8"] | None = None
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
     engine_threads: int | None = Field(
         None,
