@@ -24,13 +24,16 @@ from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoR
 from loraplex.engine.models.spec import PROJECTIONS
 from loraplex.engine.quantization import (
     QuantizedLoRALinear,
+    WeightOnlyFp8Linear,
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     cpu_int4_block,
     dequantize_cpu_int4,
+    dequantize_fp8,
     from_cpu_int4_layout,
     hadamard,
     pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
     resident_weight_bytes,
@@ -66,6 +69,22 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     assert q.dtype == torch.uint8 and q.shape == (64, 256) and s.shape == z.shape == (64, 4)
     err = (dequantize_int4(q, s, z, 128) - w).abs().view(64, 4, 128).amax(dim=-1)
     assert torch.all(err <= s / 2 + 1e-5)
+
+
+def test_fp8_error_is_at_most_half_an_e4m3_step_per_channel():
+    w = torch.randn(96, 256) * torch.linspace(0.01, 3, 96).unsqueeze(1)
+    q, s = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (96,)
+    assert torch.equal(q.float().abs().amax(1), torch.full((96,), 448.0))  # full range per row
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 above the subnormals (2^-6 * scale).
+    err = (dequantize_fp8(q, s) - w).abs()
+    bound = torch.maximum(w.abs() * 2**-4, s.unsqueeze(1) * 2**-10)
+    assert torch.all(err <= bound * (1 + 1e-6))
+    # Block scales: each [bn, bk] tile has its own.
+    blocks = torch.rand(3, 8) + 0.5
+    w8 = torch.randn(96, 256).to(torch.float8_e4m3fn)
+    expected = w8.float() * blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    torch.testing.assert_close(dequantize_fp8(w8, blocks), expected)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -178,7 +197,7 @@ def _linear(k: int, n: int, bias: bool = False) -> LoRALinear:
     return lin
 
 
-@pytest.mark.parametrize("cls", [WeightOnlyInt8Linear, WeightOnlyInt4Linear])
+@pytest.mark.parametrize("cls", [WeightOnlyInt8Linear, WeightOnlyInt4Linear, WeightOnlyFp8Linear])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_cpu_fast_op_matches_the_dequantized_matmul(cls, m, k, n):
     lin = _linear(k, n, bias=True)
@@ -199,12 +218,13 @@ def test_cpu_fast_op_matches_the_dequantized_matmul(cls, m, k, n):
 
 def test_quantized_linear_keeps_no_float_weight():
     lin = _linear(256, 128)
-    q8, q4 = WeightOnlyInt8Linear(lin), WeightOnlyInt4Linear(lin)
-    for q in (q8, q4):
+    q8, q4, f8 = WeightOnlyInt8Linear(lin), WeightOnlyInt4Linear(lin), WeightOnlyFp8Linear(lin)
+    for q in (q8, q4, f8):
         assert "weight" not in dict(q.named_parameters())
         assert q.weight is None  # no float copy in disguise either
         assert (q.in_features, q.out_features) == (256, 128)  # what LoRA slots are sized from
     assert resident_weight_bytes(q8) == 128 * 256 + 128 * 4
+    assert resident_weight_bytes(f8) == 128 * 256 + 128 * 4
     assert resident_weight_bytes(q4) < resident_weight_bytes(q8) * 0.6
 
 
@@ -246,7 +266,7 @@ def reference_mode():
     dispatch.set_mode("auto")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_lora_on_quantized_base_matches_peft_on_dequantized_weights(
     kind, method, tiny_models, tiny_adapters, tmp_path, reference_mode
@@ -267,7 +287,7 @@ def test_fast_cpu_path_tracks_the_exact_one(tiny_models, tiny_adapters):
     prompts = [[5, 17, 99, 230, 41, 7], [8, 300, 12]]
     lora = [LoRARequest("attn8", 2, str(adapters["attn8"])), None]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
-    for method in ("int8", "int4"):
+    for method in ("int8", "int4", "fp8"):
         llm = LLM(str(tiny_models["llama"]), dtype="float32", quantization=method)
         fast = llm.generate(prompts, params, lora)
         dispatch.set_mode("reference")
@@ -431,6 +451,9 @@ def test_cli_and_settings_pass_quantization_to_the_engine(tiny_models, tmp_path)
 
     gen = build_parser().parse_args(["generate", "hi", "--quantization", "int4"])
     assert gen.quantization == "int4"
+    assert (
+        build_parser().parse_args(["generate", "hi", "--quantization", "fp8"]).quantization == "fp8"
+    )
     serve = build_parser().parse_args(["serve", "--quantization", "int8"])
     settings = _settings(serve).model_copy(update={"data_dir": tmp_path, "max_model_len": 512})
     config = engine_config(settings, str(tiny_models["llama"]))
