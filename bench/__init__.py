@@ -21,4 +21,4 @@ and are run as `python bench/offline.py`.
 
 # Scripts that work only from a checkout (`python bench/<name>.py`: they import their siblings,
 # or `bench.…`, by plain name), never as `loraplex.bench.<name>`; import checks skip them.
-CHECKOUT_SCRIPTS = frozenset({"engines", "gpu_engine", "offline", "options", "peer"})
+CHECKOUT_SCRIPTS = frozenset({"engines", "gpu_engine", "offline", "options", "peer", "quant"})

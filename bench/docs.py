@@ -230,12 +230,32 @@ def offline_section(doc: dict, path: Path, out: Path) -> str:
     return text + _table(head, rows) + "\n" + _image(path, out)
 
 
+def quant_section(doc: dict, path: Path, out: Path) -> str:
+    text = (
+        f"### Weight-only formats: `{path.name}`\n\n"
+        "Held-out prose (tests/engine/heldout_texts.py), float32 activations on each format's "
+        "dequantized weights; greedy agreement: argmax equal to "
+        "float32's at every position. Bytes: ours measured (float32 also holds a "
+        "packed copy of the tied embedding), peers computed (4-bit codes, fp16 scale and zero "
+        "per group, the rest float32).\n\n"
+    )
+    head = ["format", "perplexity", "ratio to float", "greedy agreement", "weights MiB"]
+    rows = [
+        [r["format"], f"{r['perplexity']:.3f}", f"x{r['ratio']:.4f}",
+         f"{r['greedy_agreement']:.3f}",
+         f"{r['weight_bytes'] / 2**20:.0f}" + (" (computed)" if r["bytes_computed"] else "")]
+        for r in doc["rows"]
+    ]  # fmt: skip
+    return text + _table(head, rows) + "\n" + _image(path, out)
+
+
 SECTIONS = [  # (title, file prefix, renderer)
     ("Peers side by side (serving)", "peers-", peers_section),
     ("Adapter-count scaling (serving)", "scaling-", scaling_section),
     ("Single serving runs", "serve-", run_section),
     ("In-process engine runs (`bench offline`)", "engine-", run_section),
     ("Offline throughput (`bench/offline.py`)", "offline-", offline_section),
+    ("Weight-only quantization quality (`python -m bench.quant`)", "quant-", quant_section),
 ]
 
 
