@@ -185,9 +185,15 @@ class GrammarProcessor(LogitsProcessor):
             if not proc.matcher.is_terminated():
                 proc.matcher.fill_next_token_bitmask(bitmask, row)
                 live.append(row)
-        if live:
+        if not live:
+            return
+        if logits.device.type != "cpu":
             mask = bitmask.to(logits.device, non_blocking=True)
             xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=live)
+            return
+        dense = _mask_sparse_rows(logits, bitmask, live)
+        if dense:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=dense)
 
     def accept(self, token_id: int) -> None:
         if self.matcher.is_terminated() or self.rejected:
@@ -209,3 +215,37 @@ class GrammarProcessor(LogitsProcessor):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _mask_sparse_rows(
+    logits: torch.Tensor,  # [rows, vocab] float32 on the CPU, changed in place
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32, bit j of word w: token 32w + j
+    rows: list[int],
+) -> list[int]:
+    """Mask the rows whose grammar allows few tokens; return the others (the dense rows).
+
+    xgrammar's CPU kernel skips words whose 32 tokens are all allowed but writes -inf token by
+    token elsewhere: ~1 ms a row at a 262k vocabulary, where a grammar between JSON values
+    allows a handful of tokens. Such rows are cheaper refilled: keep the allowed logits, set
+    the row to -inf, put them back (measured: 29 -> 2 ms a step at batch 32; bench/structured).
+    """
+    rows_t = torch.tensor(rows)
+    words = bitmask.index_select(0, rows_t)  # [k, words]
+    sparse = (words == 0).sum(-1) * 2 > words.shape[1]  # [k] most words allow nothing
+    if not bool(sparse.any()):
+        return rows
+    which = sparse.nonzero().flatten()
+    sub = words.index_select(0, which)  # [s, words]
+    r, w = sub.nonzero(as_tuple=True)  # [m] the words that allow something
+    hit, bit = ((sub[r, w].unsqueeze(1) >> _BIT) & 1).nonzero(as_tuple=True)  # [a]
+    ids = w[hit] * 32 + bit  # [a] allowed token ids
+    keep = ids < logits.shape[1]
+    at = rows_t[which][r[hit]][keep]
+    ids = ids[keep]
+    values = logits[at, ids]
+    logits.index_fill_(0, rows_t[which], float("-inf"))
+    logits[at, ids] = values
+    return [row for row, s in zip(rows, sparse.tolist(), strict=True) if not s]

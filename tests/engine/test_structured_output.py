@@ -168,3 +168,27 @@ def test_bounded_strings_refuse_raw_control_characters(llm):
     )
     assert proc.matcher.fork().accept_string('{"name": "ab')
     assert not proc.matcher.fork().accept_string('{"name": "a\tb')
+
+
+def test_sparse_row_masking_matches_xgrammar_kernel():
+    import xgrammar as xgr
+
+    from loraplex.engine.structured_output import _mask_sparse_rows
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's high bits lie past the logits
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, 32), dtype=torch.int32, generator=g)
+    bitmask[1] = 0
+    bitmask[1, 3] = 0b1011  # sparse rows: a few allowed tokens
+    bitmask[4, :30] = 0
+    bitmask[4, 31] = -1  # allowed ids past the vocabulary must be dropped
+    bitmask[5] = -1
+    logits = torch.randn(6, vocab, generator=g)
+    rows = [0, 1, 4, 5]
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    dense = _mask_sparse_rows(got, bitmask, rows)
+    assert dense == [0, 5]
+    xgr.apply_token_bitmask_inplace(got, bitmask, vocab_size=vocab, indices=dense)
+    assert torch.equal(got, want)
+    assert (got[1] > float("-inf")).nonzero().flatten().tolist() == [96, 97, 99]
