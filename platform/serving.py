@@ -66,6 +66,7 @@ class Job:
     adapter_name: str | None
     estimate: int
     charged_at: float
+    end_user: str | None = None  # the request's `user` field, kept in the usage record
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     sent_tokens: int = 0
@@ -141,6 +142,7 @@ class InferenceService:
         params: SamplingParams,
         lora: LoRARequest | None,
         adapter_name: str | None,
+        end_user: str | None = None,
     ) -> Job:
         engine = self._engine()
         limit = engine.config.max_model_len
@@ -177,6 +179,7 @@ class InferenceService:
             params=params,
             lora=lora,
             adapter_name=adapter_name,
+            end_user=end_user,
             estimate=estimate,
             charged_at=time.time(),
         )
@@ -246,6 +249,7 @@ class InferenceService:
             "request_id": job.request_id,
             "tenant_id": job.caller.tenant.id,
             "model": job.model,
+            "end_user": job.end_user,
             "status": status,
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": job.sent_tokens,

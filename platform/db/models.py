@@ -184,6 +184,8 @@ class UsageRecord(Base):
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     adapter_name: Mapped[str | None] = mapped_column(String(128))  # None: the base model
     model: Mapped[str] = mapped_column(String(255))
+    # The request's `user` field: the tenant's own end-user id, for their abuse tracking.
+    end_user: Mapped[str | None] = mapped_column(String(256))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # part of prompt_tokens

@@ -224,3 +224,14 @@ def test_max_completion_tokens_and_seed(server, client):
     b = client.chat.completions.create(**kw)
     assert a.usage.completion_tokens <= 7
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_user_is_kept_in_the_usage_record(server, client):
+    from loraplex.platform.db.models import UsageRecord
+
+    r = client.completions.create(
+        model=server.state.model_name, prompt="Hi", max_tokens=2, user="end-user-42"
+    )
+    with server.sessions() as session:
+        row = session.query(UsageRecord).filter_by(request_id=r.id).one()
+    assert row.end_user == "end-user-42" and row.completion_tokens == r.usage.completion_tokens

@@ -216,7 +216,9 @@ async def completions(
     lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
     prompt_ids = service.encode_prompt(body.single_prompt())
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    job = await service.start(caller, "completions", body.model, prompt_ids, params, lora, adapter)
+    job = await service.start(
+        caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
+    )
     tok = state.engine.tokenizer
     created = int(time.time())
 
@@ -262,7 +264,9 @@ async def chat_completions(
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
     if fallback:  # the plain format must not run on into the next turn
         params.stop = [*params.stop, FALLBACK_STOP]
-    job = await service.start(caller, "chat", body.model, prompt_ids, params, lora, adapter)
+    job = await service.start(
+        caller, "chat", body.model, prompt_ids, params, lora, adapter, body.user
+    )
     tok = state.engine.tokenizer
     created = int(time.time())
     sent_role = False
