@@ -58,6 +58,9 @@ class EngineConfig:
     # measured on 2 cores with 2 threads vs 1).
     num_threads: int | None = None
     seed: int = 0
+    # KV cache element type: "auto" (the compute dtype) or "int8" (per-token-per-head float16
+    # scales; about twice the tokens in the same kv_cache_bytes).
+    kv_cache_dtype: str = "auto"
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,10 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
                 f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}"
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be a power of two between 8 and 128")
