@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine import kv_cache
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
@@ -33,10 +34,8 @@ class StepBatch:
     seqs: list[Sequence]  # all sequences, in row order
 
 
-def kv_block_bytes(model: DecoderLM, block_size: int) -> int:
-    s = model.spec
-    elem = model.dtype.itemsize
-    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
+def kv_block_bytes(model: DecoderLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    return kv_cache.kv_block_bytes(model.spec, block_size, model.dtype, kv_cache_dtype)
 
 
 def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
@@ -68,7 +67,7 @@ class ModelRunner:
         self.device = model.device
         bs = config.block_size
         wanted = -(-config.max_model_len // bs) * config.max_num_seqs
-        by_bytes = config.kv_cache_bytes // kv_block_bytes(model, bs)
+        by_bytes = config.kv_cache_bytes // kv_block_bytes(model, bs, config.kv_cache_dtype)
         self.num_blocks = config.num_kv_blocks or min(by_bytes, wanted)
         if self.num_blocks * bs < config.max_model_len:
             raise ValueError(
@@ -76,19 +75,17 @@ class ModelRunner:
                 f"{config.max_model_len}: raise kv_cache_bytes / num_kv_blocks or lower "
                 "max_model_len"
             )
-        s = model.spec
-        shape = (self.num_blocks, bs, s.num_kv_heads, s.head_dim)
-        dtype = model.dtype
-        # Zeroed: masked-out scores multiply these values, and 0 * NaN would poison a row.
-        for layer in model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.attentions = [layer.self_attn for layer in model.model.layers]
+        kv_cache.allocate_kv_cache(
+            self.attentions, self.num_blocks, bs, model.dtype, config.kv_cache_dtype, self.device
+        )
         if self.device.type == "cpu":
             choose_cpu_attention(config, model)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * kv_block_bytes(self.model, self.config.block_size)
+        cfg = self.config
+        return self.num_blocks * kv_block_bytes(self.model, cfg.block_size, cfg.kv_cache_dtype)
 
     def prepare(self, out: SchedulerOutput, slots: dict[int, int]) -> StepBatch:
         bs = self.config.block_size
@@ -151,10 +148,7 @@ class ModelRunner:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
         dst = torch.tensor([b for _, b in pairs], device=self.device)
-        for layer in self.model.model.layers:
-            attn = layer.self_attn
-            attn.k_cache[dst] = attn.k_cache[src]
-            attn.v_cache[dst] = attn.v_cache[src]
+        kv_cache.copy_kv_blocks(self.attentions, src, dst)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, slots: dict[int, int]):

@@ -55,37 +55,44 @@ def _variants(dtypes: tuple[str, ...]):
                      stride_br="i32", stride_ym="i32"),
                 dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, NUM_SLICES=slices),
             )  # fmt: skip
-        yield (
-            f"write_kv_cache {dt}",
-            kv_cache._write_kv_kernel,
-            dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}",
-                 slot_ptr="*i64", stride_kt="i32", stride_kh="i32", stride_vt="i32",
-                 stride_vh="i32", stride_cs="i32", stride_ch="i32"),
-            dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
-        )  # fmt: skip
+        for quant in (False, True):  # the model's dtype, int8 with float16 scales
+            cache = "i8" if quant else dt
+            yield (
+                f"write_kv_cache {dt}{' int8' if quant else ''}",
+                kv_cache._write_kv_kernel,
+                dict(k_ptr=f"*{dt}", v_ptr=f"*{dt}", k_cache_ptr=f"*{cache}",
+                     v_cache_ptr=f"*{cache}", slot_ptr="*i64", k_scale_ptr="*fp16",
+                     v_scale_ptr="*fp16", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                     stride_vh="i32", stride_cs="i32", stride_ch="i32", stride_ss="i32"),
+                dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANT=quant),
+            )  # fmt: skip
         # (label, group, head_dim, BLOCK_Q, window, softcap): Llama-8B GQA decode/prefill,
         # Gemma 3 MQA with head_dim 256 and a sliding window.
-        for label, group, hd, bq, win, cap, split in (
-            ("llama decode", 4, 128, 4, False, False, 1),
-            ("llama decode split-kv", 4, 128, 4, False, False, 8),
-            ("llama prefill", 4, 128, 16, False, False, 1),
-            ("gemma decode window", 4, 256, 4, True, False, 1),
-            ("gemma decode window split-kv", 4, 256, 4, True, False, 4),
-            ("gemma prefill window softcap", 4, 256, 16, True, True, 1),
+        for label, group, hd, bq, win, cap, split, int8 in (
+            ("llama decode", 4, 128, 4, False, False, 1, False),
+            ("llama decode split-kv", 4, 128, 4, False, False, 8, False),
+            ("llama prefill", 4, 128, 16, False, False, 1, False),
+            ("gemma decode window", 4, 256, 4, True, False, 1, False),
+            ("gemma decode window split-kv", 4, 256, 4, True, False, 4, False),
+            ("gemma prefill window softcap", 4, 256, 16, True, True, 1, False),
+            ("llama decode int8 kv", 4, 128, 4, False, False, 1, True),
+            ("gemma prefill window int8 kv", 4, 256, 16, True, False, 1, True),
         ):
+            cache = "i8" if int8 else dt
             yield (
                 f"paged_attention {dt} {label}",
                 paged_attention._paged_attention_kernel,
-                dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
-                     v_cache_ptr=f"*{dt}", block_tables_ptr="*i64", tile_seq_ptr="*i32",
+                dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{cache}",
+                     v_cache_ptr=f"*{cache}", block_tables_ptr="*i64", tile_seq_ptr="*i32",
                      tile_row_ptr="*i32", q_end_ptr="*i32", seq_len_ptr="*i32",
                      scale="fp32", softcap="fp32", window="i32", stride_ot="i32",
                      stride_oh="i32", stride_qt="i32", stride_qh="i32", stride_cs="i32",
                      stride_ch="i32", stride_bt="i32", part_ptr="*fp32", ml_ptr="*fp32",
-                     stride_ps="i32", stride_ms="i32", num_heads="i32"),
+                     stride_ps="i32", stride_ms="i32", num_heads="i32",
+                     k_scale_ptr="*fp16", v_scale_ptr="*fp16", stride_ss="i32"),
                 dict(PAGE=16, GROUP=group, HEAD_DIM=hd, GP=group, BLOCK_Q=bq,
                      BLOCK_N=32 if hd >= 256 else 64, BLOCK_D=hd, USE_SOFTCAP=cap,
-                     USE_WINDOW=win, SPLIT_KV=split),
+                     USE_WINDOW=win, SPLIT_KV=split, KV_INT8=int8),
             )  # fmt: skip
         for hd, split in ((128, 8), (256, 4)):
             yield (

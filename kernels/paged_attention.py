@@ -30,9 +30,11 @@ def _paged_attention_kernel(
     scale, softcap, window,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
     part_ptr, ml_ptr, stride_ps, stride_ms, num_heads,
+    k_scale_ptr, v_scale_ptr, stride_ss,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr = 1,
+    KV_INT8: tl.constexpr = False,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     tile = tl.program_id(0)
@@ -83,6 +85,11 @@ def _paged_attention_kernel(
         kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if KV_INT8:
+            # One scale per (token, kv head): [num_blocks, PAGE, kv_heads] float16.
+            s_off = slot * stride_ss + kv_head
+            ks = tl.load(k_scale_ptr + s_off, mask=k_ok, other=0.0).to(tl.float32)
+            k = k.to(tl.float32) * ks[:, None]
         s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             # softcap * tanh(s * scale / softcap), tanh written with a sigmoid (no libdevice).
@@ -99,6 +106,9 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_INT8:
+            vs = tl.load(v_scale_ptr + s_off, mask=k_ok, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -174,6 +184,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     **launch,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
@@ -182,13 +194,14 @@ def paged_attention(
     [qs_i, qs_{i+1}) at positions seq_lens[i] - n_i ... seq_lens[i] - 1,
     out[row] = softmax(softcap(scale * q k^T) masked) v over cached key positions p with
     p <= query position and, with a sliding window W, p > query position - W. The new tokens'
-    K/V must already be in the cache (write_kv_cache). `out` is written in place.
+    K/V must already be in the cache (write_kv_cache); with scales (int8 caches) keys and
+    values are cache * scale. `out` is written in place.
 
     Shape: as paged_attention_plan, whose launch parameters `launch` passes on.
     """
     paged_attention_plan(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, softcap, **launch,
+        sliding_window, softcap, k_scale, v_scale, **launch,
     )()  # fmt: skip
 
 
@@ -203,6 +216,8 @@ def paged_attention_plan(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
     decode_block_m: int = 16,
@@ -223,7 +238,9 @@ def paged_attention_plan(
     Shape: out, q [num_tokens, num_heads, head_dim] (last dim contiguous);
     k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] (contiguous);
     block_tables [num_seqs, max_blocks] int; query_start_loc: num_seqs + 1 ints;
-    seq_lens: num_seqs ints (context length after this step's tokens).
+    seq_lens: num_seqs ints (context length after this step's tokens);
+    k_scale, v_scale [num_blocks, block_size, kv_heads] float16 (contiguous) with int8
+    caches, else None.
 
     Launch parameters (speed only): block_n keys per step, decode_block_m rows of a decode
     tile, num_warps, num_stages; split_kv > 1 cuts each decode sequence's keys into that many
@@ -232,6 +249,10 @@ def paged_attention_plan(
     """
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.stride(2) == 1 and out.stride(2) == 1
+    kv_int8 = k_scale is not None
+    assert kv_int8 == (k_cache.dtype == torch.int8) == (v_scale is not None)
+    assert not kv_int8 or (k_scale.is_contiguous() and v_scale.is_contiguous())
+    scales = (k_scale, v_scale, k_scale.stride(1)) if kv_int8 else (k_cache, v_cache, 0)
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
@@ -274,11 +295,11 @@ def paged_attention_plan(
                 float(scale), float(softcap or 0.0), int(sliding_window or 0),
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1),
                 k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                part, ml, stride_ms * block_d, stride_ms, num_heads,
+                part, ml, stride_ms * block_d, stride_ms, num_heads, *scales,
                 PAGE=page, GROUP=group, HEAD_DIM=head_dim,
                 GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
                 USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=splits,
-                **opts,
+                KV_INT8=kv_int8, **opts,
             )  # fmt: skip
             if splits > 1:
                 _combine_splits_kernel[(n_seqs, num_heads)](

@@ -3,6 +3,10 @@
 Layouts shared with the Triton kernels:
 
     KV cache (per layer)     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+        int8 KV cache        the same caches in int8, plus k_scale, v_scale
+                             [num_blocks, block_size, num_kv_heads] float16: one symmetric
+                             scale per token per head, value = int8 * scale
+                             (quantize_kv; head_dim 64: 66 bytes a row instead of 128 in bf16)
     slot of token position p of a sequence:   block_table[p // block_size] * block_size
                                               + p % block_size
     LoRA slots (per layer, per fused group such as q|k|v):
@@ -23,26 +27,65 @@ import torch
 import torch.nn.functional as F
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: scale = float16(max|x| / 127) over the last dim; q = floor(x / scale + 0.5)
+    clamped to [-127, 127] (scale 0: q = 0). Dequantized: q * scale.
+
+    Shape: x [..., head_dim] -> q [..., head_dim] int8, scale [...] float16.
+    """
+    x = x.float()
+    scale = (x.abs().amax(-1) / 127.0).to(torch.float16)
+    s = scale.float()
+    s = torch.where(s == 0.0, 1.0, s).unsqueeze(-1)
+    # floor(+0.5) rather than round-half-even: the Triton kernel has no rint in interpret mode
+    q = torch.floor(x / s + 0.5).clamp(-127.0, 127.0).to(torch.int8)
+    return q, scale
+
+
 def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Semantics: cache.flat[slot_mapping[t]] = kv[t]; caches changed in place.
+    """Semantics: cache.flat[slot_mapping[t]] = kv[t]; caches changed in place. With scales
+    (int8 caches): cache.flat[slot], scale.flat[slot] = quantize_kv(kv[t]).
 
     Shape: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
-    k, v [num_tokens, kv_heads, head_dim]; slot_mapping [num_tokens] int64.
+    k, v [num_tokens, kv_heads, head_dim]; slot_mapping [num_tokens] int64;
+    k_scale, v_scale [num_blocks, block_size, kv_heads] float16 or None.
     """
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    if k_scale is None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        return
+    for cache, scale, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        q, s = quantize_kv(x)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, q)
+        scale.view(-1, scale.shape[2]).index_copy_(0, slot_mapping, s)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # q [..., d] int8, scale [...]: in float32, rounded once to the compute dtype
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def _gather_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     # block_table [..., nb] -> [..., length, kv_heads, d]; index_select copies whole blocks
-    # (~2.3x faster than advanced indexing on the CPU)
-    blocks = torch.index_select(cache, 0, block_table.reshape(-1))  # [prod(...) * nb, bs, ...]
+    # (~2.3x faster than advanced indexing on the CPU). With a scale: dequantized to dtype.
+    flat = block_table.reshape(-1)
+    blocks = torch.index_select(cache, 0, flat)  # [prod(...) * nb, bs, ...]
+    if scale is not None:
+        blocks = _dequantize(blocks, torch.index_select(scale, 0, flat), dtype)
     shape = (*block_table.shape[:-1], block_table.shape[-1] * cache.shape[1], *cache.shape[2:])
     return blocks.view(shape)[..., :length, :, :]
 
@@ -171,23 +214,29 @@ class _DecodePlan:
             and torch.equal(k[0], block_tables)
         )
 
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+    def gather(
+        self, cache: torch.Tensor, scale: torch.Tensor | None = None, dtype=None
+    ) -> torch.Tensor:
         """The decode sequences' keys (or values) as [B * KVH, L, d], for `_decode_matmul`.
 
         One kv head: the whole blocks, already in that order. Several: one gather of d-long
         rows straight into that order (row indices built once per step); gathering blocks
         and then moving the head dimension took 3.3 ms instead of 0.4 (64 sequences x 192
-        keys, 2 kv heads of 64, blocks spread over a large cache).
+        keys, 2 kv heads of 64, blocks spread over a large cache). With a scale (int8
+        cache): dequantized to dtype.
         """
         nblocks, bs, kvh, d = cache.shape
         b, length = self.tables.shape[0], self.max_len
         if kvh == 1:
-            return _gather_kv(cache, self.tables, length).view(b, length, d)
+            return _gather_kv(cache, self.tables, length, scale, dtype).view(b, length, d)
         if kvh not in self._rows:
             slots = self.tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)
             heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
             self._rows[kvh] = (slots.view(b, 1, length) * kvh + heads).reshape(-1)
         rows = torch.index_select(cache.view(nblocks * bs * kvh, d), 0, self._rows[kvh])
+        if scale is not None:
+            scales = torch.index_select(scale.view(-1), 0, self._rows[kvh])
+            rows = _dequantize(rows, scales, dtype)
         return rows.view(b * kvh, length, d)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -256,18 +305,22 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
 
     Semantics: for sequence i with query rows [qs_i, qs_{i+1}) at positions
     seq_lens[i] - n_i ... seq_lens[i] - 1, out[row] = softmax(scale * q k^T [masked]) v over
     key positions 0..seq_lens[i]-1 that are <= the query position and, with a sliding window
-    W, > query position - W. `out` is written in place.
+    W, > query position - W. With scales (int8 caches) keys and values are
+    cache * scale, computed in q's dtype. `out` is written in place.
 
-    Shape: out, q [num_tokens, num_heads, head_dim]; k_cache, v_cache as in write_kv_cache;
-    block_tables [num_seqs, max_blocks] int64; query_start_loc: num_seqs + 1 ints;
-    seq_lens: num_seqs ints (context length after this step's tokens).
+    Shape: out, q [num_tokens, num_heads, head_dim]; k_cache, v_cache, k_scale, v_scale as
+    in write_kv_cache; block_tables [num_seqs, max_blocks] int64; query_start_loc:
+    num_seqs + 1 ints; seq_lens: num_seqs ints (context length after this step's tokens).
     """
+    ks, vs, dt = (k_scale, v_scale, q.dtype)
     dev = q.device
     plan = _decode_plan(block_tables, query_start_loc, seq_lens, k_cache.shape[1], dev)
     decode = plan.decode
@@ -275,11 +328,11 @@ def paged_attention(
         # All one-token queries at once, padded to the longest context's whole blocks.
         allowed = plan.mask(sliding_window)  # [B, 1, L]
         if softcap or _attention_impl == "matmul":
-            k, v = plan.gather(k_cache), plan.gather(v_cache)  # [B * KVH, L, d]
+            k, v = plan.gather(k_cache, ks, dt), plan.gather(v_cache, vs, dt)  # [B * KVH, L, d]
             o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap)
         else:
-            k = _gather_kv(k_cache, plan.tables, plan.max_len)  # [B, L, KVH, d]
-            v = _gather_kv(v_cache, plan.tables, plan.max_len)
+            k = _gather_kv(k_cache, plan.tables, plan.max_len, ks, dt)  # [B, L, KVH, d]
+            v = _gather_kv(v_cache, plan.tables, plan.max_len, vs, dt)
             o = _attend(q[plan.rows].unsqueeze(1), k, v, plan.q_pos, plan.k_pos, scale,
                         sliding_window, softcap, allowed=allowed).squeeze(1)  # fmt: skip
         # Padding keys sit beyond each sequence's length, which causality already masks.
@@ -290,8 +343,8 @@ def paged_attention(
             continue
         s, e, length = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         nb = -(-length // k_cache.shape[1])
-        k = _gather_kv(k_cache, block_tables[i, :nb], length)
-        v = _gather_kv(v_cache, block_tables[i, :nb], length)
+        k = _gather_kv(k_cache, block_tables[i, :nb], length, ks, dt)
+        v = _gather_kv(v_cache, block_tables[i, :nb], length, vs, dt)
         q_pos = torch.arange(length - (e - s), length, device=dev)
         k_pos = torch.arange(length, device=dev)
         out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)

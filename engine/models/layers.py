@@ -372,6 +372,9 @@ class Attention(nn.Module):
         self.window = spec.windows[layer]
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        # int8 caches only: [num_blocks, block_size, kv_heads] float16 (engine/kv_cache.py)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         s = self.spec
@@ -384,7 +387,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions, ctx.memo), self.rotary(k, positions, ctx.memo)
         a = ctx.attn
-        dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping, **scales)
         out = torch.empty_like(q)
         dispatch.paged_attention(
             out,
@@ -397,6 +401,7 @@ class Attention(nn.Module):
             s.query_scale,
             self.window,
             s.attn_softcap,
+            **scales,
         )
         return self.o_proj(out.flatten(-2), ctx.lora)
 
