@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["int8", "int4", "fp8"] | None = None
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="KV cache element type; int8 holds about twice the tokens"
+    )
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
     engine_threads: int | None = Field(
         None,
