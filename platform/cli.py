@@ -17,6 +17,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_lora_rank=args.max_lora_rank,
         progress=True,
         max_model_len=args.max_model_len,
@@ -55,6 +56,7 @@ def _settings(args: argparse.Namespace):
             "port": getattr(args, "port", None),
             "model": getattr(args, "model", None),
             "quantization": getattr(args, "quantization", None),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
             "max_model_len": getattr(args, "max_model_len", None),
         }.items()
         if v is not None
@@ -169,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adapter", help="PEFT adapter folder to apply")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--quantization", choices=["int8", "int4", "fp8"], help="weight-only base")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache element type (int8: about twice the tokens)")  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -187,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only base (default: settings)",
     )
     s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
+    s.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
+                   help="KV cache element type (default: settings)")  # fmt: skip
     s.add_argument(
         "--log-level",
         default="info",
