@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.async_engine import EngineDeadError
@@ -25,12 +26,13 @@ from loraplex.platform.api.deps import AppState, Caller
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.tool_calls import Tool, plain_tool_messages, template_messages
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
 
 
-def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
+def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
     """The documented plain chat format for base models without a chat template."""
     parts = []
     for m in messages:
@@ -123,12 +125,24 @@ class InferenceService:
         add_special = not (templated and bos and prompt.startswith(bos))
         return tok.encode(prompt, add_special_tokens=add_special)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
-        """(prompt text, used the fallback format)."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[Tool] | None = None
+    ) -> tuple[str, bool]:
+        """(prompt text, used the fallback format). A template that uses `tools` gets the tools
+        and the tool messages as they are; others get them as plain turns (tool_calls.py)."""
         tok = self._engine().tokenizer
-        if tok.chat_template:
+        template = tok.chat_template
+        extra: dict[str, Any] = {}
+        tooled = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if tooled and template and "tools" in template:
+            messages = template_messages(messages)
+            if tools:
+                extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        elif tooled:
+            messages = plain_tool_messages(messages, tools)
+        if template:
             try:
-                return tok.apply_chat_template(messages, add_generation_prompt=True), False
+                return tok.apply_chat_template(messages, add_generation_prompt=True, **extra), False
             except ValueError as e:
                 raise APIError(400, str(e), "invalid_messages", "messages") from None
         return fallback_chat_prompt(messages), True

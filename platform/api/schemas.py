@@ -7,19 +7,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.structured_output import grammar_spec
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.structured import StructuredFields
+from loraplex.platform.tool_calls import Tool, ToolChoice, forced_calls_schema, resolve_choice
 
 # Request bodies are strict, as OpenAI's API is: a wrong JSON type ("max_tokens": "2") is a 400
 # naming the field, never coerced, and an unknown field is a 400 too. Fields that OpenAI
 # clients may send but that change nothing here are declared and documented as ignored
 # (README, "API strictness"); they are the only exceptions.
 _STRICT = ConfigDict(extra="forbid", strict=True)
-IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls",
-                  "skip_special_tokens", "spaces_between_special_tokens")  # fmt: skip
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "skip_special_tokens",
+                  "spaces_between_special_tokens")  # fmt: skip
 # Message fields the openai client keeps when a previous answer is sent back in `messages`.
-IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "tool_calls",
-                          "tool_call_id")  # fmt: skip
+IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 
 
 class StreamOptions(BaseModel):
@@ -55,7 +56,7 @@ class _Common(StructuredFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: a forced tool call is one call
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
 
@@ -145,11 +146,26 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class _CalledFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an earlier answer's calls (assistant)
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @model_validator(mode="before")
     @classmethod
@@ -181,19 +197,52 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    @property
+    def tool_mode(self) -> str | None:
+        """'auto', 'required', a function name, or None: see platform/tool_calls.py."""
+        return resolve_choice(self.tools, self.tool_choice)
+
+    def grammar(self) -> dict | None:
+        spec = super().grammar()
+        mode = self.tool_mode
+        if mode in (None, "auto"):
+            return spec
+        if spec is not None:
+            raise APIError(
+                400,
+                "a forced tool call (tool_choice) and an output constraint cannot be combined",
+                "invalid_value",
+                "tool_choice",
+            )
+        try:
+            parallel = self.parallel_tool_calls is not False
+            schema = forced_calls_schema(self.tools, mode, parallel)
+            return grammar_spec("json_schema", schema)
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", "invalid_value", "tools") from None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", "unsupported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 400, "top_logprobs requires logprobs=true", "invalid_value", "top_logprobs"
             )
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            msg: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                msg["name"] = m.name
+            out.append(msg)
+        return out

@@ -17,6 +17,7 @@ from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
+from loraplex.platform.tool_calls import ToolCall, parse_tool_calls
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=API_ERRORS)
 # JSON, or server-sent events with "stream": true.
@@ -257,7 +258,9 @@ async def chat_completions(
     service = InferenceService(state)
     body.check_supported()
     lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
-    text, fallback = service.chat_prompt(body.chat_messages())
+    tool_mode = body.tool_mode
+    tools = body.tools if tool_mode else None
+    text, fallback = service.chat_prompt(body.chat_messages(), tools)
     prompt_ids = service.encode_prompt(text, templated=True)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
@@ -270,6 +273,7 @@ async def chat_completions(
     tok = state.engine.tokenizer
     created = int(time.time())
     sent_role = False
+    held: list[str] = []  # with tools in play the text is parsed once it is complete
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         nonlocal sent_role
@@ -278,6 +282,18 @@ async def chat_completions(
             return {**base, "choices": [], "usage": usage}, 0
         n = len(out.delta_token_ids)
         start = len(out.outputs[0].token_ids) - n
+        if tools:
+            held.append(out.delta_text)
+            if not out.finished:
+                return None, n
+            content, calls, reason = _answer(
+                "".join(held), out.outputs[0].finish_reason, tools, tool_mode
+            )
+            delta = {"role": "assistant", "content": content}
+            if calls:
+                delta["tool_calls"] = [c.public(i) for i, c in enumerate(calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**base, "choices": [choice]}, n
         delta = {"content": out.delta_text}
         if not sent_role:
             delta["role"], sent_role = "assistant", True
@@ -293,11 +309,30 @@ async def chat_completions(
 
     def choice(last: RequestOutput) -> dict:
         out = last.outputs[0]
+        message: dict = {"role": "assistant", "content": out.text}
+        reason = out.finish_reason
+        if tools:
+            content, calls, reason = _answer(out.text, reason, tools, tool_mode)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.public() for c in calls]
         return {
             "index": 0,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top),
-            "finish_reason": out.finish_reason,
+            "finish_reason": reason,
         }
 
     return await _respond(service, job, request, body, render, "chat.completion", created, choice)
+
+
+def _answer(text: str, reason: str | None, tools, mode: str) -> tuple[str | None, list, str]:
+    """(content, tool calls, finish_reason) of a finished answer to a request with tools."""
+    if mode == "auto":
+        content, calls = parse_tool_calls(text, tools)
+    elif reason == "length":  # a forced call cut short: no call to return, as OpenAI does
+        return text, [], reason
+    else:
+        content = None
+        calls = [ToolCall(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+    return content, calls, ("tool_calls" if calls and reason == "stop" else reason)

@@ -1,0 +1,245 @@
+"""Function calling on /v1/chat/completions: tools in the prompt, calls out of the text.
+
+In: `tools` (OpenAI function tools) and `tool_choice` (`none`, `auto`, `required`, or
+`{"type": "function", "function": {"name": ...}}`). A chat template that knows tools (it uses
+the `tools` variable) renders them itself; for one that does not, the tools and earlier calls
+and results are written as Hermes-style text (`<tool_call>{...}</tool_call>`,
+`<tool_response>...</tool_response>`) into plain system/user/assistant turns.
+
+Out: with `auto` the model's text is parsed by the formats of the common families (Hermes /
+Qwen `<tool_call>{json}</tool_call>`, Mistral `[TOOL_CALLS][{...}]`, Llama 3's bare JSON
+`{"name": ..., "parameters": {...}}`). With `required` or a named function the grammar
+forces a JSON array of calls, `[{"name": ..., "arguments": {...}}]`, valid against each
+function's parameter schema, so the answer is always a parseable call (unless max_tokens cuts
+it: finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.platform.api.errors import APIError
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a forced call is grammar-checked either way
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _Named(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: _Named
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def public(self, index: int | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+def _parameters(f: FunctionDef) -> dict:
+    return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+
+
+def resolve_choice(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
+    """'auto', 'required', a function's name, or None (no tools in play); 400 if inconsistent."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "invalid_value", "tool_choice")
+        return None
+    if choice is None:
+        return "auto"
+    if choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in tools]
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                f"({', '.join(names)})",
+                "invalid_value",
+                "tool_choice",
+            )
+        return choice.function.name
+    return choice
+
+
+def forced_calls_schema(tools: list[Tool], choice: str, parallel: bool = True) -> dict:
+    """The JSON schema of the array of calls a `required` / named tool_choice must produce
+    (one call for a named function or with parallel_tool_calls false)."""
+    chosen = [t.function for t in tools if choice == "required" or t.function.name == choice]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": item, "minItems": 1}
+    if choice != "required" or not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_preamble(tools: list[Tool]) -> str:
+    """The system text that describes the tools to a model whose template has no tool support."""
+    compact = (",", ":")  # every token of the preamble is prompt the tenant pays for
+    specs = "\n".join(
+        json.dumps(t.function.model_dump(exclude_none=True), separators=compact) for t in tools
+    )
+    return (
+        f"Tools:\n<tools>\n{specs}\n</tools>\n"
+        'To call one: <tool_call>{"name":...,"arguments":{...}}</tool_call>'
+    )
+
+
+def plain_tool_messages(messages: list[dict], tools: list[Tool] | None) -> list[dict]:
+    """`messages` as plain system/user/assistant turns for templates that know no tools."""
+    out: list[dict] = []
+    if tools:
+        out.append({"role": "system", "content": tool_preamble(tools)})
+    for m in messages:
+        if m["role"] == "tool":
+            body = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_resp"):
+                out[-1]["content"] += "\n" + body
+            else:
+                out.append({"role": "user", "content": body})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "".join(
+                "<tool_call>"
+                + json.dumps({"name": c["function"]["name"], "arguments": _args(c)})
+                + "</tool_call>"
+                for c in m["tool_calls"]
+            )
+            out.append({"role": "assistant", "content": (m.get("content") or "") + calls})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools and len(out) > 1 and out[1]["role"] == "system":  # one system turn, tools first
+        out[0:2] = [{"role": "system", "content": out[0]["content"] + "\n\n" + out[1]["content"]}]
+    return out
+
+
+def _args(call: dict) -> Any:
+    raw = call["function"].get("arguments") or "{}"
+    try:
+        return json.loads(raw)
+    except (TypeError, json.JSONDecodeError):
+        return raw
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a tool-aware template: tool_calls' arguments as objects, as HF expects."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [
+                {**c, "function": {"name": c["function"]["name"], "arguments": _args(c)}}
+                for c in m["tool_calls"]
+            ]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------------------- parsing
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_MISTRAL = "[TOOL_CALLS]"
+
+
+def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls_from(value: Any, names: set[str]) -> list[ToolCall] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_from(v, names) for v in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls
+
+
+def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
+    """(content outside the calls or None, the calls) from a model's answer in any of the
+    formats above; no calls when none parses (the text is then plain content)."""
+    names = {t.function.name for t in tools}
+    stripped = text.strip()
+    if "<tool_call>" in text:
+        calls = []
+        for body in _HERMES.findall(text):
+            try:
+                found = _calls_from(json.loads(body), names)
+            except json.JSONDecodeError:
+                found = None
+            if found is None:
+                return text, []
+            calls += found
+        content = _HERMES.sub("", text).strip()
+        return content or None, calls
+    if _MISTRAL in text:
+        head, _, rest = text.partition(_MISTRAL)
+        try:
+            found = _calls_from(json.loads(rest.strip()), names)
+        except json.JSONDecodeError:
+            found = None
+        return (head.strip() or None, found) if found else (text, [])
+    if stripped.startswith(("{", "[")):
+        try:
+            found = _calls_from(json.loads(stripped), names)
+        except json.JSONDecodeError:
+            found = None
+        if found:
+            return None, found
+    return text, []

@@ -1,0 +1,233 @@
+"""Function calling through the official `openai` client, and the tool-call parsers."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from loraplex.platform.tool_calls import Tool, parse_tool_calls, plain_tool_messages
+from tests.utils.server import run_server, upload_adapter
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    with run_server(
+        tiny_models["llama"], tmp_path_factory.mktemp("tools"), max_model_len=512
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server, tiny_adapters):
+    _, key = server.new_tenant("tools")
+    r = upload_adapter(server.url, key, "qv", tiny_adapters["llama"]["qv4"])
+    assert r.status_code == 201, r.text
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def _check_calls(calls, names=tuple(SCHEMAS)) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("model", ["base", "qv"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_always_yields_a_valid_call(server, client, model, seed):
+    r = client.chat.completions.create(
+        model=server.state.model_name if model == "base" else model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=seed,
+        max_completion_tokens=120,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.content is None
+    assert len(r.choices[0].message.tool_calls) == 1
+    _check_calls(r.choices[0].message.tool_calls)
+
+
+def test_parallel_calls_are_valid_or_cut_by_length(server, client):
+    # A random model may keep adding calls: a cut answer reports "length" and no calls.
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=server.state.model_name,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=120,
+        )
+        choice = r.choices[0]
+        if choice.finish_reason == "length":
+            assert choice.message.tool_calls is None
+        else:
+            assert choice.finish_reason == "tool_calls"
+            _check_calls(choice.message.tool_calls)
+
+
+def test_named_function_streamed(server, client):
+    stream = client.chat.completions.create(
+        model=server.state.model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=1.0,
+        seed=4,
+        max_completion_tokens=120,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    calls = last.delta.tool_calls
+    assert len(calls) == 1 and calls[0].index == 0
+    _check_calls(calls, names=("get_time",))
+
+
+def test_round_trip_call_result_answer(server, client):
+    first = client.chat.completions.create(
+        model=server.state.model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_completion_tokens=120,
+        temperature=0,
+    )
+    message = first.choices[0].message
+    assert len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    messages = [
+        *ASK,
+        message.model_dump(exclude_none=True),  # the assistant turn, sent back as the client has it
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21})},
+    ]
+    answer = client.chat.completions.create(
+        model=server.state.model_name,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_completion_tokens=8,
+        temperature=0,
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(
+        model=server.state.model_name, messages=ASK, max_completion_tokens=1
+    )
+    # The call and its result are in the prompt (as plain turns for this template).
+    assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+def test_auto_returns_text_when_the_model_calls_nothing(server, client):
+    r = client.chat.completions.create(
+        model=server.state.model_name, messages=ASK, tools=TOOLS, max_completion_tokens=6
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason != "tool_calls" or choice.message.tool_calls
+    if choice.message.tool_calls is None:
+        assert isinstance(choice.message.content, str)
+
+
+@pytest.mark.parametrize(
+    ("kw", "param", "message"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "not in tools"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
+          "tool_choice": "required"}, "tools", "tools: invalid json_schema"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+         "cannot be combined"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s(server, client, kw, param, message):
+    body = {"tools": TOOLS, **kw}
+    if body["tools"] is None:
+        del body["tools"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=server.state.model_name, messages=ASK, max_completion_tokens=4, **body
+        )
+    assert e.value.body["param"] == param and message in e.value.body["message"], e.value.body
+
+
+TOOL_OBJS = [Tool.model_validate(t) for t in TOOLS]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        # Hermes / Qwen 2.5+
+        ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+         "</tool_call>", "Let me check.", [("get_time", {"zone": "UTC"})]),
+        ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+         "</tool_call>", None,
+         [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+        # Mistral
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "CET"}}]', None,
+         [("get_time", {"zone": "CET"})]),
+        # Llama 3.x JSON, with "parameters"
+        ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None,
+         [("get_time", {"zone": "UTC"})]),
+        # not calls: plain text, an unknown function, broken JSON
+        ("The weather is fine.", "The weather is fine.", []),
+        ('{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', []),
+        ('<tool_call>{"name": "get_time", "argu', '<tool_call>{"name": "get_time", "argu', []),
+    ],
+)  # fmt: skip
+def test_parsers(text, content, calls):
+    got_content, got = parse_tool_calls(text, TOOL_OBJS)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_tool_turns_become_plain_turns_for_templates_without_tools():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]  # fmt: skip
+    out = plain_tool_messages(messages, TOOL_OBJS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert "get_weather" in out[0]["content"] and out[0]["content"].endswith("Be brief.")
+    assert out[2]["content"] == (
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
+    assert out[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
