@@ -106,6 +106,15 @@ def _serve(args: argparse.Namespace) -> int:
     embedded = settings.database_url == f"sqlite:///{settings.data_dir / 'loraplex.db'}"
     if embedded:  # the embedded default migrates itself; shared databases need `db upgrade`
         upgrade(settings.database_url)
+    if args.ray:  # Ray Serve replicas, each the app below (platform/ray_serve.py)
+        from loraplex.platform import ray_serve
+
+        try:
+            ray_serve.run(settings, num_replicas=args.replicas)
+        except ray_serve.RayMissing as e:
+            print(f"loraplex: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     app = create_app(settings)
     state = app.state.lp
     base = f"http://{settings.host}:{settings.port}"
@@ -193,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
     s.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="KV cache element type (default: settings)")  # fmt: skip
+    s.add_argument("--ray", action="store_true",
+                   help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
+                   "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip
+    s.add_argument("--replicas", type=int, default=1, help="with --ray: replicas (default 1)")
     s.add_argument(
         "--log-level",
         default="info",
