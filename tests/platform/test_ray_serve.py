@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
@@ -91,6 +91,11 @@ def _ledger(sessions, request_ids) -> dict[str, tuple[int, int]]:
     return {rid: (p, c) for rid, p, c in rows}
 
 
+def _records(sessions) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(UsageRecord))
+
+
 def test_requests_for_an_adapter_concentrate_on_the_replica_that_holds_it(fleet):
     url, key, _ = fleet
     holders = {}
@@ -134,6 +139,7 @@ def test_a_replica_killed_under_load_fails_or_finishes_its_requests_cleanly(flee
 
     url, key, sessions = fleet
     holder = complete(url, key, "a").headers[REPLICA_HEADER]
+    records_before = _records(sessions)
     with cf.ThreadPoolExecutor(8) as pool:
         # "c" was never requested: its first request runs the loader on some replica.
         futures = [pool.submit(complete, url, key, name, max_tokens=48)
@@ -153,9 +159,10 @@ def test_a_replica_killed_under_load_fails_or_finishes_its_requests_cleanly(flee
         assert r.status_code == 503, (r.status_code, r.text)
         assert r.json()["error"]["code"] == "replica_unavailable"
         assert r.headers["retry-after"] == "1"
-    # Only what clients received is billed.
+    # Only what clients received is billed: no record for a request its replica took along.
     received = {rid: (p, c) for rid, p, c in map(received_usage, ok)}
     assert _ledger(sessions, received) == received
+    assert _records(sessions) - records_before == len(ok)
     # The survivor serves at once, the adapter included.
     after = complete(url, key, "a")
     assert after.status_code == 200, after.text
