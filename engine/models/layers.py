@@ -372,9 +372,11 @@ class Attention(nn.Module):
         self.window = spec.windows[layer]
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
-        # int8 caches only: [num_blocks, block_size, kv_heads] float16 (engine/kv_cache.py)
+        # int8 caches only: [num_blocks, block_size, kv_heads] float16, and the rotation
+        # [head_dim, head_dim] float32 applied to q, k, v (engine/kv_cache.py)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self.kv_rotation: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         s = self.spec
@@ -387,6 +389,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions, ctx.memo), self.rotary(k, positions, ctx.memo)
         a = ctx.attn
+        rot = self.kv_rotation
+        if rot is not None:  # an orthogonal R: (qR)(kR)^T = q k^T, and p (vR) R^T = p v
+            q, k, v = (q.float() @ rot).to(q.dtype), k.float() @ rot, v.float() @ rot
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping, **scales)
         out = torch.empty_like(q)
@@ -403,6 +408,8 @@ class Attention(nn.Module):
             s.attn_softcap,
             **scales,
         )
+        if rot is not None:
+            out = (out.float() @ rot.T).to(x.dtype)
         return self.o_proj(out.flatten(-2), ctx.lora)
 
 
