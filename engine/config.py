@@ -61,6 +61,9 @@ class EngineConfig:
     # KV cache element type: "auto" (the compute dtype) or "int8" (per-token-per-head float16
     # scales; about twice the tokens in the same kv_cache_bytes).
     kv_cache_dtype: str = "auto"
+    # Admit a request only when its expected KV growth fits (output lengths learned from
+    # finished requests, engine/admission.py) instead of by its prompt alone.
+    kv_admission: bool = False
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
