@@ -8,6 +8,8 @@ The scheduler asks the policy and never decides order itself. Two policies:
   by its weight: prompt tokens are charged when a request is admitted, output tokens as they
   are produced. Admission always goes to the tenant with the smallest counter, so between two
   backlogged tenants the counters (and so the weighted service) differ by a bounded amount.
+  On a KV shortage the tenant with the largest counter yields its request that is cheapest
+  to recompute (fewest computed tokens).
 
 A tenant returning from idle starts at the smallest counter of the active tenants: it cannot
 bank credit while away, nor is it punished for past use. Admission stays work-conserving: a
@@ -24,6 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
+from loraplex.engine.admission import cheapest_victim
 from loraplex.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -151,8 +154,10 @@ class VTCPolicy:
         self.counters[_tenant(seq)] += num_tokens / self._weight(seq)
 
     def preemption_victim(self, running: list[Sequence]) -> Sequence:
-        # The tenant that received the most service gives memory back, its newest first.
-        return max(running, key=lambda s: (self.counters[_tenant(s)], s.arrival, s.seq_no))
+        # The tenant that received the most service gives memory back (a light tenant never
+        # pays for a heavy one), with the request of its whose recompute costs least.
+        most = max(self.counters[_tenant(s)] for s in running)
+        return cheapest_victim([s for s in running if self.counters[_tenant(s)] == most])
 
     def on_finished(self, seq: Sequence) -> None:
         t = _tenant(seq)

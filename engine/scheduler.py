@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplex.engine.admission import KVAdmission
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.policy import SchedulingPolicy, make_policy
@@ -55,6 +56,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # config.kv_admission: admit by expected KV growth, not by prompt alone
+        self.admission = (
+            KVAdmission(block_manager, config.max_model_len) if config.kv_admission else None
+        )
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -122,6 +127,8 @@ class Scheduler:
                 self.policy.on_blocked(seq)
                 continue  # its adapter needs a slot; others may still fit
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            if self.admission and not self.admission.fits(seq, self.running, num_cached):
+                break  # its expected KV growth does not fit (engine/admission.py)
             n = seq.num_tokens - num_cached
             if n > budget and not cfg.enable_chunked_prefill:
                 break
@@ -191,3 +198,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.policy.on_finished(seq)
+        if self.admission:
+            self.admission.on_finished(seq, reason)
