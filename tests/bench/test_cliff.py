@@ -23,12 +23,12 @@ def test_cliff_smoke(tiny_models, tmp_path, capsys):
     args = p.parse_args([
         "--model", str(tiny_models["llama"]), "--requests", "4", "--scale", "0.02",
         "--rate", "100", "--concurrency", "1", "4", "--adapters", "2", "--no-plot",
-        "--systems", "loraplex", "loraplex-int8", "--out", str(tmp_path / "cliff.json"),
+        "--systems", "loraplex", "loraplex-adm-int8", "--out", str(tmp_path / "cliff.json"),
         "--cache", str(tmp_path / "cache"),
     ])  # fmt: skip
     doc = cliff.run_cliff(args)
     printed = capsys.readouterr().out
-    assert "lengths x0.02" in printed and "| 4 | loraplex-int8 |" in printed
+    assert "lengths x0.02" in printed and "| 4 | loraplex-adm-int8 |" in printed
     want = sum(r["max_tokens"] for r in cliff_trace.make_trace(
         4, 0.02, rate=100, num_adapters=2, vocab=512))  # fmt: skip
     rows = {(r["system"], r["concurrency"]): r for r in doc["rows"]}
@@ -37,5 +37,5 @@ def test_cliff_smoke(tiny_models, tmp_path, capsys):
         assert r["finished"] == 4 and r["generated"] == want and r["goodput_tok_s"] > 0
         assert r["kv_bytes"] <= doc["plan"]["bytes"] and r["recompute_ratio"] >= 0
         assert r["tpot_p50_ms"] <= r["tpot_p99_ms"]
-    auto, int8 = rows["loraplex", 4], rows["loraplex-int8", 4]
+    auto, int8 = rows["loraplex", 4], rows["loraplex-adm-int8", 4]
     assert int8["kv_blocks"] >= 1.5 * auto["kv_blocks"]
