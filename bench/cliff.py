@@ -233,6 +233,9 @@ def plot(doc: dict, path: Path) -> Path:
     for ax, label in ((a, "goodput (output tok/s of finished requests)"),
                       (b, "tokens recomputed / tokens generated")):  # fmt: skip
         ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in doc["rows"]})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("requests in flight")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -110,6 +110,7 @@ def summarize(run: dict, computed_tokens: int | None, preemptions: int | None) -
         "requests": len(reqs),
         "goodput_tok_s": sum(r["tokens"] for r in done) / run["seconds"],
         "generated": generated,
+        "computed": computed_tokens,
         "recomputed": recomputed,
         "recompute_ratio": None if recomputed is None else recomputed / max(1, generated),
         "preemptions": preemptions,

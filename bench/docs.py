@@ -261,9 +261,13 @@ def cliff_section(doc: dict, path: Path, out: Path) -> str:
         f"outputs of 1k-8k tokens (Pareto, long-tailed), every length x{doc['scale']:g} to fit "
         f"minutes on 2 cores; KV pool {plan['blocks']} blocks ({plan['bytes'] / 2**20:.2f} MiB, "
         f"a quarter of the peak demand of {plan['peak_demand_tokens']:.0f} tokens), the same "
-        "bytes for every system (loraplex-int8 holds ~2x the tokens in them). Goodput: output "
-        "tokens of the requests that finished over the wall time; recomputed: tokens run "
-        "through the model beyond each prompt and output token once.\n\n"
+        "bytes for every system (the -int8 systems hold ~2x the tokens in them); one compute "
+        "thread each. loraplex admits by prompt as vLLM does; -adm admits by expected KV "
+        "growth (`kv_admission`). Goodput: output tokens of the requests that finished over "
+        "the wall time; recomputed: tokens run through the model (each engine's own per-step "
+        "counts) beyond each prompt and output token once. vLLM's step counts show almost no "
+        "recomputation despite its preemptions (not looked into; the likely reason is that its "
+        "resumed requests find their blocks still in its prefix cache).\n\n"
     )
     notes = "".join(f"- {n}\n" for n in doc.get("notes", []))
     return text + table(doc) + "\n" + (f"\n{notes}" if notes else "") + _image(path, out)
