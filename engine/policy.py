@@ -68,7 +68,12 @@ class SchedulingPolicy(Protocol):
 
 
 class FCFSPolicy:
-    """First come, first served; the latest arrival is preempted first."""
+    """First come, first served; the latest arrival is preempted first, or with
+    `least_recompute` the request cheapest to recompute (fewest computed tokens) other than
+    the oldest, which always keeps its blocks so the queue drains."""
+
+    def __init__(self, least_recompute: bool = False):
+        self.least_recompute = least_recompute
 
     def on_arrival(self, seq: Sequence) -> None:
         pass
@@ -89,6 +94,9 @@ class FCFSPolicy:
         pass
 
     def preemption_victim(self, running: list[Sequence]) -> Sequence:
+        if self.least_recompute and len(running) > 1:
+            oldest = min(running, key=lambda s: (s.arrival, s.seq_no))
+            return cheapest_victim([s for s in running if s is not oldest])
         return max(running, key=lambda s: (s.arrival, s.seq_no))
 
     def on_finished(self, seq: Sequence) -> None:
@@ -169,7 +177,8 @@ class VTCPolicy:
 
 def make_policy(name: str, config: EngineConfig | None = None) -> SchedulingPolicy:
     if name == "fcfs":
-        return FCFSPolicy()
+        # With KV-aware admission, preemption is rare and picks the cheapest recompute.
+        return FCFSPolicy(least_recompute=config is not None and config.kv_admission)
     if name == "vtc":
         # One step's token budget: about the service a single admission decision can shift.
         slack = config.max_num_batched_tokens if config is not None else 2048

@@ -8,7 +8,7 @@ import torch
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine.admission import KVAdmission, OutputLengthEstimator
 from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.policy import VTCPolicy
+from loraplex.engine.policy import FCFSPolicy, VTCPolicy
 from loraplex.engine.sequence import LoRARequest, Sequence
 
 
@@ -56,6 +56,16 @@ def test_vtc_victim_is_the_heaviest_tenants_cheapest_request():
         policy.on_admitted(s)  # charges each prompt: heavy's counter is the larger
     assert policy.preemption_victim([heavy_old, heavy_new, light]) is heavy_old
     assert policy.preemption_victim([light]) is light
+
+
+def test_fcfs_least_recompute_victim_spares_the_oldest():
+    oldest = _seq("t", 0, 8, computed=1, arrival=0.0)  # cheapest, but must keep going
+    resumed = _seq("t", 0, 8, computed=16, arrival=1.0)  # re-admitted after a preemption
+    newest = _seq("t", 0, 8, computed=200, arrival=2.0)
+    running = [oldest, resumed, newest]
+    assert FCFSPolicy().preemption_victim(running) is newest  # latest arrival, by default
+    assert FCFSPolicy(least_recompute=True).preemption_victim(running) is resumed
+    assert FCFSPolicy(least_recompute=True).preemption_victim([oldest]) is oldest
 
 
 def _long_outputs(llm: LLM, n: int, prompt_len: int, max_tokens: int, seed: int):
