@@ -176,6 +176,17 @@ class BlockManager:
             copies.append((parent.block_table[full], b))
         return copies
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens (slots that held rejected
+        speculative tokens); the next allocation grows the table again."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for b in reversed(seq.block_table[keep:]):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[b] = None
+        del seq.block_table[keep:]
+
     def check_all_free(self) -> None:
         """Assert that no block is held (used by tests and at shutdown)."""
         held = [b.block_id for b in self.blocks if b.ref_count]

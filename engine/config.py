@@ -64,6 +64,9 @@ class EngineConfig:
     # Admit a request only when its expected KV growth fits (output lengths learned from
     # finished requests, engine/admission.py) instead of by its prompt alone.
     kv_admission: bool = False
+    # Speculative decoding by prompt lookup (n-gram): tokens proposed per request per step and
+    # scored in the same forward pass (0: off). Pays where outputs repeat their context.
+    num_speculative_tokens: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_loras < 1:
             raise ValueError("max_loras (adapter slots) must be >= 1")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 0 (off) and 16")
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError("max_lora_rank must be between 1 and 512")
         if self.max_cpu_loras is None:

@@ -31,6 +31,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
+from loraplex.engine.speculative import NgramProposer, accept_prefix
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
@@ -112,6 +113,10 @@ class LLMEngine:
         self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
         self._pending: list[RequestOutput] = []  # outputs made outside a step
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all steps
+        self.proposer = None
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(config.num_speculative_tokens)
+        self.spec_counts = [0, 0]  # speculative tokens proposed, accepted
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -227,6 +232,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._poll_adapters()
         outputs, self._pending = self._pending, []
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if not out.seqs:
             if not self.scheduler.running:  # only loads to wait for: do not spin
@@ -243,22 +250,55 @@ class LLMEngine:
         stepped = self.scheduler.postprocess(out, sampled)
         return outputs + self._process(stepped, sampled)
 
-    def _run(self, out, slots: dict[int, int]) -> dict[int, int]:
-        """Run the model and sample; returns seq_no -> token for each sequence that sampled."""
+    def _run(self, out, slots: dict[int, int]) -> dict[int, list[int]]:
+        """Run the model and sample; returns seq_no -> new tokens of each sequence that sampled
+        (one, or with proposals the accepted ones and the token drawn after them)."""
         result = self.runner.run(out, slots)
-        sampled: dict[int, int] = {}
-        if result is not None:
-            seqs, so = result
-            for i, seq in enumerate(seqs):
-                sampled[seq.seq_no] = so.token_ids[i]
-                for proc in seq.processors:
-                    proc.accept(so.token_ids[i])
-                if seq.params.logprobs is not None or seq.params.best_of:
+        sampled: dict[int, list[int]] = {}
+        if result is None:
+            return sampled
+        seqs, so = result
+        r = 0
+        while r < len(seqs):
+            seq = seqs[r]
+            k = len(seq.spec_tokens)
+            rows = range(r, r + k + 1)
+            tokens = [so.token_ids[i] for i in rows]
+            if k:
+                tokens = accept_prefix(seq.spec_tokens, tokens)
+                seq.spec_proposed += k
+                seq.spec_accepted += len(tokens) - 1
+                self.spec_counts[0] += k
+                self.spec_counts[1] += len(tokens) - 1
+            sampled[seq.seq_no] = tokens
+            for proc in seq.processors:
+                proc.accept(tokens[0])  # processors' requests are never speculated
+            if seq.params.logprobs is not None or seq.params.best_of:
+                for i in rows[: len(tokens)]:  # row j drew the j-th new token
                     seq.logprobs.append(so.logprobs[i])
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
+            r += k + 1
         return sampled
 
-    def _process(self, stepped: list[Sequence], sampled: dict[int, int]) -> list[RequestOutput]:
+    def _propose(self) -> None:
+        """Speculative proposals for the running decodes that may take them."""
+        cfg, proposer = self.config, self.proposer
+        for seq in self.scheduler.running:
+            p = seq.params
+            if seq.processors or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            if seq.spec_proposed >= 32 and seq.spec_accepted < 0.1 * seq.spec_proposed:
+                continue  # proposals rarely land for this request: stop paying for them
+            # Room for all k proposals and the bonus token within max_tokens and the context.
+            k = cfg.num_speculative_tokens
+            k = min(k, cfg.max_model_len - seq.num_tokens - 1)
+            if p.max_tokens is not None:
+                k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
+            seq.spec_tokens = proposer.propose(seq.all_token_ids, k) if k > 0 else []
+
+    def _process(
+        self, stepped: list[Sequence], sampled: dict[int, list[int]]
+    ) -> list[RequestOutput]:
         """Fork n > 1 samples whose prompt is done, apply stop conditions, build outputs."""
         for seq in list(stepped):
             if seq.fork_children and len(seq.output_token_ids) == 1:
@@ -278,12 +318,12 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _fork(self, seq: Sequence, sampled: dict[int, int]) -> list[Sequence]:
+    def _fork(self, seq: Sequence, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Start `seq`'s sibling samples on its computed prompt, each with the first token it
         drew from the same logits this step."""
         children, seq.fork_children = seq.fork_children, []
         for child in children:
-            child.output_token_ids.append(sampled[child.seq_no])
+            child.output_token_ids += sampled[child.seq_no]
             self.runner.copy_blocks(self.scheduler.fork(seq, child))
         return children
 

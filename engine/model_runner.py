@@ -98,8 +98,8 @@ class ModelRunner:
         sample_rows, sample_seqs = [], []
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            toks = seq.token_slice(start, start + n)
+            start, k = seq.num_computed_tokens, len(seq.spec_tokens)
+            toks = seq.token_slice(start, start + n - k) + seq.spec_tokens
             ids.extend(toks)
             pos.extend(range(start, start + n))
             table = seq.block_table
@@ -114,8 +114,9 @@ class ModelRunner:
             else:
                 segments.append((row0, row0 + n, slot))
             if out.samples(i):
-                sample_rows.append(row0 + n - 1)
-                sample_seqs.append(seq)
+                # k + 1 rows with proposals: the last real token's and each proposal's.
+                sample_rows += range(row0 + n - 1 - k, row0 + n)
+                sample_seqs += [seq] * (k + 1)
                 if seq.fork_children and not seq.output_token_ids:
                     # n > 1: the other samples draw their first token from the same logits.
                     sample_rows += [row0 + n - 1] * len(seq.fork_children)
@@ -152,7 +153,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, slots: dict[int, int]):
-        """Run one step; returns (sampling sequences, SamplerOutput) or None if none sample."""
+        """Run one step; returns (sampling sequences, SamplerOutput) or None if none sample.
+
+        A sequence with k speculative proposals appears k + 1 times in a row."""
         batch = self.prepare(out, slots)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
         if not batch.sample_seqs:
@@ -162,11 +165,16 @@ class ModelRunner:
         for s in seqs:
             if s.generator is None and s.seed is not None:
                 s.generator = make_generator(s.seed, logits.device)
+        # The j-th row of a speculating sequence follows its first j proposals.
+        outputs, j = [], 0
+        for r, s in enumerate(seqs):
+            j = j + 1 if r and seqs[r - 1] is s else 0
+            outputs.append(s.output_token_ids + s.spec_tokens[:j] if j else s.output_token_ids)
         result = self.sampler(
             logits,
             [s.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
+            outputs,
             [s.generator for s in seqs],
             [s.processors for s in seqs],
         )

@@ -33,6 +33,7 @@ class SampleState:
     text: str = ""
     sent_text: int = 0  # chars of `text` already delivered
     sent_tokens: int = 0
+    checked: int = 0  # output tokens already taken in by check_stop
     logprobs: list[dict[int, float]] = field(default_factory=list)  # built once per token
 
     def completion(self, visible_only: bool) -> tuple[CompletionOutput, str, list[int]]:
@@ -133,11 +134,23 @@ class OutputProcessor:
         return RequestState(prompt=prompt, samples=samples, n=p.n)
 
     def check_stop(self, sample: SampleState) -> Stop | None:
-        """Take in the sample's newest token; whether the sample ends with it."""
+        """Take in the sample's new tokens (more than one with speculation); whether the
+        sample ends. Tokens after the one that ends it are dropped."""
+        seq = sample.seq
+        while sample.checked < len(seq.output_token_ids):
+            sample.checked += 1
+            stop = self._check_token(sample)
+            if stop is not None:
+                n = sample.checked
+                del seq.output_token_ids[n:], seq.logprobs[n:], seq.top_logprobs[n:]
+                return stop
+        return None
+
+    def _check_token(self, sample: SampleState) -> Stop | None:
         seq, p = sample.seq, sample.seq.params
-        token = seq.output_token_ids[-1]
+        n_out = sample.checked
+        token = seq.output_token_ids[n_out - 1]
         sample.text += sample.detok.push(token)
-        n_out = len(seq.output_token_ids)
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 return Stop("stop", token)
@@ -156,7 +169,7 @@ class OutputProcessor:
                 return Stop("stop")
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return Stop("length")
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_token_ids) + n_out >= self.max_model_len:
             return Stop("length")
         return None
 

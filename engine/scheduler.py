@@ -36,8 +36,8 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
     def samples(self, i: int) -> bool:
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        seq = self.seqs[i]  # speculated tokens are computed past num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] >= seq.num_tokens
 
 
 class Scheduler:
@@ -73,6 +73,7 @@ class Scheduler:
         return {s.adapter_id for s in self.running if s.adapter_id}
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_tokens = []
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -91,7 +92,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_tokens:  # a decode with proposals: score them in the same pass
+                seq.spec_tokens = seq.spec_tokens[: max(0, budget - remaining)]
+            n = min(remaining + len(seq.spec_tokens), budget)
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.policy.preemption_victim(self.running)
                 self._preempt(victim)
@@ -126,6 +130,7 @@ class Scheduler:
             ):
                 self.policy.on_blocked(seq)
                 continue  # its adapter needs a slot; others may still fit
+            seq.spec_tokens = []
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             if self.admission and not self.admission.fits(seq, self.running, num_cached):
                 break  # its expected KV growth does not fit (engine/admission.py)
@@ -149,22 +154,28 @@ class Scheduler:
             budget -= n
         return out
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance progress; append each sampled token. Returns the sequences that sampled.
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
+        """Advance progress; append each sequence's new tokens. Returns those that sampled.
 
-        `sampled` maps `seq.seq_no` to its new token id.
+        `sampled` maps `seq.seq_no` to its new token ids: one, or with speculation the
+        accepted proposals and the token drawn after them. KV slots of rejected proposals
+        do not count as computed, and blocks holding only them are freed.
         """
         stepped = []
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            token = sampled.get(seq.seq_no)
-            if token is not None:
-                seq.output_token_ids.append(token)
-                self.policy.on_tokens(seq, 1)
+            tokens = sampled.get(seq.seq_no)
+            rejected = len(seq.spec_tokens) - (len(tokens) - 1) if tokens else 0
+            seq.spec_tokens = []
+            seq.num_computed_tokens += n - rejected
+            if rejected:
+                self.block_manager.trim(seq)
+            if tokens is not None:  # first: accepted proposals count as computed tokens
+                seq.output_token_ids += tokens
+                self.policy.on_tokens(seq, len(tokens))
                 stepped.append(seq)
+            self.block_manager.cache_full_blocks(seq)
         return stepped
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:

@@ -67,6 +67,10 @@ class Sequence:
     fork_children: list[Sequence] = field(default_factory=list)
     index: int = 0  # which completion of its request this is
     seed: int | None = None  # this sample's seed (params.seed for index 0, derived for others)
+    # speculative decoding: tokens proposed for this step (scored with the real next token)
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_proposed: int = 0  # proposals scored over the request's life
+    spec_accepted: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -83,7 +83,7 @@ class FairSim:
             if seq.seq_no not in self._seen:
                 self._seen.add(seq.seq_no)
                 self.service[seq.tenant] += seq.num_prompt_tokens
-        sampled = {s.seq_no: 7 for i, s in enumerate(out.seqs) if out.samples(i)}
+        sampled = {s.seq_no: [7] for i, s in enumerate(out.seqs) if out.samples(i)}
         for seq in self.sched.postprocess(out, sampled):
             self.service[seq.tenant] += 1
             self.first_token.setdefault(seq.seq_no, self.step_no)
@@ -230,7 +230,7 @@ def test_preemption_takes_from_the_tenant_with_most_service(model_dir):
             break
         out = sim.sched.schedule()
         preempted += [s.tenant for s in out.preempted]
-        sampled = {s.seq_no: 7 for i, s in enumerate(out.seqs) if out.samples(i)}
+        sampled = {s.seq_no: [7] for i, s in enumerate(out.seqs) if out.samples(i)}
         for seq in sim.sched.postprocess(out, sampled):
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sim.sched.finish(seq, "length")

@@ -101,7 +101,7 @@ class _Sim:
                     assert self.kv.get(self._slot(seq, p)) == self._content(seq, p), (
                         f"{seq.request_id}: wrong KV at position {p}"
                     )
-                sampled[seq.seq_no] = self.next_token(seq)
+                sampled[seq.seq_no] = [self.next_token(seq)]
         if abort_during_step is not None:
             self.sched.finish(abort_during_step, "abort")
         for seq in self.sched.postprocess(out, sampled):

@@ -1,0 +1,56 @@
+"""Speculative decoding: propose k tokens per request, score them in one forward pass, keep
+the prefix the model agrees with.
+
+    step t:  tokens ... x   proposals d0 d1 .. d(k-1)
+             rows computed:  x   d0   d1  ...  d(k-1)        (k + 1 rows, one pass)
+             row j draws t_j from the model's distribution after d0..d(j-1)
+             accept d_j while t_j == d_j; then t_a is the bonus token
+             new tokens: d0 .. d(a-1), t_a       (1 to k + 1 per step)
+
+For a deterministic proposal (n-gram lookup: q is one-hot on d_j) "draw t_j from p and accept
+when it equals d_j" accepts d_j with probability p(d_j), and on a mismatch t_j is a draw from
+p restricted to tokens other than d_j — exactly the rejection-sampling rule (Leviathan et al.)
+with q one-hot, so sampled outputs keep the model's distribution; greedy outputs are the
+non-speculative ones token for token. Each row is drawn with the request's own generator.
+
+Requests with logits processors (grammars) are not speculated: a processor would have to judge
+proposals it has not accepted yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def accept_prefix(proposed: list[int], drawn: list[int]) -> list[int]:
+    """The new tokens: the proposals matching the draws, then the first draw that differs
+    (or the bonus draw after all k). `drawn` has len(proposed) + 1 entries."""
+    assert len(drawn) == len(proposed) + 1
+    a = 0
+    while a < len(proposed) and drawn[a] == proposed[a]:
+        a += 1
+    return proposed[:a] + [drawn[a]]
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (n from `max_n` down to `min_n`) are proposed as its next tokens."""
+
+    def __init__(self, k: int, min_n: int = 2, max_n: int = 4):
+        assert k >= 1 and 1 <= min_n <= max_n
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, tokens: list[int], k: int | None = None) -> list[int]:
+        k = self.k if k is None else k
+        if k <= 0 or len(tokens) <= self.min_n:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            tail = arr[-n:]
+            # Windows of n tokens that end before the last token (so something follows).
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
