@@ -52,6 +52,7 @@ class OutputDelta:
     completions: list[CompletionDelta]
     start: RequestStart | None = None
     error: str | None = None
+    num_generated_tokens: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> OutputDelta:
@@ -163,6 +164,7 @@ class OutputEncoder:
             completions=completions,
             start=start,
             error=out.error,
+            num_generated_tokens=out.num_generated_tokens,
         )
 
     def forget(self, request_id: str) -> None:
@@ -225,6 +227,7 @@ class OutputDecoder:
             delta_text=d.delta_text,
             delta_token_ids=list(d.completions[0].token_ids) if d.completions else [],
             error=d.error,
+            num_generated_tokens=d.num_generated_tokens,
         )
 
     def forget(self, request_id: str) -> None:

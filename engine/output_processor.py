@@ -111,6 +111,7 @@ class RequestState:
             lora_name=seq.lora.lora_name if seq.lora else None,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            num_generated_tokens=sum(len(s.seq.output_token_ids) for s in self.samples),
         )
 
 

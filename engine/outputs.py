@@ -29,3 +29,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # tokens generated for the request, every sample (best_of also draws ones not returned)
+    num_generated_tokens: int = 0

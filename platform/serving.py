@@ -177,7 +177,7 @@ class InferenceService:
                 "context_length_exceeded",
                 "max_tokens",
             )
-        estimate = len(prompt_ids) + max_new
+        estimate = len(prompt_ids) + max_new * params.num_samples  # n / best_of: each sample
         decision = await asyncio.to_thread(self._charge, caller.tenant.id, estimate)
         if not decision.allowed:
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import MAX_N, SamplingParams
 from loraplex.engine.structured_output import grammar_spec
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.structured import StructuredFields
@@ -36,7 +36,7 @@ class _Common(StructuredFields):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -71,8 +71,7 @@ class _Common(StructuredFields):
         return v
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported; send several requests", "unsupported", "n")
+        pass
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self.check_supported()
@@ -92,6 +91,8 @@ class _Common(StructuredFields):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                n=self.n,
+                best_of=getattr(self, "best_of", None),
                 logit_bias=self.logit_bias,
                 logits_processors=[grammar] if grammar else None,
             )
@@ -110,7 +111,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -135,8 +136,13 @@ class CompletionRequest(_Common):
             raise APIError(400, "echo is not supported", "unsupported", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "unsupported", "suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of > 1 is not supported", "unsupported", "best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(
+                400, f"best_of ({self.best_of}) must be >= n ({self.n})", "invalid_value", "best_of"
+            )
+        if self.best_of not in (None, 1) and self.stream:
+            # As OpenAI: which samples are best is known only at the end.
+            raise APIError(400, "best_of cannot be used with stream", "invalid_value", "best_of")
 
 
 class ContentPart(BaseModel):
@@ -226,6 +232,8 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.n > 1 and self.tool_mode:
+            raise APIError(400, "n > 1 cannot be combined with tools", "unsupported", "n")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 400, "top_logprobs requires logprobs=true", "invalid_value", "top_logprobs"

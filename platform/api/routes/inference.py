@@ -70,11 +70,13 @@ def _token_text(tok, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
-def _completion_logprobs(tok, out: RequestOutput, start: int, end: int) -> dict | None:
-    lps = out.outputs[0].logprobs
+def _completion_logprobs(
+    tok, out: RequestOutput, start: int, end: int, index: int = 0
+) -> dict | None:
+    lps = out.outputs[index].logprobs
     if lps is None:
         return None
-    ids = out.outputs[0].token_ids[start:end]
+    ids = out.outputs[index].token_ids[start:end]
     entries = lps[start:end]
     return {
         "tokens": [_token_text(tok, t) for t in ids],
@@ -84,12 +86,14 @@ def _completion_logprobs(tok, out: RequestOutput, start: int, end: int) -> dict 
     }
 
 
-def _chat_logprobs(tok, out: RequestOutput, start: int, end: int, top: int) -> dict | None:
-    lps = out.outputs[0].logprobs
+def _chat_logprobs(
+    tok, out: RequestOutput, start: int, end: int, top: int, index: int = 0
+) -> dict | None:
+    lps = out.outputs[index].logprobs
     if lps is None:
         return None
     content = []
-    for t, e in zip(out.outputs[0].token_ids[start:end], lps[start:end], strict=True):
+    for t, e in zip(out.outputs[index].token_ids[start:end], lps[start:end], strict=True):
         text = _token_text(tok, t)
         alts = sorted(e.items(), key=lambda kv: -kv[1])[:top]
         content.append(
@@ -133,7 +137,8 @@ async def _run_to_end(service: InferenceService, job: Job, request: Request) -> 
     except BaseException:
         await service.finish(job, "error")
         raise
-    job.sent_tokens = len(last.outputs[0].token_ids)
+    # Every sample's tokens: best_of also bills the samples it did not return.
+    job.sent_tokens = last.num_generated_tokens or sum(len(c.token_ids) for c in last.outputs)
     await service.finish(job, "ok")
     return last
 
@@ -203,9 +208,31 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
     last = await _run_to_end(service, job, request)
     return {
         **_envelope(job, obj, created, body.model),
-        "choices": [choice(last)],
+        "choices": [choice(last, i) for i in range(len(last.outputs))],
         "usage": _usage(job),
     }
+
+
+class _Choices:
+    """Streaming with n > 1: each choice's new text and tokens since its previous chunk (an
+    unfinished sample's text only grows: the engine holds back possible stop strings)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) sent
+        self.done: set[int] = set()
+
+    def deltas(self, out: RequestOutput):
+        """(index, new text, first new token, new tokens, finish_reason) per changed choice."""
+        for c in out.outputs:
+            chars, toks = self.sent.get(c.index, (0, 0))
+            text, new = c.text[chars:], len(c.token_ids) - toks
+            finish = c.finish_reason if c.index not in self.done else None
+            if not text and not new and finish is None and c.index in self.sent:
+                continue
+            self.sent[c.index] = (len(c.text), len(c.token_ids))
+            if finish is not None:
+                self.done.add(c.index)
+            yield c.index, text, toks, new, finish
 
 
 @router.post("/completions", responses=_STREAMABLE)
@@ -222,11 +249,19 @@ async def completions(
     )
     tok = state.engine.tokenizer
     created = int(time.time())
+    many = _Choices()
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         base = _envelope(job, "text_completion", created, body.model)
         if out is None:
             return {**base, "choices": [], "usage": usage}, 0
+        if body.n > 1:
+            choices, total = [], 0
+            for i, text, start, n, finish in many.deltas(out):
+                lps = _completion_logprobs(tok, out, start, start + n, i)
+                choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
+                total += n
+            return ({**base, "choices": choices} if choices else None), total
         n = len(out.delta_token_ids)
         start = len(out.outputs[0].token_ids) - n
         choice = {
@@ -239,13 +274,13 @@ async def completions(
             return None, 0
         return {**base, "choices": [choice]}, n
 
-    def choice(last: RequestOutput) -> dict:
-        out = last.outputs[0]
+    def choice(last: RequestOutput, i: int) -> dict:
+        out = last.outputs[i]
         return {
-            "index": 0,
+            "index": i,
             "text": out.text,
             "finish_reason": out.finish_reason,
-            "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids)),
+            "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids), i),
         }
 
     return await _respond(service, job, request, body, render, "text_completion", created, choice)
@@ -273,6 +308,7 @@ async def chat_completions(
     tok = state.engine.tokenizer
     created = int(time.time())
     sent_role = False
+    many = _Choices()
     held: list[str] = []  # with tools in play the text is parsed once it is complete
 
     def render(out: RequestOutput | None, usage: dict | None = None):
@@ -280,6 +316,16 @@ async def chat_completions(
         base = _envelope(job, "chat.completion.chunk", created, body.model)
         if out is None:
             return {**base, "choices": [], "usage": usage}, 0
+        if body.n > 1:
+            choices, total = [], 0
+            for i, text, start, n, finish in many.deltas(out):
+                delta = {"role": "assistant", "content": text} if not start else {"content": text}
+                lps = _chat_logprobs(tok, out, start, start + n, top, i)
+                choices.append(
+                    {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+                )
+                total += n
+            return ({**base, "choices": choices} if choices else None), total
         n = len(out.delta_token_ids)
         start = len(out.outputs[0].token_ids) - n
         if tools:
@@ -307,8 +353,8 @@ async def chat_completions(
         }
         return {**base, "choices": [choice]}, n
 
-    def choice(last: RequestOutput) -> dict:
-        out = last.outputs[0]
+    def choice(last: RequestOutput, i: int) -> dict:
+        out = last.outputs[i]
         message: dict = {"role": "assistant", "content": out.text}
         reason = out.finish_reason
         if tools:
@@ -317,9 +363,9 @@ async def chat_completions(
             if calls:
                 message["tool_calls"] = [c.public() for c in calls]
         return {
-            "index": 0,
+            "index": i,
             "message": message,
-            "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top),
+            "logprobs": _chat_logprobs(tok, last, 0, len(out.token_ids), top, i),
             "finish_reason": reason,
         }
 
