@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     kv_cache_dtype: Literal["auto", "int8"] = Field(
         "auto", description="KV cache element type; int8 holds about twice the tokens"
     )
+    kv_admission: bool = Field(
+        False,
+        description="admit a request only when its expected KV growth fits (output "
+        "lengths learned from finished requests) instead of by its prompt alone",
+    )
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
     engine_threads: int | None = Field(
         None,
