@@ -18,6 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_admission=args.kv_admission,
         max_lora_rank=args.max_lora_rank,
         progress=True,
         max_model_len=args.max_model_len,
@@ -57,6 +58,7 @@ def _settings(args: argparse.Namespace):
             "model": getattr(args, "model", None),
             "quantization": getattr(args, "quantization", None),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
+            "kv_admission": getattr(args, "kv_admission", None),
             "max_model_len": getattr(args, "max_model_len", None),
         }.items()
         if v is not None
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=["int8", "int4", "fp8"], help="weight-only base")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV cache element type (int8: about twice the tokens)")  # fmt: skip
+    g.add_argument("--kv-admission", action="store_true",
+                   help="admit by expected KV growth, not by prompt alone")  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
     s.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="KV cache element type (default: settings)")  # fmt: skip
+    s.add_argument("--kv-admission", action="store_true", default=None,
+                   help="admit by expected KV growth, not by prompt alone")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip
