@@ -1,4 +1,5 @@
-"""--kv-cache-dtype reaches the engine config from `serve` (via settings) and `generate`."""
+"""--kv-cache-dtype and --kv-admission reach the engine config from `serve` (via settings)
+and `generate`."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ def test_serve_flag_reaches_engine_config(tiny_models):
     assert engine_config(settings, str(tiny_models["llama"])).kv_cache_dtype == "int8"
     default = cli._settings(parser.parse_args(["serve", "--max-model-len", "256"]))
     assert engine_config(default, str(tiny_models["llama"])).kv_cache_dtype == "auto"
+    assert not engine_config(default, str(tiny_models["llama"])).kv_admission
+    adm = cli._settings(parser.parse_args(["serve", "--kv-admission", "--max-model-len", "256"]))
+    assert engine_config(adm, str(tiny_models["llama"])).kv_admission
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-cache-dtype", "fp8"])
 
 
 def test_generate_with_int8_kv_cache(tiny_models, capsys):
     argv = ["generate", "hello", "--model", str(tiny_models["llama"]), "--dtype", "float32",
-            "--max-tokens", "4", "--max-model-len", "64", "--kv-cache-dtype", "int8"]  # fmt: skip
+            "--max-tokens", "4", "--max-model-len", "64", "--kv-cache-dtype", "int8",
+            "--kv-admission"]  # fmt: skip
     assert cli.main(argv) == 0
     assert "4 tokens" in capsys.readouterr().err
