@@ -132,8 +132,14 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "unsupported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400,
+                "echo with logprobs is not supported (it needs the prompt's logprobs); "
+                "send echo or logprobs",
+                "unsupported",
+                "echo",
+            )
         if self.suffix:
             raise APIError(400, "suffix is not supported", "unsupported", "suffix")
         if self.best_of is not None and self.best_of < self.n:

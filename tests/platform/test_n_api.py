@@ -103,3 +103,18 @@ def test_n_with_tools_is_refused(client):
         client.chat.completions.create(
             model=client.base_model, messages=[{"role": "user", "content": "hi"}], n=2, tools=[tool]
         )
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_echo_puts_the_prompt_before_each_choice(client, n):
+    plain = complete(client, n=n, temperature=1.0)
+    echoed = complete(client, n=n, temperature=1.0, echo=True)
+    assert [c.text for c in echoed.choices] == ["one two three" + c.text for c in plain.choices]
+    streamed: dict[int, str] = {}
+    for chunk in complete(client, n=n, temperature=1.0, echo=True, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in echoed.choices}
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # echo is free
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        complete(client, echo=True, logprobs=1)

@@ -242,14 +242,26 @@ async def completions(
     service = InferenceService(state)
     body.check_supported()
     lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
-    prompt_ids = service.encode_prompt(body.single_prompt())
+    prompt = body.single_prompt()
+    prompt_ids = service.encode_prompt(prompt)
+    # echo: the prompt goes before each choice's text (its first chunk when streamed)
+    echo = "" if not body.echo else prompt if isinstance(prompt, str) else None
     params = body.sampling_params(body.max_tokens, body.logprobs)
     job = await service.start(
         caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
     )
     tok = state.engine.tokenizer
+    if echo is None:
+        echo = tok.decode(prompt_ids, skip_special_tokens=True)
     created = int(time.time())
     many = _Choices()
+    echoed: set[int] = set()
+
+    def echoing(i: int, text: str) -> str:
+        if echo and i not in echoed:
+            echoed.add(i)
+            return echo + text
+        return text
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         base = _envelope(job, "text_completion", created, body.model)
@@ -259,26 +271,27 @@ async def completions(
             choices, total = [], 0
             for i, text, start, n, finish in many.deltas(out):
                 lps = _completion_logprobs(tok, out, start, start + n, i)
+                text = echoing(i, text)
                 choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
                 total += n
             return ({**base, "choices": choices} if choices else None), total
         n = len(out.delta_token_ids)
         start = len(out.outputs[0].token_ids) - n
+        if not n and not out.finished and not out.delta_text:
+            return None, 0
         choice = {
             "index": 0,
-            "text": out.delta_text,
+            "text": echoing(0, out.delta_text),
             "logprobs": _completion_logprobs(tok, out, start, start + n),
             "finish_reason": out.outputs[0].finish_reason if out.finished else None,
         }
-        if not n and not out.finished and not out.delta_text:
-            return None, 0
         return {**base, "choices": [choice]}, n
 
     def choice(last: RequestOutput, i: int) -> dict:
         out = last.outputs[i]
         return {
             "index": i,
-            "text": out.text,
+            "text": echo + out.text,
             "finish_reason": out.finish_reason,
             "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids), i),
         }
