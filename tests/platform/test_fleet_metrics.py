@@ -93,9 +93,18 @@ def test_metrics_under_mixed_adapter_load_report_residency(server, tiny_adapters
 
     async def load() -> list[int]:
         async with httpx.AsyncClient(base_url=server.url) as client:
+            # a and b into host memory first, so their long requests below start together
+            # (a load finishing late would let a's requests run far ahead of b's, free a's
+            # slot early and leave c waiting for less than one stats snapshot).
+            await asyncio.gather(one(client, "a", 1), one(client, "b", 1))
             # Long requests for a and b take both slots...
             ab = [asyncio.create_task(one(client, m, 200)) for m in ["a", "b"] * 4]
-            await until(client, lambda run, wait, f: run == {"a", "b"})
+            await until(
+                client,
+                lambda run, wait, f: (
+                    run == {"a", "b"} and f["vllm:num_requests_running"][0].value == 8
+                ),
+            )
             # ...so c's requests queue for a slot, and the report says c waits.
             c = [asyncio.create_task(one(client, "c", 16)) for _ in range(3)]
             await until(
