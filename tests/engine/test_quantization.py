@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.gptq import gptq_int4
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
@@ -46,6 +46,7 @@ from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 from tests.engine.heldout_texts import HELDOUT_TEXTS
 from tests.engine.test_parity import _check, _hf_reference, _run
+from tests.utils.quant_checkpoints import assert_fast_path_close
 
 BENCH_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -287,22 +288,9 @@ def test_lora_on_quantized_base_matches_peft_on_dequantized_weights(
 
 def test_fast_cpu_path_tracks_the_exact_one(tiny_models, tiny_adapters):
     adapters = tiny_adapters["llama"]
-    prompts = [[5, 17, 99, 230, 41, 7], [8, 300, 12]]
-    lora = [LoRARequest("attn8", 2, str(adapters["attn8"])), None]
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
     for method in ("int8", "int4", "fp8"):
         llm = LLM(str(tiny_models["llama"]), dtype="float32", quantization=method)
-        fast = llm.generate(prompts, params, lora)
-        dispatch.set_mode("reference")
-        try:
-            exact = llm.generate(prompts, params, lora)
-        finally:
-            dispatch.set_mode("auto")
-        for f, e in zip(fast, exact, strict=True):
-            top_f, top_e = f.outputs[0].logprobs[0], e.outputs[0].logprobs[0]
-            common = set(top_f) & set(top_e)
-            assert len(common) >= 15
-            assert max(abs(top_f[t] - top_e[t]) for t in common) < 0.05
+        assert_fast_path_close(llm, adapters["attn8"], method)
 
 
 # --------------------------------------------------------------------------- GPU

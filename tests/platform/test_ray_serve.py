@@ -49,7 +49,8 @@ def fleet(tiny_models, pg_database_url, tmp_path_factory):
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     except Exception as e:  # noqa: BLE001 - any reason Ray cannot start here
-        pytest.skip(f"a local Ray cluster cannot start on this machine: {e}")
+        # A failure, not a skip: CI installs ray, and a Ray that cannot start is a finding.
+        pytest.fail(f"a local Ray cluster cannot start on this machine: {e}")
     port = free_port()
     db = make_engine(pg_database_url)
     try:

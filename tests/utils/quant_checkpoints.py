@@ -220,3 +220,25 @@ def _dequant(t: dict[str, torch.Tensor], prefix: str, qc: dict) -> torch.Tensor:
     gg = kk // (k // scales.shape[0])
     zero = _nibble(qzeros[gg, nn // 8], slot[nn % 8])
     return ((q - zero) * scales[gg, nn]).t().contiguous()
+
+
+def assert_fast_path_close(llm, adapter_path, label: str = "") -> None:
+    """The CPU fast kernels (dispatch "auto") against the exact reference path on one LLM:
+    the top-20 next-token logprobs of a mixed batch (one row with an adapter) mostly agree."""
+    from loraplex.engine import LoRARequest, SamplingParams
+    from loraplex.kernels import dispatch
+
+    prompts = [[5, 17, 99, 230, 41, 7], [8, 300, 12]]
+    lora = [LoRARequest("attn8", 2, str(adapter_path)), None]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    fast = llm.generate(prompts, params, lora)
+    dispatch.set_mode("reference")
+    try:
+        exact = llm.generate(prompts, params, lora)
+    finally:
+        dispatch.set_mode("auto")
+    for f, e in zip(fast, exact, strict=True):
+        top_f, top_e = f.outputs[0].logprobs[0], e.outputs[0].logprobs[0]
+        common = set(top_f) & set(top_e)
+        assert len(common) >= 15, label
+        assert max(abs(top_f[t] - top_e[t]) for t in common) < 0.05, label
