@@ -67,6 +67,13 @@ class EngineConfig:
     # Speculative decoding by prompt lookup (n-gram): tokens proposed per request per step and
     # scored in the same forward pass (0: off). Pays where outputs repeat their context.
     num_speculative_tokens: int = 0
+    # Host-memory KV pool for preemption by swap (engine/swap.py), in GiB as vLLM's
+    # swap_space; num_host_kv_blocks sets it in blocks instead. 0: preempt by recompute only.
+    swap_space_gib: float = 0.0
+    num_host_kv_blocks: int | None = None
+    # "auto": swap or recompute, whichever the measured costs say is cheaper for the victim;
+    # "swap" / "recompute": always that (swap still falls back when the host pool is full).
+    preemption_mode: str = "auto"
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +121,13 @@ class EngineConfig:
             raise ValueError("max_loras (adapter slots) must be >= 1")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be between 0 (off) and 16")
+        if self.swap_space_gib < 0 or (self.num_host_kv_blocks or 0) < 0:
+            raise ValueError("swap_space_gib and num_host_kv_blocks must be >= 0 (0: no swap)")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be 'auto', 'swap' or 'recompute', got "
+                f"{self.preemption_mode!r}"
+            )
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError("max_lora_rank must be between 1 and 512")
         if self.max_cpu_loras is None:

@@ -32,6 +32,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
 from loraplex.engine.speculative import NgramProposer, accept_prefix
+from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
@@ -101,7 +102,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager, adapter_loaded=self.adapters.loaded)
+        self.host_kv, swap = self._make_swap_space(config)
+        self.scheduler = Scheduler(
+            config, self.block_manager, adapter_loaded=self.adapters.loaded, swap=swap
+        )
         self.vocab_size = spec.vocab_size
         self.processor_context = ProcessorContext(
             vocab_size=spec.vocab_size,
@@ -117,6 +121,17 @@ class LLMEngine:
         if config.num_speculative_tokens:
             self.proposer = NgramProposer(config.num_speculative_tokens)
         self.spec_counts = [0, 0]  # speculative tokens proposed, accepted
+
+    def _make_swap_space(self, config: EngineConfig):
+        """The host KV pool for preemption by swap and its measured copy costs (or none)."""
+        runner = self.runner
+        n = num_host_blocks(config, runner.kv_cache_bytes // runner.num_blocks)
+        if not n:
+            return None, None
+        host = HostKVCache(runner.attentions, n, runner.device)
+        costs = host.measure(runner.num_blocks)
+        log.info("host KV pool: %d blocks (%d bytes); copy costs %s", n, host.nbytes, costs)
+        return host, SwapSpace(self.block_manager, n, costs, config.preemption_mode)
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -235,6 +250,9 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         out = self.scheduler.schedule()
+        if self.host_kv is not None:  # before the model writes any block freed by a swap-out
+            self.host_kv.swap_out(out.swap_out)
+            self.host_kv.swap_in(out.swap_in)
         if not out.seqs:
             if not self.scheduler.running:  # only loads to wait for: do not spin
                 self.adapters.wait_any(0.01)
@@ -246,7 +264,11 @@ class LLMEngine:
             max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
             for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
         )
+        t0 = time.perf_counter()
         sampled = self._run(out, slots)
+        if self.host_kv is not None:  # what a recompute costs here, per token
+            seconds = time.perf_counter() - t0
+            self.scheduler.swap.costs.observe_step(out.num_batched_tokens, len(out.seqs), seconds)
         stepped = self.scheduler.postprocess(out, sampled)
         return outputs + self._process(stepped, sampled)
 

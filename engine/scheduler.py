@@ -4,7 +4,9 @@ Each step gives every running sequence up to its remaining tokens (one for a dec
 for a prefill) and then admits waiting sequences while the token budget, the sequence cap,
 the adapter-slot cap and the KV pool allow. A sequence samples when a step brings its
 computed tokens up to all of its tokens. When blocks run out, the policy's victim is preempted
-by recompute: its blocks are freed and it waits again with its generated tokens kept.
+by recompute (its blocks are freed and it waits again with its generated tokens kept) or,
+with a host pool, by swap when the measured costs favour it (engine/swap.py): its blocks are
+copied to host memory and back when it is admitted again, its progress kept.
 
 Invariant: the running sequences use at most `max_loras` distinct adapters, so every
 adapter a step needs fits in a device slot and no adapter in use is ever evicted.
@@ -23,6 +25,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.policy import SchedulingPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.swap import SwapSpace
 
 
 @dataclass
@@ -30,6 +33,9 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed per seq
     preempted: list[Sequence] = field(default_factory=list)
+    # Block copies the engine makes before the model runs, swap-outs first (engine/swap.py).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -47,6 +53,7 @@ class Scheduler:
         block_manager: BlockManager,
         policy: SchedulingPolicy | None = None,
         adapter_loaded: Callable[[int], bool] | None = None,
+        swap: SwapSpace | None = None,
     ):
         self.config = config
         self.block_manager = block_manager
@@ -56,6 +63,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.swap = swap  # the host KV pool, if any: preemption by swap
         # config.kv_admission: admit by expected KV growth, not by prompt alone
         self.admission = (
             KVAdmission(block_manager, config.max_model_len) if config.kv_admission else None
@@ -72,10 +80,11 @@ class Scheduler:
     def running_adapters(self) -> set[int]:
         return {s.adapter_id for s in self.running if s.adapter_id}
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.spec_tokens = []
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        if self.swap is None or not self.swap.swap_out(seq, out.swap_out):
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.append(seq)
@@ -85,6 +94,8 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
+        if self.swap is not None:
+            self.swap.begin_step()
 
         # Running sequences first, oldest first; preempt from the policy's end on shortage.
         for seq in list(self.running):
@@ -98,7 +109,7 @@ class Scheduler:
             n = min(remaining + len(seq.spec_tokens), budget)
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.policy.preemption_victim(self.running)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim in out.seqs:  # already given tokens this step: take them back
                     i = out.seqs.index(victim)
@@ -134,14 +145,18 @@ class Scheduler:
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             if self.admission and not self.admission.fits(seq, self.running, num_cached):
                 break  # its expected KV growth does not fit (engine/admission.py)
-            n = seq.num_tokens - num_cached
+            # A swapped-out sequence kept its progress; others start at the cached prefix.
+            start = max(num_cached, seq.num_computed_tokens)
+            n = seq.num_tokens - start
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
             if not self.block_manager.allocate_slots(seq, n, blocks):
                 break
             self.block_manager.record_prefix_lookup(num_cached)
-            seq.num_computed_tokens = num_cached
+            if self.swap is not None and self.swap.is_swapped(seq):
+                self.swap.swap_in(seq, len(blocks), out.swap_in)
+            seq.num_computed_tokens = start
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
@@ -206,6 +221,8 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.swap is not None:
+            self.swap.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.policy.on_finished(seq)

@@ -25,6 +25,8 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of KV blocks held
     kv_blocks: int = 0
     preemptions: int = 0
+    swapped_out: int = 0  # preemptions by swap to the host KV pool (engine/swap.py)
+    swapped_in: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     adapter_hits: int = 0
@@ -76,6 +78,8 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
         kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
         block_size=engine.config.block_size,
         preemptions=sched.num_preemptions,
+        swapped_out=sched.swap.num_swapped_out if sched.swap else 0,
+        swapped_in=sched.swap.num_swapped_in if sched.swap else 0,
         prefix_queries=bm.prefix_queries,
         prefix_hits=bm.prefix_hits,
         adapter_hits=c.hits,
