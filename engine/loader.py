@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from loraplex.engine.models.decoder import DecoderLM
-from loraplex.engine.models.layers import prepack_cpu_linears, prepack_cpu_lm_head
+from loraplex.engine.models.packing import prepack_cpu_linears, prepack_cpu_lm_head
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
 from loraplex.engine.quant_formats import (
     checkpoint_quantization,

@@ -19,7 +19,7 @@ from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoR
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
-from loraplex.kernels import reference
+from loraplex.kernels import cpu as cpu_kernels
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,7 +44,7 @@ def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
     impl = config.cpu_attention
     if impl == "auto":
         s = model.spec
-        times = reference.pick_attention_impl(
+        times = cpu_kernels.pick_attention_impl(
             s.num_heads,
             s.num_kv_heads,
             s.head_dim,
@@ -58,7 +58,7 @@ def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
             impl,
             ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()),
         )
-    reference.set_attention_impl(impl)
+    cpu_kernels.set_attention_impl(impl)
 
 
 class ModelRunner:

@@ -16,6 +16,7 @@ blocks that were never written are never read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -169,6 +170,7 @@ def _combine_splits_kernel(
 
 
 def _tiles(seqs: list[int], query_start_loc: Sequence[int], block_q: int) -> list[list[int]]:
+    """[sequence, first row] of each tile of block_q rows."""
     qsl = query_start_loc
     return [[i, r] for i in seqs for r in range(qsl[i], qsl[i + 1], block_q)]
 
@@ -186,6 +188,7 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    memo: dict | None = None,
     **launch,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
@@ -197,11 +200,12 @@ def paged_attention(
     K/V must already be in the cache (write_kv_cache); with scales (int8 caches) keys and
     values are cache * scale. `out` is written in place.
 
-    Shape: as paged_attention_plan, whose launch parameters `launch` passes on.
+    Shape: as paged_attention_plan, whose launch parameters `launch` passes on, with `memo`
+    (the step's: the tile lists are built and copied to the device once per step).
     """
     paged_attention_plan(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, softcap, k_scale, v_scale, **launch,
+        sliding_window, softcap, k_scale, v_scale, memo=memo, **launch,
     )()  # fmt: skip
 
 
@@ -224,6 +228,7 @@ def paged_attention_plan(
     split_kv: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    memo: dict | None = None,
 ) -> Callable[[], None]:
     """paged_attention's launches with their tile lists already on the device: the returned
     function only launches kernels (no host work or copies), so it can be timed alone or
@@ -245,7 +250,8 @@ def paged_attention_plan(
     Launch parameters (speed only): block_n keys per step, decode_block_m rows of a decode
     tile, num_warps, num_stages; split_kv > 1 cuts each decode sequence's keys into that many
     chunks run by separate programs and merged by a second kernel (flash-decoding; changes
-    the fp32 summation order only).
+    the fp32 summation order only). `memo`: one step's dict (the same query_start_loc and
+    seq_lens for every layer): the host-built index tensors are copied to the device once.
     """
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.stride(2) == 1 and out.stride(2) == 1
@@ -259,8 +265,17 @@ def paged_attention_plan(
     gp = triton.next_power_of_2(group)
     dev = q.device
     num_seqs = len(seq_lens)
-    q_end = torch.tensor(query_start_loc[1:], dtype=torch.int32).to(dev)
-    lens = torch.tensor(list(seq_lens), dtype=torch.int32).to(dev)
+
+    def on_device(key: tuple, build: Callable[[], list]) -> torch.Tensor:
+        if memo is not None and ("paged_attention", *key) in memo:
+            return memo["paged_attention", *key]
+        t = torch.tensor(build(), dtype=torch.int32).to(dev)
+        if memo is not None:
+            memo["paged_attention", *key] = t
+        return t
+
+    q_end = on_device(("q_end",), lambda: query_start_loc[1:])
+    lens = on_device(("lens",), lambda: list(seq_lens))
     n_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
     # Decode rows want small tiles (M = 16), prefill chunks large ones: one launch each.
     decode = [i for i in range(num_seqs) if n_new[i] == 1]
@@ -274,8 +289,8 @@ def paged_attention_plan(
         if not seqs:
             continue
         block_q = max(1, block_m // gp)
-        tiles = torch.tensor(_tiles(seqs, query_start_loc, block_q), dtype=torch.int32)
-        tiles = tiles.T.contiguous().to(dev)  # [2, num_tiles]: sequence, first row
+        pairs = functools.partial(_tiles, seqs, query_start_loc, block_q)
+        tiles = on_device(("tiles", seqs is decode, block_q), pairs).T.contiguous()  # [2, n]
         splits = split_kv if seqs is decode else 1
         part = ml = rows = out  # not read without a split
         stride_ms = 0
@@ -284,7 +299,7 @@ def paged_attention_plan(
             part = torch.empty(splits, stride_ms, block_d, dtype=torch.float32, device=dev)
             ml = torch.empty(2, splits, stride_ms, dtype=torch.float32, device=dev)
             # The token row of each decode sequence (its only query).
-            rows = torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int32).to(dev)
+            rows = on_device(("rows",), lambda: [query_start_loc[i] for i in decode])
         launches.append((tiles, splits, part, ml, rows, stride_ms, block_q, len(seqs)))
 
     def run() -> None:

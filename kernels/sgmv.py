@@ -318,23 +318,6 @@ def lora_apply_meta(
     sgmv_expand(y, t, lora_b, meta, slice_ends=slice_ends)
 
 
-# The layers of one step call lora_apply with the same segments (and the same widths per
-# module kind): the tiles are built and copied to the device once per distinct value, not
-# once per call (a host-to-device copy each, twice per LoRA module and layer).
-_METAS: dict[tuple, SGMVMeta] = {}
-_MAX_METAS = 8
-
-
-def _meta(segments, widths, device: torch.device) -> SGMVMeta:
-    key = (tuple(segments), tuple(widths), str(device))
-    meta = _METAS.get(key)
-    if meta is None:
-        if len(_METAS) >= _MAX_METAS:
-            _METAS.clear()
-        meta = _METAS[key] = build_meta(segments, widths, device)
-    return meta
-
-
 def lora_apply(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -342,13 +325,23 @@ def lora_apply(
     lora_b: torch.Tensor,
     segments: Sequence[tuple[int, int, int]],
     widths: Sequence[int],
+    memo: dict | None = None,
 ) -> None:
     """Same contract as reference.lora_apply: y += per-segment LoRA delta, y changed in place.
 
     Shape: y [num_tokens, out]; x [num_tokens, in]; lora_a [num_slots, max_width, in];
     lora_b [num_slots, max_width, out]; segments (start, end, slot); widths per slot.
     The default launch parameters; no slice-skipping (the call does not carry slice ranks).
+    `memo`: the step's dict (one forward pass's, see dispatch): the layers of a step share
+    the segments, so the tiles are built and copied to the device once per step and width
+    set, not twice per LoRA module and layer.
     """
     if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
         return
-    lora_apply_meta(y, x, lora_a, lora_b, _meta(segments, widths, x.device))
+    key = ("sgmv", tuple(widths), x.device)
+    meta = memo.get(key) if memo is not None else None
+    if meta is None:
+        meta = build_meta(segments, widths, x.device)
+        if memo is not None:
+            memo[key] = meta
+    lora_apply_meta(y, x, lora_a, lora_b, meta)

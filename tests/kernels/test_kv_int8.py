@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import kv_cache, paged_attention, reference
+from loraplex.kernels import cpu, kv_cache, paged_attention, reference
 from tests.kernels.conftest import tolerance
 from tests.kernels.test_paged_attention import _batch
 
@@ -84,12 +84,12 @@ def test_int8_attention_kernel_vs_reference(device, gen, dtype, heads, page, con
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", reference.ATTENTION_IMPLS)
-def test_int8_reference_close_to_float_cache(gen, dtype, impl):
+@pytest.mark.parametrize("impl", cpu.ATTENTION_IMPLS)
+def test_int8_cpu_path_close_to_float_cache(gen, dtype, impl):
     """The CPU path's int8 attention (both forms) stays within quantization error of the same
     step over the float cache."""
-    saved = reference.get_attention_impl()
-    reference.set_attention_impl(impl)
+    saved = cpu.get_attention_impl()
+    cpu.set_attention_impl(impl)
     try:
         heads = (8, 2, 64)
         _, clean, q, tables, qsl, lens = _batch(
@@ -99,9 +99,9 @@ def test_int8_reference_close_to_float_cache(gen, dtype, impl):
         want = torch.zeros_like(q)
         reference.paged_attention(want, q, *clean, tables, qsl, lens, scale)
         got = torch.zeros_like(q)
-        reference.paged_attention(got, q, *_quantized(clean)[:2], tables, qsl, lens, scale,
+        cpu.paged_attention(got, q, *_quantized(clean)[:2], tables, qsl, lens, scale,
                                   None, None, *_quantized(clean)[2:])  # fmt: skip
     finally:
-        reference.set_attention_impl(saved)
+        cpu.set_attention_impl(saved)
     err = (got.float() - want.float()).abs().max().item()
     assert 0 < err < 0.05  # int8 rounding shows, but stays small (values ~N(0, 1))

@@ -106,140 +106,6 @@ def test_padded_tiles_do_nothing(device, gen):
     torch.testing.assert_close(y, expected)
 
 
-@pytest.mark.parametrize("ranks", [[8], [4, 8, 16]], ids=["one-width", "mixed-widths"])
-def test_reference_batched_decode_path_equals_per_segment(ranks, monkeypatch):
-    """The oracle's batched path (many short segments, grouped by width) against its plain
-    per-segment shrink/expand; rows past each slot's width and the spare slot hold NaN."""
-    monkeypatch.setattr(reference, "DENSE_MAX_COLUMNS", 0)
-    gen = torch.Generator().manual_seed(3)
-    a, b, widths, segments, x, _, y = _case(
-        "cpu", gen, torch.float32, requests=40, num_adapters=18, ranks=ranks, mix="uniform",
-        no_adapter=True, prefill=False,
-    )  # fmt: skip
-    assert sum(1 for *_, slot in segments if slot >= 0) >= 3 * len(set(ranks))  # batched
-    batched, plain = y.clone(), y.clone()
-    reference.lora_apply(batched, x, a, b, segments, widths)
-    t = reference.sgmv_shrink(x, a, segments, widths)
-    reference.sgmv_expand(plain, t, b, segments, widths)
-    assert batched.isfinite().all()
-    torch.testing.assert_close(batched, plain)
-    assert not torch.equal(batched, y)  # the deltas were added
-
-
-@pytest.mark.parametrize("ranks", [[8], [4, 8]], ids=["one-width", "mixed-widths"])
-def test_reference_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
-    """A step with the decode rows of many adapters and a few long prefill chunks: the oracle
-    batches the decode rows and runs the prefills one by one, with the plain per-segment
-    result; NaN past the widths and in the spare slot."""
-    monkeypatch.setattr(reference, "DENSE_MAX_COLUMNS", 0)
-    gen = torch.Generator().manual_seed(4)
-    num_adapters, dtype, in_features = 30, torch.float32, 64
-    a, b, widths = slot_weights(
-        [ranks[i % len(ranks)] for i in range(num_adapters)],
-        in_features, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
-    )  # fmt: skip
-    lengths = [1] * 24 + [50, 1, 37, 1, 29, 1]
-    segments, rows = make_segments(list(range(num_adapters)), lengths)
-    _, x = guarded((rows, in_features), dtype, "cpu", gen)
-    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
-    plan = reference._lora_groups(segments, widths, x.device)
-    for _width, segs, index in plan:  # the long segments alone, the decode rows batched
-        assert all((e - s > 1) == (index is None) for s, e, _ in segs)
-    assert sum(len(segs) for _, segs, _ in plan) == num_adapters
-    batched, plain = y.clone(), y.clone()
-    reference.lora_apply(batched, x, a, b, segments, widths)
-    reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, widths), b, segments,
-                          widths)  # fmt: skip
-    assert batched.isfinite().all()
-    torch.testing.assert_close(batched, plain)
-
-
-def test_reference_plan_follows_the_widths_of_the_same_segments():
-    """The oracle keeps its per-step plan keyed by segments and widths: the same segments
-    with a slot refilled at another width must get a new plan, not the old one."""
-    gen = torch.Generator().manual_seed(5)
-    a, b, widths, segments, x, _, y = _case(
-        "cpu", gen, torch.float32, requests=30, num_adapters=10, ranks=[8], mix="uniform",
-        no_adapter=False, prefill=False,
-    )  # fmt: skip
-    for ws in (widths, [w // 2 if i % 2 else w for i, w in enumerate(widths)], widths):
-        batched, plain = y.clone(), y.clone()
-        reference.lora_apply(batched, x, a, b, segments, ws)
-        reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, ws), b, segments, ws)
-        torch.testing.assert_close(batched, plain)
-
-
-def _plain(y, x, a, b, segments, widths):
-    out = y.clone()
-    reference.sgmv_expand(out, reference.sgmv_shrink(x, a, segments, widths), b, segments, widths)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ranks", [[8], [2, 8]], ids=["one-width", "mixed-widths"])
-def test_reference_few_adapters_run_dense(dtype, ranks):
-    """Few adapters (the stacked columns within DENSE_MAX_COLUMNS) run as two matmuls over
-    all of them: decode rows and prefill chunks, rows without an adapter, one slot in several
-    segments; NaN past the widths and in the spare slot, which nobody may read."""
-    gen = torch.Generator().manual_seed(6)
-    num_adapters = 3
-    a, b, widths = slot_weights(
-        [ranks[i % len(ranks)] for i in range(num_adapters)],
-        64, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
-    )  # fmt: skip
-    # Not sorted by slot: slot 0 and 1 come back after others (as in any order of rows).
-    segments = [(0, 1, 0), (1, 2, 1), (2, 3, -1), (3, 20, 2), (20, 21, 0), (21, 30, 1),
-                (30, 31, -1), (31, 33, 2)]  # fmt: skip
-    rows = 33
-    _, x = guarded((rows, 64), dtype, "cpu", gen)
-    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
-    plan = reference._lora_groups(segments, widths, x.device)
-    assert plan and all(isinstance(index, reference._Dense) for *_, index in plan)
-    dense = y.clone()
-    reference.lora_apply(dense, x, a, b, segments, widths)
-    assert dense.isfinite().all()
-    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths), **tolerance(dtype))
-    for s, e, slot in segments:
-        if slot < 0:
-            assert torch.equal(dense[s:e], y[s:e])  # untouched, bit for bit
-        else:
-            assert not torch.equal(dense[s:e], y[s:e])
-
-
-def test_reference_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
-    """Every slot of the maximum width in use, from slot 0: no gather, same result."""
-    gen = torch.Generator().manual_seed(7)
-    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
-    segments, rows = make_segments([1, 0, 1], [1, 1, 5])
-    x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, sum(QKV), generator=gen)
-    [(width, _, index)] = reference._lora_groups(segments, widths, x.device)
-    assert index.from_zero and width == a.shape[1]
-    assert reference._stacked(a, index, width).data_ptr() == a.data_ptr()  # a view
-    dense = y.clone()
-    reference.lora_apply(dense, x, a, b, segments, widths)
-    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
-
-
-def test_reference_dense_run_keeps_rows_apart_when_another_adapter_overflows():
-    """In float16, row 0's input times adapter 1's A overflows to inf. Row 0 uses adapter 0
-    and row 1 adapter 1: the dense run selects (not multiplies) each row's own columns, so
-    row 0 stays finite and equal to the per-segment result."""
-    gen = torch.Generator().manual_seed(8)
-    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
-    a[1] = 1e3  # finite, as loading checks, but large
-    x = torch.randn(2, 64, generator=gen)
-    x[0], x[1] = 100.0, x[1] * 1e-3  # x[0] @ a[1]^T = 6.4e6: beyond float16
-    a, b, x = a.half(), b.half(), x.half()
-    y = torch.zeros(2, sum(QKV), dtype=torch.float16)
-    segments = [(0, 1, 0), (1, 2, 1)]
-    assert isinstance(reference._lora_groups(segments, widths, x.device)[0][2], reference._Dense)
-    assert not torch.isfinite(x[:1] @ a[1].t()).all()
-    dense = y.clone()
-    reference.lora_apply(dense, x, a, b, segments, widths)
-    assert dense.isfinite().all()
-    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("block_n", "block_k", "split_k", "sliced"),
@@ -308,21 +174,26 @@ def test_default_split_k_equals_unsplit_shrink(device, gen, requests):
     torch.testing.assert_close(y, expected, **tolerance(dtype))
 
 
-def test_lora_apply_reuses_tiles_for_the_same_segments_and_widths(device, gen):
-    """lora_apply builds the tile metadata once per (segments, widths) value: a slot refilled
-    at another width gets new tiles, and the result stays the reference's."""
+def test_lora_apply_builds_tiles_once_per_step_memo(device, gen, monkeypatch):
+    """With the step's memo, lora_apply builds the tile metadata once per width set (the
+    layers of a step share the segments); a slot refilled at another width in the same step
+    gets its own tiles; without a memo every call builds; the result stays the reference's."""
     dtype = torch.float32
     a, b, widths, segments, x, _, y = _case(
         device, gen, dtype, requests=5, num_adapters=3, ranks=[8], mix="uniform",
         no_adapter=False, prefill=False,
     )  # fmt: skip
-    sgmv._METAS.clear()
-    first = sgmv._meta(segments, widths, x.device)
-    assert sgmv._meta(list(segments), list(widths), x.device) is first
+    builds = []
+    real = sgmv.build_meta
+    monkeypatch.setattr(sgmv, "build_meta", lambda *a, **k: builds.append(1) or real(*a, **k))
     narrower = [w // 2 if i == segments[0][2] else w for i, w in enumerate(widths)]
-    assert sgmv._meta(segments, narrower, x.device) is not first
-    for ws in (widths, narrower, widths):
+    memo: dict = {}
+    for ws in (widths, narrower, widths, narrower):
         got, expected = y.clone(), y.clone()
         reference.lora_apply(expected, x, a, b, segments, ws)
-        sgmv.lora_apply(got, x, a, b, segments, ws)
+        sgmv.lora_apply(got, x, a, b, segments, ws, memo=memo)
         torch.testing.assert_close(got, expected, **tolerance(dtype))
+    assert len(builds) == 2
+    sgmv.lora_apply(y.clone(), x, a, b, segments, widths)
+    sgmv.lora_apply(y.clone(), x, a, b, segments, widths)
+    assert len(builds) == 4

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams, loader
-from loraplex.engine.models.layers import (
+from loraplex.engine.models.layers import LoRALinear
+from loraplex.engine.models.packing import (
     PACK_FLOAT32_MIN_WEIGHTS,
     PACK_HEAD_MIN_ROWS,
-    LoRALinear,
     PackedHead,
     PackedLoRALinear,
     cpu_can_prepack_bf16,
@@ -29,19 +29,19 @@ needs_packing = pytest.mark.skipif(
 
 
 def test_a_cpu_that_cannot_pack_keeps_every_layer_plain(monkeypatch):
-    from loraplex.engine.models import layers
+    from loraplex.engine.models import packing
 
     def refuse(weight):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
 
-    monkeypatch.setattr(layers, "_pack", refuse)
-    layers.cpu_can_prepack_bf16.cache_clear()
+    monkeypatch.setattr(packing, "_pack", refuse)
+    packing.cpu_can_prepack_bf16.cache_clear()
     try:
         model = torch.nn.Sequential(LoRALinear(32, [16], False).to(torch.bfloat16))
         assert prepack_cpu_linears(model) == 0
         assert type(model[0]) is LoRALinear and model[0].weight is not None
     finally:
-        layers.cpu_can_prepack_bf16.cache_clear()
+        packing.cpu_can_prepack_bf16.cache_clear()
 
 
 @needs_packing
@@ -88,27 +88,27 @@ def test_float32_layer_packs_within_rounding_when_told(bias):
 
 
 def test_float32_packing_follows_this_cpus_timing(monkeypatch):
-    from loraplex.engine.models import layers
+    from loraplex.engine.models import packing
 
     for pays in (False, True):
-        monkeypatch.setattr(layers, "packing_pays", lambda w, packed, pays=pays: pays)
+        monkeypatch.setattr(packing, "packing_pays", lambda w, packed, pays=pays: pays)
         model = torch.nn.Sequential(_float32_layer(False), _float32_layer(False))
         assert prepack_cpu_linears(model) == (2 if pays else 0)
         assert all(isinstance(m, PackedLoRALinear) == pays for m in model)
 
 
 def test_packing_pays_times_each_shape_once(monkeypatch):
-    from loraplex.engine.models import layers
+    from loraplex.engine.models import packing
 
-    monkeypatch.setattr(layers, "_PACKING_PAYS", {})
+    monkeypatch.setattr(packing, "_PACKING_PAYS", {})
     calls = []
-    real = layers._best_time
-    monkeypatch.setattr(layers, "_best_time", lambda fn, x: calls.append(1) or real(fn, x))
+    real = packing._best_time
+    monkeypatch.setattr(packing, "_best_time", lambda fn, x: calls.append(1) or real(fn, x))
     w = _float32_layer(False).weight.detach()
-    packed = layers._pack(w)
-    first = layers.packing_pays(w, packed)
+    packed = packing._pack(w)
+    first = packing.packing_pays(w, packed)
     n = len(calls)
-    assert n > 0 and layers.packing_pays(w, packed) == first and len(calls) == n
+    assert n > 0 and packing.packing_pays(w, packed) == first and len(calls) == n
 
 
 def test_small_or_refused_float32_layers_stay_plain():
@@ -171,15 +171,15 @@ def test_packed_engine_generates_exactly_what_the_plain_one_does(
 def test_float32_engine_with_packed_layers_generates_what_the_plain_one_does(
     tiny_models, tiny_adapters, monkeypatch
 ):
-    from loraplex.engine.models import layers
+    from loraplex.engine.models import packing
 
-    monkeypatch.setattr(layers, "PACK_FLOAT32_MIN_WEIGHTS", 0)  # the test model's layers too
-    monkeypatch.setattr(layers, "packing_pays", lambda w, packed: True)
+    monkeypatch.setattr(packing, "PACK_FLOAT32_MIN_WEIGHTS", 0)  # the test model's layers too
+    monkeypatch.setattr(packing, "packing_pays", lambda w, packed: True)
     packed, plain, model, plain_model = _packed_and_plain(
         tiny_models,
         tiny_adapters,
         dict(dtype="float32", cpu_attention="matmul"),
-        lambda: monkeypatch.setattr(layers, "packing_pays", lambda w, packed: False),
+        lambda: monkeypatch.setattr(packing, "packing_pays", lambda w, packed: False),
     )
     assert _count_packed(model) == 4 * len(model.model.layers)
     assert _count_packed(plain_model) == 0

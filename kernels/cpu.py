@@ -1,0 +1,364 @@
+"""The engine's CPU backend: every op of `reference.py` with the same signature and
+semantics, batched for speed (decode attention of all one-token queries at once, LoRA of many
+adapters in a few matmuls). Ops that plan work per step (`paged_attention`, `lora_apply`)
+take the step's `memo` (a dict owned by the forward pass's context, `ForwardContext`): the
+first layer builds the plan and the others reuse it; without a memo each call plans for
+itself. Nothing is cached at module level. tests/kernels/test_cpu_backend.py checks every op
+against the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.reference import (
+    attend,
+    dequantize,
+    gather_kv,
+    int4_matmul,
+    int8_matmul,
+    sgmv_expand,
+    sgmv_shrink,
+    visible,
+    write_kv_cache,
+)
+
+__all__ = ["int4_matmul", "int8_matmul", "lora_apply", "paged_attention", "write_kv_cache"]
+
+# How the CPU path computes attention without a softcap: "sdpa" (torch's fused CPU kernel) or
+# "matmul" (two batched matmuls in the input dtype, softmax in float32). Which is faster
+# depends on the CPU; the engine measures both once at start (pick_attention_impl).
+ATTENTION_IMPLS = ("sdpa", "matmul")
+_attention_impl = "sdpa"
+
+
+def set_attention_impl(impl: str) -> None:
+    """Select how the CPU path computes attention (sdpa | matmul) for every later call."""
+    global _attention_impl
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, not {impl!r}")
+    _attention_impl = impl
+
+
+def get_attention_impl() -> str:
+    return _attention_impl
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, allowed=None):
+    """`reference.attend`'s semantics in one of two forms; both accumulate the matmuls in
+    float32 and take the softmax in float32:
+
+    - "sdpa": torch's fused attention with a boolean mask and native GQA;
+    - "matmul" (always with a softcap): `reference.attend` itself.
+    Which is faster depends on the CPU by up to 10x either way (docs/cpu-path.md).
+    """
+    if allowed is None:
+        allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
+    if not softcap and (impl or _attention_impl) == "sdpa":
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2),  # [..., H, n, d]
+            k.transpose(-3, -2),  # [..., KVH, L, d]
+            v.transpose(-3, -2),
+            attn_mask=allowed.unsqueeze(-3),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(-3, -2)  # [..., n, H, d]
+    return attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=allowed)
+
+
+def _decode_matmul(q, k, v, allowed, scale, softcap):
+    """`_attend`'s "matmul" form for one query per sequence, as two plain batched matmuls.
+
+    q [B, H, d]; k, v [B * KVH, L, d] (`_DecodePlan.gather`); allowed [B, 1, L].
+    Returns [B, H, d]. With keys laid out [B * KVH, L, d], q k^T reads k transposed in place:
+    the general form's batch folding copied it element by element, which took most of its
+    time (docs/cpu-path.md).
+    """
+    b, h, d = q.shape
+    kvh, length = k.shape[0] // b, k.shape[1]
+    g = h // kvh
+    scores = torch.bmm(q.reshape(b * kvh, g, d), k.mT).float() * scale  # [B * KVH, G, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(b, kvh * g, length).masked_fill(~allowed, float("-inf"))
+    p = scores.softmax(-1).to(v.dtype).view(b * kvh, g, length)
+    return torch.bmm(p, v).view(b, h, d)
+
+
+class _DecodePlan:
+    """What every layer's decode attention of one step shares (built once per step, kept in the
+    step's memo): the one-token sequences, their
+    rows, block tables and positions, and the visibility mask per sliding window."""
+
+    def __init__(self, block_tables, query_start_loc, seq_lens, block_size: int, device):
+        self.device = torch.device(device)
+        n = len(seq_lens)
+        self.decode = [i for i in range(n) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+        if not self.decode:
+            return
+        self.rows = torch.tensor([query_start_loc[i] for i in self.decode], device=device)
+        lens = [seq_lens[i] for i in self.decode]
+        nb = -(-max(lens) // block_size)
+        # Whole blocks are gathered: a contiguous [B, nb * block_size, ...] view of them needs
+        # no copy, and the keys past each length are masked by causality.
+        self.max_len = nb * block_size
+        self.tables = block_tables[self.decode, :nb]
+        self.q_pos = (torch.tensor(lens, device=device) - 1).unsqueeze(-1)  # [B, 1]
+        self.k_pos = torch.arange(self.max_len, device=device)
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # kv heads -> row indices for gather()
+
+    def gather(
+        self, cache: torch.Tensor, scale: torch.Tensor | None = None, dtype=None
+    ) -> torch.Tensor:
+        """The decode sequences' keys (or values) as [B * KVH, L, d], for `_decode_matmul`.
+
+        One kv head: the whole blocks, already in that order. Several: one gather of d-long
+        rows straight into that order (row indices built once per step), several times
+        faster than gathering blocks and then moving the head dimension (docs/cpu-path.md).
+        With a scale (int8 cache): dequantized to dtype.
+        """
+        nblocks, bs, kvh, d = cache.shape
+        b, length = self.tables.shape[0], self.max_len
+        if kvh == 1:
+            return gather_kv(cache, self.tables, length, scale, dtype).view(b, length, d)
+        if kvh not in self._rows:
+            slots = self.tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)
+            heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
+            self._rows[kvh] = (slots.view(b, 1, length) * kvh + heads).reshape(-1)
+        rows = torch.index_select(cache.view(nblocks * bs * kvh, d), 0, self._rows[kvh])
+        if scale is not None:
+            scales = torch.index_select(scale.view(-1), 0, self._rows[kvh])
+            rows = dequantize(rows, scales, dtype)
+        return rows.view(b * kvh, length, d)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self._masks:
+            self._masks[sliding_window] = visible(self.q_pos, self.k_pos, sliding_window)
+        return self._masks[sliding_window]
+
+
+def pick_attention_impl(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    batch: int = 32,
+    context: int = 256,
+    repeats: int = 5,
+) -> dict[str, float]:
+    """Milliseconds of one decode batch (`batch` queries over `context` keys each) with each
+    impl on this CPU, fastest first; the caller sets the winner with set_attention_impl."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
+    q_pos = torch.randint(context // 2, context, (batch, 1), generator=g)
+    k_pos = torch.arange(context)
+    allowed = visible(q_pos, k_pos, None)  # [B, 1, L]
+    scale = head_dim**-0.5
+    k_rows, v_rows = (t.transpose(1, 2).reshape(-1, context, head_dim) for t in (k, v))
+    forms = {  # as paged_attention runs a decode batch with each impl
+        "sdpa": lambda: _attend(q.unsqueeze(1), k, v, q_pos, k_pos, scale, None, None, "sdpa"),
+        "matmul": lambda: _decode_matmul(q, k_rows, v_rows, allowed, scale, None),
+    }
+    times = {}
+    for impl in ATTENTION_IMPLS:
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            forms[impl]()
+            runs.append(time.perf_counter() - start)
+        times[impl] = sorted(runs[1:])[len(runs[1:]) // 2] * 1e3
+    return dict(sorted(times.items(), key=lambda kv: kv[1]))
+
+
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    memo: dict | None = None,
+) -> None:
+    """`reference.paged_attention`; `memo`: the step's plan cache (see the module doc)."""
+    ks, vs, dt = (k_scale, v_scale, q.dtype)
+    dev = q.device
+    key = ("decode_plan", k_cache.shape[1], dev)
+    plan = memo.get(key) if memo is not None else None
+    if plan is None:
+        plan = _DecodePlan(block_tables, query_start_loc, seq_lens, k_cache.shape[1], dev)
+        if memo is not None:
+            memo[key] = plan
+    decode = plan.decode
+    if decode:
+        # All one-token queries at once, padded to the longest context's whole blocks.
+        allowed = plan.mask(sliding_window)  # [B, 1, L]
+        if softcap or _attention_impl == "matmul":
+            k, v = plan.gather(k_cache, ks, dt), plan.gather(v_cache, vs, dt)  # [B * KVH, L, d]
+            o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap)
+        else:
+            k = gather_kv(k_cache, plan.tables, plan.max_len, ks, dt)  # [B, L, KVH, d]
+            v = gather_kv(v_cache, plan.tables, plan.max_len, vs, dt)
+            o = _attend(q[plan.rows].unsqueeze(1), k, v, plan.q_pos, plan.k_pos, scale,
+                        sliding_window, softcap, allowed=allowed).squeeze(1)  # fmt: skip
+        # Padding keys sit beyond each sequence's length, which causality already masks.
+        out[plan.rows] = o.to(out.dtype)
+    decode_set = set(decode)
+    for i in range(len(seq_lens)):
+        if i in decode_set:
+            continue
+        s, e, length = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+        nb = -(-length // k_cache.shape[1])
+        k = gather_kv(k_cache, block_tables[i, :nb], length, ks, dt)
+        v = gather_kv(v_cache, block_tables[i, :nb], length, vs, dt)
+        q_pos = torch.arange(length - (e - s), length, device=dev)
+        k_pos = torch.arange(length, device=dev)
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
+
+
+def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:
+    """Split one width's segments into (batched, one by one): the shortest segments run
+    batched, padded to the longest of them, as long as the padding at most doubles the rows;
+    the longer ones (prefill chunks, where a matmul per segment costs little extra) run one
+    by one. So a step mixing decode rows of many adapters with a few prefills still batches
+    its decode rows."""
+    order = sorted(segs, key=lambda seg: seg[1] - seg[0])
+    total, cut = 0, 0
+    for i, (s, e, _) in enumerate(order):
+        total += e - s
+        if (i + 1) * (e - s) <= 2 * total:
+            cut = i + 1
+    if cut < 3:
+        return [], segs
+    return order[:cut], order[cut:]
+
+
+# A width group of at most this many adapter columns (slots x width) runs "dense": one
+# matmul against every slot's A stacked, the other slots' columns zeroed per row, one matmul
+# against the stacked B. It computes (slots) times the LoRA flops but skips the gathers and
+# the padded batched matmuls, which cost more at these sizes (measured: docs/cpu-path.md).
+DENSE_MAX_COLUMNS = 256
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """One width group run dense over rows [lo, hi): `slots` [S] the distinct slots,
+    `mask` bool [hi - lo, S * width] (a row keeps its own slot's columns only)."""
+
+    lo: int
+    hi: int
+    slots: torch.Tensor
+    mask: torch.Tensor
+    from_zero: bool  # slots are 0, 1, .., S - 1
+
+
+def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -> _Dense | None:
+    slots = sorted({slot for *_, slot in segs})
+    if len(slots) * width > DENSE_MAX_COLUMNS:
+        return None
+    lo, hi = min(s for s, _, _ in segs), max(e for _, e, _ in segs)
+    col = {slot: i for i, slot in enumerate(slots)}
+    owner = torch.full((hi - lo,), -1, dtype=torch.long)
+    for s, e, slot in segs:
+        owner[s - lo : e - lo] = col[slot]
+    mask = owner.unsqueeze(1) == torch.arange(len(slots)).repeat_interleave(width)
+    from_zero = slots == list(range(len(slots)))
+    return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device), from_zero)
+
+
+def _lora_groups(
+    segments: Sequence[tuple[int, int, int]], widths: Sequence[int], device: torch.device
+) -> list[tuple[int, list[tuple[int, int, int]], tuple[torch.Tensor, ...] | _Dense | None]]:
+    """`lora_apply`'s plan: per width, a dense run (few adapters: `_Dense`), or the segments
+    run one by one (index None) and those run batched, with their index tensors (rows [S, L],
+    the valid rows flattened, valid, slots)."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for s, e, slot in segments:
+        if slot >= 0 and widths[slot]:
+            groups.setdefault(widths[slot], []).append((s, e, slot))
+    plan = []
+    for width, all_segs in groups.items():
+        dense = _dense(all_segs, width, device)
+        if dense is not None:
+            plan.append((width, all_segs, dense))
+            continue
+        segs, alone = _batchable(all_segs)
+        if alone:
+            plan.append((width, alone, None))
+        if not segs:
+            continue
+        lens = [e - s for s, e, _ in segs]
+        starts = torch.tensor([s for s, _, _ in segs], device=device)
+        steps = torch.arange(max(lens), device=device)
+        valid = steps < torch.tensor(lens, device=device).unsqueeze(1)  # [S, L]
+        # Padding repeats the segment's first row; its results are dropped by `valid`.
+        rows = torch.where(valid, starts.unsqueeze(1) + steps, starts.unsqueeze(1))  # [S, L]
+        slots = torch.tensor([slot for _, _, slot in segs], device=device)
+        plan.append((width, segs, (rows, rows[valid], valid, slots)))
+    return plan
+
+
+def _stacked(w: torch.Tensor, dense: _Dense, width: int) -> torch.Tensor:
+    """w[slots, :width] as [S * width, features]: a view when that is all of w, else a copy."""
+    if dense.from_zero and width == w.shape[1] and dense.slots.numel() == w.shape[0]:
+        return w.reshape(-1, w.shape[2])
+    return w[:, :width].index_select(0, dense.slots).reshape(-1, w.shape[2])
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    widths: Sequence[int],
+    memo: dict | None = None,
+) -> None:
+    """`reference.lora_apply`: y += per-segment LoRA delta (shrink then expand).
+
+    Segments are taken in groups of one width. A group of few adapters runs dense
+    (`DENSE_MAX_COLUMNS`). Otherwise the short segments of similar length (the decode rows
+    of many adapters, even beside a few prefill chunks) are padded to one length and run as
+    two batched matmuls over the slots' weights instead of two matmuls per segment; the long
+    ones run one by one (`memo`: see the module doc). A group reads exactly its width's rows
+    of its own slots, so rows past a slot's width and slots no row uses (they may hold
+    anything) are never read. The dense run zeroes the other slots' columns with a select,
+    not a product, so it stays exact even when a row's product with another adapter
+    overflows (adapters are checked finite when they load). Timings: docs/cpu-path.md.
+    """
+    # The layers of one step share the segments; the widths differ per module kind. With the
+    # step's memo each distinct plan is built once per step (its segments are the step's).
+    key = ("lora", tuple(widths[slot] if slot >= 0 else 0 for *_, slot in segments), x.device)
+    plan = memo.get(key) if memo is not None else None
+    if plan is None:
+        plan = _lora_groups(segments, widths, x.device)
+        if memo is not None:
+            memo[key] = plan
+    for width, segs, index in plan:
+        if index is None:
+            sgmv_expand(y, sgmv_shrink(x, lora_a, segs, widths), lora_b, segs, widths)
+            continue
+        if isinstance(index, _Dense):
+            t = F.linear(x[index.lo : index.hi], _stacked(lora_a, index, width))
+            t = torch.where(index.mask, t, t.new_zeros(()))
+            y[index.lo : index.hi].addmm_(t, _stacked(lora_b, index, width))
+            continue
+        rows, flat_rows, valid, slots = index
+        a = lora_a[:, :width].index_select(0, slots)  # [S, w, in]
+        b = lora_b[:, :width].index_select(0, slots)  # [S, w, out]
+        delta = torch.bmm(torch.bmm(x[rows], a.transpose(1, 2)), b)  # [S, L, out]
+        y.index_add_(0, flat_rows, delta[valid])

@@ -1,0 +1,258 @@
+"""The CPU backend (kernels/cpu.py) against the reference: paged attention in both forms,
+int8 caches, sliding windows and softcaps on steps mixing prefills and decodes; LoRA in its
+dense, batched and per-segment forms; and the step memo (one plan per step, none kept)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import cpu, reference
+from tests.kernels.conftest import tolerance
+from tests.kernels.test_kv_int8 import _quantized
+from tests.kernels.test_paged_attention import HEADS, _batch
+from tests.kernels.test_sgmv import QKV, _case
+from tests.utils.kernels import guarded, make_segments, slot_weights
+
+STEPS = {  # cached tokens, new tokens per sequence
+    "decode": ([30, 12, 50, 0, 7], [1, 1, 1, 1, 1]),
+    "mixed": ([0, 37, 16, 5, 70], [20, 9, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("impl", cpu.ATTENTION_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize(("window", "softcap", "int8"),
+                         [(None, None, False), (8, None, False), (None, 0.5, False),
+                          (None, None, True)])  # fmt: skip
+def test_paged_attention_matches_the_reference(
+    gen, impl, dtype, heads, step, window, softcap, int8, restore_attention_impl
+):
+    cpu.set_attention_impl(impl)
+    contexts, news = STEPS[step]
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, contexts, news)
+    caches, scales = (_quantized(clean)[:2], _quantized(clean)[2:]) if int8 else (clean, ())
+    args = (*caches, tables, qsl, lens, heads[2] ** -0.5, window, softcap, *scales)
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, q, *args)
+    got = torch.full_like(q, float("nan"))
+    cpu.paged_attention(got, q, *args, memo={})
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
+
+
+def test_one_decode_plan_per_step_memo(gen, monkeypatch):
+    """Every layer of a step passes the same memo: the decode plan is built once and serves
+    every layer (several windows); a new step's memo plans anew; no memo, no reuse."""
+    heads = (8, 2, 64)
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, torch.float32, heads, 8,
+                                            *STEPS["decode"])  # fmt: skip
+    plans = []
+    real = cpu._DecodePlan
+    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a: plans.append(1) or real(*a))
+    scale = heads[2] ** -0.5
+
+    def layer(memo, window=None, lengths=lens):
+        out = torch.zeros_like(q)
+        cpu.paged_attention(out, q, *clean, tables, qsl, lengths, scale, window, memo=memo)
+        want = torch.zeros_like(q)
+        reference.paged_attention(want, q, *clean, tables, qsl, lengths, scale, window)
+        torch.testing.assert_close(out, want)
+
+    memo: dict = {}
+    for window in (None, 8, None, 8):
+        layer(memo, window)
+    assert len(plans) == 1
+    layer({}, lengths=[max(n - 5, 1) for n in lens])  # the next step: other lengths, a new plan
+    layer(None)
+    layer(None)
+    assert len(plans) == 4
+    assert not [k for k, v in vars(cpu).items() if isinstance(v, dict) and not k.startswith("__")]
+
+
+@pytest.fixture
+def restore_attention_impl():
+    saved = cpu.get_attention_impl()
+    yield
+    cpu.set_attention_impl(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_forms_agree(gen, dtype, heads, window, restore_attention_impl):
+    """The CPU path's two attention forms (torch's fused kernel, batched matmuls) give the
+    same result on a step mixing fresh prompts, a chunk after a cached prefix and decodes."""
+    _, clean, q, tables, qsl, lens = _batch(
+        "cpu", gen, dtype, heads, 8, contexts=[0, 37, 16, 5, 70], news=[20, 9, 1, 1, 1]
+    )
+    outs = {}
+    for impl in cpu.ATTENTION_IMPLS:
+        cpu.set_attention_impl(impl)
+        outs[impl] = torch.full_like(q, float("nan"))
+        cpu.paged_attention(outs[impl], q, *clean, tables, qsl, lens, heads[2] ** -0.5,
+                                  window)  # fmt: skip
+    assert not outs["matmul"].isnan().any()
+    torch.testing.assert_close(outs["matmul"].float(), outs["sdpa"].float(), **tolerance(dtype))
+
+
+def test_attention_impl_is_chosen_per_config(tiny_models, restore_attention_impl, caplog):
+    from loraplex.engine import LLM
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.model_runner import choose_cpu_attention
+
+    model = str(tiny_models["llama"])
+    with pytest.raises(ValueError, match="cpu_attention"):
+        EngineConfig(model=model, cpu_attention="fast")
+    for impl in cpu.ATTENTION_IMPLS:  # forced: no model needed, nothing timed
+        cpu.set_attention_impl("matmul" if impl == "sdpa" else "sdpa")
+        choose_cpu_attention(EngineConfig(model=model, cpu_attention=impl), model=None)
+        assert cpu.get_attention_impl() == impl
+    with caplog.at_level("INFO", logger="loraplex.engine"):
+        LLM(model, dtype="float32", max_model_len=64, max_lora_rank=8)  # auto: timed
+    (line,) = [r.getMessage() for r in caplog.records if "CPU attention" in r.getMessage()]
+    chosen = line.split()[2]
+    assert cpu.get_attention_impl() == chosen and "sdpa" in line and "matmul" in line
+    times = cpu.pick_attention_impl(8, 2, 64, torch.bfloat16, batch=4, context=32)
+    assert list(times) == sorted(times, key=times.get) and set(times) == {"sdpa", "matmul"}
+    with pytest.raises(ValueError, match="attention impl"):
+        cpu.set_attention_impl("flash")
+
+
+@pytest.mark.parametrize("ranks", [[8], [4, 8, 16]], ids=["one-width", "mixed-widths"])
+def test_batched_decode_path_equals_per_segment(ranks, monkeypatch):
+    """The CPU backend's batched path (many short segments, grouped by width) against its plain
+    per-segment shrink/expand; rows past each slot's width and the spare slot hold NaN."""
+    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)
+    gen = torch.Generator().manual_seed(3)
+    a, b, widths, segments, x, _, y = _case(
+        "cpu", gen, torch.float32, requests=40, num_adapters=18, ranks=ranks, mix="uniform",
+        no_adapter=True, prefill=False,
+    )  # fmt: skip
+    assert sum(1 for *_, slot in segments if slot >= 0) >= 3 * len(set(ranks))  # batched
+    batched, plain = y.clone(), y.clone()
+    cpu.lora_apply(batched, x, a, b, segments, widths)
+    t = reference.sgmv_shrink(x, a, segments, widths)
+    reference.sgmv_expand(plain, t, b, segments, widths)
+    assert batched.isfinite().all()
+    torch.testing.assert_close(batched, plain)
+    assert not torch.equal(batched, y)  # the deltas were added
+
+
+@pytest.mark.parametrize("ranks", [[8], [4, 8]], ids=["one-width", "mixed-widths"])
+def test_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
+    """A step with the decode rows of many adapters and a few long prefill chunks: the CPU
+    backend batches the decode rows and runs the prefills one by one, with the plain per-segment
+    result; NaN past the widths and in the spare slot."""
+    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)
+    gen = torch.Generator().manual_seed(4)
+    num_adapters, dtype, in_features = 30, torch.float32, 64
+    a, b, widths = slot_weights(
+        [ranks[i % len(ranks)] for i in range(num_adapters)],
+        in_features, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
+    )  # fmt: skip
+    lengths = [1] * 24 + [50, 1, 37, 1, 29, 1]
+    segments, rows = make_segments(list(range(num_adapters)), lengths)
+    _, x = guarded((rows, in_features), dtype, "cpu", gen)
+    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
+    plan = cpu._lora_groups(segments, widths, x.device)
+    for _width, segs, index in plan:  # the long segments alone, the decode rows batched
+        assert all((e - s > 1) == (index is None) for s, e, _ in segs)
+    assert sum(len(segs) for _, segs, _ in plan) == num_adapters
+    batched, plain = y.clone(), y.clone()
+    cpu.lora_apply(batched, x, a, b, segments, widths)
+    reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, widths), b, segments,
+                          widths)  # fmt: skip
+    assert batched.isfinite().all()
+    torch.testing.assert_close(batched, plain)
+
+
+def test_plan_follows_the_widths_of_the_same_segments():
+    """In one step's memo the plans are keyed by the widths of the step's segments: the same
+    segments with a slot at another width (another module kind) get their own plan, and
+    each kind finds its plan again."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, widths, segments, x, _, y = _case(
+        "cpu", gen, torch.float32, requests=30, num_adapters=10, ranks=[8], mix="uniform",
+        no_adapter=False, prefill=False,
+    )  # fmt: skip
+    memo: dict = {}
+    halved = [w // 2 if i % 2 else w for i, w in enumerate(widths)]
+    for ws in (widths, halved, widths, halved):
+        batched, plain = y.clone(), y.clone()
+        cpu.lora_apply(batched, x, a, b, segments, ws, memo=memo)
+        reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, ws), b, segments, ws)
+        torch.testing.assert_close(batched, plain)
+    assert len(memo) == 2
+
+
+def _plain(y, x, a, b, segments, widths):
+    out = y.clone()
+    reference.sgmv_expand(out, reference.sgmv_shrink(x, a, segments, widths), b, segments, widths)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranks", [[8], [2, 8]], ids=["one-width", "mixed-widths"])
+def test_few_adapters_run_dense(dtype, ranks):
+    """Few adapters (the stacked columns within DENSE_MAX_COLUMNS) run as two matmuls over
+    all of them: decode rows and prefill chunks, rows without an adapter, one slot in several
+    segments; NaN past the widths and in the spare slot, which nobody may read."""
+    gen = torch.Generator().manual_seed(6)
+    num_adapters = 3
+    a, b, widths = slot_weights(
+        [ranks[i % len(ranks)] for i in range(num_adapters)],
+        64, QKV, num_adapters + 1, max(ranks), dtype, "cpu", gen,
+    )  # fmt: skip
+    # Not sorted by slot: slot 0 and 1 come back after others (as in any order of rows).
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, -1), (3, 20, 2), (20, 21, 0), (21, 30, 1),
+                (30, 31, -1), (31, 33, 2)]  # fmt: skip
+    rows = 33
+    _, x = guarded((rows, 64), dtype, "cpu", gen)
+    _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
+    plan = cpu._lora_groups(segments, widths, x.device)
+    assert plan and all(isinstance(index, cpu._Dense) for *_, index in plan)
+    dense = y.clone()
+    cpu.lora_apply(dense, x, a, b, segments, widths)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths), **tolerance(dtype))
+    for s, e, slot in segments:
+        if slot < 0:
+            assert torch.equal(dense[s:e], y[s:e])  # untouched, bit for bit
+        else:
+            assert not torch.equal(dense[s:e], y[s:e])
+
+
+def test_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
+    """Every slot of the maximum width in use, from slot 0: no gather, same result."""
+    gen = torch.Generator().manual_seed(7)
+    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
+    segments, rows = make_segments([1, 0, 1], [1, 1, 5])
+    x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, sum(QKV), generator=gen)
+    [(width, _, index)] = cpu._lora_groups(segments, widths, x.device)
+    assert index.from_zero and width == a.shape[1]
+    assert cpu._stacked(a, index, width).data_ptr() == a.data_ptr()  # a view
+    dense = y.clone()
+    cpu.lora_apply(dense, x, a, b, segments, widths)
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
+
+
+def test_dense_run_keeps_rows_apart_when_another_adapter_overflows():
+    """In float16, row 0's input times adapter 1's A overflows to inf. Row 0 uses adapter 0
+    and row 1 adapter 1: the dense run selects (not multiplies) each row's own columns, so
+    row 0 stays finite and equal to the per-segment result."""
+    gen = torch.Generator().manual_seed(8)
+    a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
+    a[1] = 1e3  # finite, as loading checks, but large
+    x = torch.randn(2, 64, generator=gen)
+    x[0], x[1] = 100.0, x[1] * 1e-3  # x[0] @ a[1]^T = 6.4e6: beyond float16
+    a, b, x = a.half(), b.half(), x.half()
+    y = torch.zeros(2, sum(QKV), dtype=torch.float16)
+    segments = [(0, 1, 0), (1, 2, 1)]
+    assert isinstance(cpu._lora_groups(segments, widths, x.device)[0][2], cpu._Dense)
+    assert not torch.isfinite(x[:1] @ a[1].t()).all()
+    dense = y.clone()
+    cpu.lora_apply(dense, x, a, b, segments, widths)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
