@@ -28,9 +28,8 @@ import torch
 from loraplex.engine.lora import GROUPS, LoRAAdapter, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
+from loraplex.engine.models.spec import FUSED
 from loraplex.engine.sequence import LoRARequest
-
-_SLICES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 
 
 class AdapterUnavailable(RuntimeError):
@@ -77,14 +76,10 @@ class AdapterManager:
         self.pin = model.device.type == "cuda"
         self.modules: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
-            mods = {
-                "qkv_proj": layer.self_attn.qkv_proj,
-                "o_proj": layer.self_attn.o_proj,
-                "gate_up_proj": layer.mlp.gate_up_proj,
-                "down_proj": layer.mlp.down_proj,
-            }
+            mods = {name: getattr(getattr(layer, parent), name)
+                    for name, (parent, _) in FUSED.items()}  # fmt: skip
             for name, mod in mods.items():
-                width = _SLICES[name] * max_rank
+                width = len(FUSED[name][1]) * max_rank
                 dev = model.device  # one device for the whole model
                 mod.lora_a = torch.zeros(
                     max_loras, width, mod.in_features, dtype=self.dtype, device=dev

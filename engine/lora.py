@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.engine.models.spec import PROJECTIONS, ModelSpec
+from loraplex.engine.models.spec import PARENTS, PROJECTIONS, ModelSpec
 
 GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
 TARGETS = tuple(GROUPS)
-_PARENTS = {t: ("self_attn" if GROUPS[t][0] in ("qkv_proj", "o_proj") else "mlp") for t in TARGETS}
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -128,7 +127,7 @@ def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
         raise AdapterError(f"{path}: target_modules must be a non-empty list of module names")
     modules = [f"model.layers.{i}.{parent}.{m}" for i in range(spec.num_layers)
-               for m, parent in _PARENTS.items()]  # fmt: skip
+               for m, parent in PARENTS.items()]  # fmt: skip
     for entry in targets:
         if not _PLAIN_NAME.match(entry):
             raise AdapterError(f"{path}: target_modules entry {entry[:80]!r} is not a module name")

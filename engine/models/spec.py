@@ -15,16 +15,20 @@ SUPPORTED = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
 }
-# HF projection name -> (our fused module, slice index): q|k|v and gate|up are one matmul each.
-PROJECTIONS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
+# The one description of every supported family's layer layout: our fused module -> (its
+# parent in a decoder layer, the HF projections it fuses, in slice order). q|k|v and gate|up
+# are one matmul each. The model, the adapter manager, adapter loading and upload validation
+# all derive their names from it.
+FUSED = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
 }
+# HF projection name -> (our fused module, slice index)
+PROJECTIONS = {p: (fused, i) for fused, (_, ps) in FUSED.items() for i, p in enumerate(ps)}
+# HF projection name -> its parent module in a decoder layer (`model.layers.N.<parent>.<p>`)
+PARENTS = {p: FUSED[fused][0] for p, (fused, _) in PROJECTIONS.items()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
 
 

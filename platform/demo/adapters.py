@@ -24,7 +24,6 @@ RECIPES: dict[str, Callable[[str, str], str]] = {
     "pirate": lambda plain, pirate: pirate,
     "shout": lambda plain, pirate: plain.upper(),
 }
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK, ALPHA = 8, 16
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -100,6 +99,8 @@ def train_lora(
     import torch
     from tqdm import tqdm
 
+    from loraplex.engine.models.spec import PROJECTIONS  # every projection is a target
+
     torch.manual_seed(seed)
     rng = random.Random(seed)
     layers = model.model.layers
@@ -109,7 +110,7 @@ def train_lora(
     hooks = []
     for i in range(first, len(layers)):
         for path, module in layers[i].named_modules():
-            if path.rsplit(".", 1)[-1] not in TARGETS:
+            if path.rsplit(".", 1)[-1] not in PROJECTIONS:
                 continue
             a = torch.nn.Parameter(
                 torch.randn(RANK, module.in_features) / math.sqrt(module.in_features)
@@ -193,6 +194,8 @@ class _Stop(Exception):
 def _write_atomically(folder: Path, tensors, base_name: str, last_layers: int, model) -> None:
     from safetensors.torch import save_file
 
+    from loraplex.engine.models.spec import PROJECTIONS
+
     n = len(model.model.layers)
     config = {
         "peft_type": "LORA",
@@ -203,7 +206,7 @@ def _write_atomically(folder: Path, tensors, base_name: str, last_layers: int, m
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
-        "target_modules": list(TARGETS),
+        "target_modules": list(PROJECTIONS),
         "layers_to_transform": list(range(n - last_layers, n)),
     }
     folder.parent.mkdir(parents=True, exist_ok=True)
