@@ -38,6 +38,7 @@ loraplex bench serve --url http://127.0.0.1:8000 --api-key $KEY --num-adapters 4
 loraplex bench offline --model demo --num-adapters 16 --rate inf
 python bench/offline.py --model tiny-llama --peer vllm,hf
 loraplex bench cliff --out bench/results/cliff-tiny-llama.json
+loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 loraplex bench docs                                             # this page
 ```
@@ -293,6 +294,26 @@ def kv_int8_section(doc: dict, path: Path, out: Path) -> str:
     return text + table(doc["rows"]) + "\n" + scale
 
 
+def fleet_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.fleet import goal_lines, table
+
+    text = (
+        f"### `{path.name}`: {doc['replicas']} replicas of {Path(doc['model']).name}, "
+        f"{doc['adapters']} adapters\n\n"
+        f"{doc['trace']}; warm-up {doc['warmup']} requests of one token (own seed, same "
+        f"policy) before each measured run, fresh engines per run, median of {doc['repeats']} "
+        f"alternating run(s) per policy. Per replica: {doc['max_loras']} device slots, a host "
+        f"tier of {doc['max_cpu_loras']} adapters, {doc['max_num_seqs']} sequences, one compute "
+        "thread; every replica is an engine in this one process (the machine's 2 cores are "
+        "shared by all replicas, and by other work). Cold loads: adapters read from disk "
+        "(safetensors) into a replica's host tier during the measured trace, as the adapter "
+        "managers count them; TTFT from each request's scheduled arrival. Policies: "
+        "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
+        "scoring on what /metrics shows; affinity-host also sees the host tier).\n\n"
+    )
+    return text + table(doc) + "\n\n" + goal_lines(doc) + "\n" + _image(path, out)
+
+
 SECTIONS = [  # (title, file prefix, renderer)
     ("Peers side by side (serving)", "peers-", peers_section),
     ("Adapter-count scaling (serving)", "scaling-", scaling_section),
@@ -302,6 +323,7 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("Weight-only quantization quality (`python -m bench.quant`)", "quant-", quant_section),
     ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
+    ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
 ]
 
 

@@ -134,11 +134,13 @@ async def drive(engines, router: Router, loras: list, trace: list[TraceRequest],
 def _counters(engines) -> list[dict]:
     stats = [e.stats() for e in engines]
     return [{"loads": s.adapter_loads, "misses": s.adapter_misses,
-             "slot_writes": s.adapter_slot_writes} for s in stats]  # fmt: skip
+             "slot_writes": s.adapter_slot_writes, "load_s": s.adapter_load_seconds}
+            for s in stats]  # fmt: skip
 
 
 def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> tuple:
-    """One run on fresh engines: (row, measured records, per-replica load counts)."""
+    """One run on fresh engines: (row, {"warm", "run"}: per-request records, per-replica
+    counters after the warm-up and at the end, and each adapter manager's own load count)."""
     from loraplex.engine.sequence import LoRARequest
 
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
@@ -146,7 +148,7 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
     engines = build_engines(model, args)
     try:
         warm, measured = traces
-        asyncio.run(drive(engines, router, loras, warm, args, "warm"))
+        warm_records = asyncio.run(drive(engines, router, loras, warm, args, "warm"))
         before = _counters(engines)
         records = asyncio.run(drive(engines, router, loras, measured, args, "run"))
         after = _counters(engines)
@@ -156,7 +158,7 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
         for e in engines:
             e.shutdown()
     delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True))
-             for k in ("loads", "misses", "slot_writes")}  # fmt: skip
+             for k in ("loads", "misses", "slot_writes", "load_s")}  # fmt: skip
     ttft = [r["ttft_s"] for r in records]
     tokens = sum(r["tokens"] for r in records)
     span = max(r["end_s"] for r in records)
@@ -166,17 +168,25 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
         "finished": sum(r["finish_reason"] == "length" for r in records),
         "cold_loads": delta["loads"], "cold_loads_total": sum(managers),
         "load_waits": delta["misses"], "slot_writes": delta["slot_writes"],
+        "load_ms_mean": delta["load_s"] * 1e3 / max(delta["loads"], 1),
         "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "output_tok_s": tokens / span, "output_tokens": tokens, "span_s": span,
         "replica_share": share, "host_adapters_end": host,
     }  # fmt: skip
-    return row, records, {"warmup": before, "end": after, "managers": managers}
+    counts = {"warmup": before, "end": after, "managers": managers}
+    return row, {"warm": warm_records, "run": records}, counts
+
+
+def apply_quick(args: argparse.Namespace, keep: frozenset[str] = frozenset()) -> None:
+    """--quick: the QUICK settings, but for the names in `keep`."""
+    if args.quick:
+        for k, v in QUICK.items():
+            if k not in keep:
+                setattr(args, k, v)
 
 
 def run_fleet(args: argparse.Namespace) -> dict:
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    apply_quick(args)
     import_installed_kernels()
     model = tiny_llama() if args.model == "tiny-llama" else Path(args.model)
     adapters = make_adapters(model, model.name, args.adapters, rank=args.lora_rank,
