@@ -48,6 +48,9 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         max_lora_rank=settings.max_lora_rank,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        num_kv_blocks=settings.num_kv_blocks,
+        swap_space_gib=settings.swap_space_gib,
+        preemption_mode=settings.preemption_mode,
         scheduling_policy=settings.scheduling_policy,
         cpu_attention=settings.cpu_attention,
     )

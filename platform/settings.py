@@ -94,6 +94,20 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(64, ge=1)
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pool size in blocks; default: what the memory budget holds"
+    )
+    swap_space_gib: float = Field(
+        0.0,
+        ge=0,
+        description="host memory (GiB) for preempted requests' KV blocks: a preempted request "
+        "is swapped out and back instead of recomputed when that measures cheaper; 0: recompute",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="'auto': swap or recompute each preempted request by the measured costs; "
+        "'swap' / 'recompute': always that (swap needs swap_space_gib)",
+    )
     shutdown_grace_s: float = Field(
         25.0,  # under Kubernetes' default terminationGracePeriodSeconds (30)
         ge=0,

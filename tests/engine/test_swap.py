@@ -34,7 +34,8 @@ def _prompts(n: int, shared: int = 0) -> list[list[int]]:
 
 def _loras(folders: dict, n: int) -> list[LoRARequest | None]:
     names = [ADAPTERS[i % len(ADAPTERS)] for i in range(n)]
-    return [None if a is None else LoRARequest(a, ADAPTERS.index(a), str(folders[a])) for a in names]
+    return [None if a is None else LoRARequest(a, ADAPTERS.index(a), str(folders[a]))
+            for a in names]  # fmt: skip
 
 
 def _llm(model, **kw) -> LLM:
