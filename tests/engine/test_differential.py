@@ -2,7 +2,8 @@
 
 Hypothesis draws an engine configuration (block size, a KV pool small enough to preempt,
 a token budget small enough to chunk prefills, fewer adapter slots than adapters, host LRU
-size, scheduling policy, prefix caching and chunking on or off, attention form) and two
+size, scheduling policy, prefix caching and chunking on or off, attention form, a host KV
+pool for preemption by swap or none) and two
 batches of token-id prompts, run one after the other on the same `LLM`. The first batch
 shares prefixes between rows; the second is built from the first batch's prompts and
 outputs, so it can hit the prefix cache. Each row has one of seven adapters (ranks 1-16,
@@ -87,6 +88,8 @@ class Case:
     first: tuple[Row, ...]
     second: tuple[Followup, ...]
     label: str = ""  # set on explicit examples: why they are kept
+    num_host_kv_blocks: int = 0  # > 0: preempted requests may swap out (engine/swap.py)
+    preemption_mode: str = "auto"
 
 
 ADAPTER_NAMES = ("qv4", "attn8", "mlp16", "all2", *EXTRA_ADAPTER_SPECS)
@@ -155,6 +158,9 @@ def cases(draw) -> Case:
         cpu_attention=draw(st.sampled_from(["sdpa", "matmul"])),
         first=tuple(first),
         second=tuple(second),
+        # Drawn last so the draws before keep the values they had without a host pool.
+        num_host_kv_blocks=draw(st.sampled_from([0, 0, 3, 64])),
+        preemption_mode=draw(st.sampled_from(["auto", "swap"])),
     )
 
 
@@ -212,6 +218,8 @@ def _generate(llm: LLM, folders: dict, requests: list[tuple[list[int], str | Non
         del engine.step
     # Every block is free again or held only by the prefix cache; no adapter stays pinned.
     engine.block_manager.check_all_free()
+    if engine.scheduler.swap is not None:
+        engine.scheduler.swap.check_all_free()
     assert not engine.scheduler.has_unfinished() and not engine.adapters.refs
     return outs
 
@@ -265,6 +273,9 @@ def _record(kind: str, case: Case, llm: LLM, first, second, outs2) -> None:
     seen = set()
     if llm.engine.scheduler.num_preemptions:
         seen.add("preemption")
+    swap = llm.engine.scheduler.swap
+    if swap is not None and swap.num_swapped_in:
+        seen.add("preemption by swap")
     if case.enable_chunked_prefill and any(
         len(p) > case.max_num_batched_tokens for p, *_ in first + second
     ):
@@ -341,6 +352,8 @@ def test_engine_matches_hf_peft(kind, case, tiny_models, adapters):
         enable_prefix_caching=case.enable_prefix_caching,
         scheduling_policy=case.scheduling_policy,
         cpu_attention=case.cpu_attention,
+        num_host_kv_blocks=case.num_host_kv_blocks,
+        preemption_mode=case.preemption_mode,
     )
     try:
         first = [(list(r.prompt), r.adapter, r.max_tokens, r.ignore_eos) for r in case.first]
@@ -361,6 +374,7 @@ def test_generated_examples_exercise_every_feature(tiny_models, adapters):
             test_engine_matches_hf_peft(kind=kind, tiny_models=tiny_models, adapters=adapters)
     missing = {
         "preemption",
+        "preemption by swap",
         "chunked prefill",
         "more adapters than slots in one batch",
         "prefix-cache hit across generate calls",
