@@ -234,22 +234,21 @@ def offline_section(doc: dict, path: Path, out: Path) -> str:
 
 
 def quant_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.quant import tables
+
     text = (
         f"### Weight-only formats: `{path.name}`\n\n"
         "Held-out prose (tests/engine/heldout_texts.py), float32 activations on each format's "
         "dequantized weights; greedy agreement: argmax equal to "
         "float32's at every position. Bytes: ours measured (float32 also holds a "
         "packed copy of the tied embedding), peers computed (4-bit codes, fp16 scale and zero "
-        "per group, the rest float32).\n\n"
+        "per group, the rest float32). The LoRA table runs the demo adapters (rank 8, trained "
+        "on the float base) over each format on their own task's answers: greedy agreement "
+        "with float32 + the same adapter, and the answers' perplexity ratio to it. The memory "
+        "table: what each format's smaller weights free in a fixed budget, all of it to KV "
+        "or all of it to adapters.\n\n"
     )
-    head = ["format", "perplexity", "ratio to float", "greedy agreement", "weights MiB"]
-    rows = [
-        [r["format"], f"{r['perplexity']:.3f}", f"x{r['ratio']:.4f}",
-         f"{r['greedy_agreement']:.3f}",
-         f"{r['weight_bytes'] / 2**20:.0f}" + (" (computed)" if r["bytes_computed"] else "")]
-        for r in doc["rows"]
-    ]  # fmt: skip
-    return text + _table(head, rows) + "\n" + _image(path, out)
+    return text + tables(doc) + "\n" + _image(path, out)
 
 
 def cliff_section(doc: dict, path: Path, out: Path) -> str:

@@ -3,7 +3,9 @@
 Per format: held-out perplexity (tests/engine/heldout_texts.py, the texts the int4/int8 tests
 bound), its ratio to float, greedy (argmax) agreement with float at every position, and the
 resident weight bytes. Everything runs in float32 on the exact reference path (dispatch
-"reference"): the figures measure the weights' quantization error alone.
+"reference"): the figures measure the weights' quantization error alone. Then the demo
+adapters (trained on the float base) over each format (bench/quant_adapters.py), and what
+each format's smaller weights free at a fixed memory budget (bench/quant_memory.py).
 
 Peers are run through their own quantize / dequantize math and the dequantized weights served
 by our float engine (same text, same forward): HQQ (`hqq`, half-quadratic zero/scale
@@ -12,14 +14,16 @@ affine primitives: torchao 0.18's Int4WeightOnlyConfig has no CPU kernel here). 
 computed (4-bit codes plus fp16 scale and zero per group, the rest float32), ours measured
 (`resident_weight_bytes`; float32 holds the tied embedding twice, once packed for oneDNN).
 gptqmodel is not run: its wheel pulls a CUDA torch build (torch 2.14.1 + nvidia-*), which
-this CPU-only environment pins out. Run from a checkout:
+this CPU-only environment pins out. Run from a checkout (the held-out texts are the tests'):
 
-    python -m bench.quant --model DATA_DIR/models/gemma-3-270m --out bench/results/quant-demo.json
+    loraplex bench quant --model DATA_DIR/models/gemma-3-270m --out bench/results/quant-demo.json
+    python -m bench.quant ...   (the same)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -31,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from loraplex.bench import quant_memory
+from loraplex.bench.quant_adapters import forward_logits, measure_adapters
 from loraplex.engine import LLM
-from loraplex.engine.models.layers import AttentionMetadata, ForwardContext
+from loraplex.engine.model_runner import kv_block_bytes
 from loraplex.engine.quantization import quantize_int4, resident_weight_bytes
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4
@@ -122,33 +128,43 @@ VARIANTS = {
 }
 
 
-@torch.inference_mode()
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    model, n = llm.engine.model, len(ids)
-    blocks = -(-n // llm.engine.config.block_size)
-    attn = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=[0, n], seq_lens=[n],
-        block_tables=torch.arange(blocks).unsqueeze(0),
-    )  # fmt: skip
-    hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(attn=attn, lora=None))
-    return model.compute_logits(hidden).float()
+# peer format -> the package it runs (the `quant-peers` extra)
+PEER_MODULES = {name: "hqq" for name in VARIANTS if name.startswith("HQQ")} | {
+    name: "torchao" for name in VARIANTS if name.startswith("torchao")
+}
 
 
 def measure(llm: LLM, texts: list[str]) -> tuple[float, torch.Tensor]:
     nll, n, argmax = 0.0, 0, []
     for text in texts:
         ids = llm.get_tokenizer().encode(text)
-        logits = _logits(llm, ids)
+        logits = forward_logits(llm, ids)
         nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
         n, argmax = n + len(ids) - 1, [*argmax, logits.argmax(-1)]
     return math.exp(nll / n), torch.cat(argmax)
 
 
-def run(model: Path, names: list[str]) -> list[dict]:
-    from tests.engine.heldout_texts import HELDOUT_TEXTS  # checkout only: the tests' texts
+def _heldout_texts() -> list[str]:
+    """The held-out texts the int4/int8 tests bound, read from the checkout this file is in
+    (so that `loraplex bench quant` finds them from any folder)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "engine" / "heldout_texts.py"
+    if not path.is_file():
+        raise SystemExit(
+            f"loraplex: error: `bench quant` reads {path.relative_to(path.parents[2])}: run it "
+            "from a loraplex checkout (an editable install)"
+        )
+    spec = importlib.util.spec_from_file_location("heldout_texts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.HELDOUT_TEXTS)
 
+
+def run(model: Path, names: list[str], adapters: dict[str, Path] | None = None) -> dict:
+    """Rows per format (the first is the reference the others compare with: float32), and
+    the fixed-budget memory table when adapters were given."""
+    texts = _heldout_texts()
     dispatch.set_mode("reference")
-    rows, base = [], None
+    rows, base, lora_ref, geometry = [], None, None, None
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             quantization, make = VARIANTS[name]
@@ -159,19 +175,34 @@ def run(model: Path, names: list[str]) -> list[dict]:
                 computed = dequantized_folder(model, folder, make())
             llm = _llm(folder, quantization)
             nbytes = computed or resident_weight_bytes(llm.engine.model)
-            ppl, argmax = measure(llm, list(HELDOUT_TEXTS))
+            ppl, argmax = measure(llm, texts)
             if base is None:
                 base = (ppl, argmax)
             row = {
                 "format": name, "perplexity": ppl, "ratio": ppl / base[0],
                 "greedy_agreement": (argmax == base[1]).float().mean().item(),
                 "weight_bytes": nbytes, "bytes_computed": computed is not None,
-                "seconds": time.perf_counter() - start,
             }  # fmt: skip
+            if adapters:
+                row["adapters"], own = measure_adapters(llm, adapters, lora_ref)
+                lora_ref = lora_ref or own
+            bs = llm.engine.config.block_size
+            geometry = geometry or (kv_block_bytes(llm.engine.model, bs), bs)
+            row["seconds"] = time.perf_counter() - start
             rows.append(row)
             print(json.dumps(row), flush=True)
             del llm
-    return rows
+    doc: dict = {"rows": rows}
+    if adapters:
+        adapter_bytes = max(a["adapter_bytes"] for a in rows[0]["adapters"].values())
+        block_bytes, block_size = geometry
+        doc["memory"] = {
+            "extra_bytes": quant_memory.EXTRA,
+            "budget_bytes": rows[0]["weight_bytes"] + quant_memory.EXTRA,
+            "block_bytes": block_bytes, "block_size": block_size, "adapter_bytes": adapter_bytes,
+            "rows": quant_memory.budget_rows(rows, block_bytes, block_size, adapter_bytes),
+        }  # fmt: skip
+    return doc
 
 
 def table(rows: list[dict]) -> str:
@@ -188,41 +219,136 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def adapter_table(rows: list[dict]) -> str:
+    """Per format and demo adapter: greedy agreement with float base + the same adapter on
+    the adapter's answers, and the answers' perplexity ratio to it."""
+    names = sorted(rows[0]["adapters"])
+    head = (
+        "| format | "
+        + " | ".join(f"{n}: greedy agreement | {n}: answer ppl ratio" for n in names)
+        + " |"
+    )
+    lines = [head, "| --- |" + " ---: | ---: |" * len(names)]
+    for r in rows:
+        cells = [f"{r['adapters'][n]['greedy_agreement']:.3f} | x{r['adapters'][n]['ratio']:.4f}"
+                 for n in names]  # fmt: skip
+        lines.append(f"| {r['format']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(doc: dict) -> str:
+    """All of a results file's tables, as docs/benchmarks.md shows them."""
+    parts = [table(doc["rows"])]
+    if "adapters" in doc["rows"][0]:
+        float_row = doc["rows"][0]["adapters"]
+        scale = ", ".join(
+            f"{n} {a['agreement_without_adapter']:.3f} ({a['answer_tokens']} answer tokens)"
+            for n, a in sorted(float_row.items())
+        )
+        parts += [
+            "LoRA on the quantized base: the demo adapters (trained on the float base), "
+            "teacher-forced on their own answers. For scale, the float base without the "
+            f"adapter agrees with float + adapter on: {scale}.",
+            adapter_table(doc["rows"]),
+        ]
+    if "memory" in doc:
+        parts += ["Memory at a fixed budget:", quant_memory.table(doc)]
+    return "\n\n".join(parts)
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Perplexity ratio vs weight bytes; the adapters' agreement; what fits at the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = doc["rows"]
+    panels = 1 + ("adapters" in rows[0]) + ("memory" in doc)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
+    ax = axes[0][0]
     for r in rows:
         ax.scatter(r["weight_bytes"] / 2**20, r["ratio"], s=40)
         ax.annotate(r["format"], (r["weight_bytes"] / 2**20, r["ratio"]), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")  # fmt: skip
     ax.set_xlabel("resident weights (MiB)")
     ax.set_ylabel("held-out perplexity / float32")
-    ax.set_title("Gemma 3 270M: weight-only formats (float32 activations)")
+    ax.set_title("Gemma 3 270M: weight-only formats (float32 activations)", fontsize=9)
     ax.grid(alpha=0.3)
+    labels = [r["format"] for r in rows]
+    y = list(range(len(rows)))
+    if "adapters" in rows[0]:
+        ax = axes[0][1]
+        names = sorted(rows[0]["adapters"])
+        h = 0.8 / len(names)
+        for i, n in enumerate(names):
+            ax.barh([v + i * h for v in y], [r["adapters"][n]["greedy_agreement"] for r in rows],
+                    height=h, label=n)  # fmt: skip
+        ax.set_yticks([v + h * (len(names) - 1) / 2 for v in y], labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("greedy agreement with float32 + the same adapter (answers)")
+        ax.set_title("demo adapters on each base", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="x")
+    if "memory" in doc:
+        ax = axes[0][-1]
+        m = doc["memory"]
+        ax.barh(y, [r["kv_tokens"] / 1000 for r in m["rows"]])
+        for v, r in zip(y, m["rows"], strict=True):
+            ax.annotate(f"{r['adapters']:,} adapters", (r["kv_tokens"] / 1000, v), fontsize=7,
+                        xytext=(3, -3), textcoords="offset points")  # fmt: skip
+        ax.set_yticks(y, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("thousand KV tokens (float32) if all goes to KV")
+        ax.set_title(f"fits in {m['budget_bytes'] / 2**20:.0f} MiB (float32 weights + "
+                     f"{m['extra_bytes'] / 2**20:.0f} MiB)", fontsize=9)  # fmt: skip
+        ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="converted demo model folder")
     p.add_argument("--formats", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--adapters", type=Path,
+        help="folder of the demo adapters (pirate/, shout/); default: DATA_DIR/demo-adapters "
+        "beside DATA_DIR/models, trained there first if missing (a few minutes)",
+    )  # fmt: skip
+    p.add_argument("--no-adapters", action="store_true", help="skip LoRA and memory tables")
     p.add_argument("--out", type=Path, default=Path("bench/results/quant-demo.json"))
     p.add_argument("--plot", type=Path, help="PNG (default: --out with .png, what docs link)")
-    args = p.parse_args(argv)
+    p.add_argument("--no-plot", action="store_true")
+
+
+def _adapters(args: argparse.Namespace) -> dict[str, Path] | None:
+    if args.no_adapters:
+        return None
+    from loraplex.platform.demo.adapters import prepare_demo_adapters
+
+    out = args.adapters or args.model.resolve().parent.parent / "demo-adapters"
+    return prepare_demo_adapters(args.model, out)
+
+
+def run_quant(args: argparse.Namespace) -> dict:
     torch.set_num_threads(2)
-    rows = run(args.model, args.formats)
+    doc = run(args.model, args.formats, _adapters(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from loraplex.bench.sysinfo import machine
 
-    doc = {"kind": "quant", "model": str(args.model), "machine": machine(), "rows": rows}
+    doc = {"kind": "quant", "model": str(args.model), "machine": machine(), **doc}
     args.out.write_text(json.dumps(doc, indent=2))
-    print(table(rows))
-    plot(rows, args.plot or args.out.with_suffix(".png"))
+    print(tables(doc))
+    if not args.no_plot:
+        plot(doc, args.plot or args.out.with_suffix(".png"))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    run_quant(p.parse_args(argv))
 
 
 if __name__ == "__main__":

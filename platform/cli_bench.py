@@ -1,4 +1,4 @@
-"""`loraplex bench serve|offline|scaling|peers|cliff|docs`; the code lives in `loraplex.bench`."""
+"""`loraplex bench serve|offline|scaling|peers|cliff|quant|docs`; code in `loraplex.bench`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,35 @@ def _cliff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quant(args: argparse.Namespace) -> int:
+    from loraplex.bench.quant import PEER_MODULES, run_quant
+
+    _require(args, adapters=False)
+    peers = sorted({PEER_MODULES[f] for f in args.formats if f in PEER_MODULES})
+    missing = [m for m in peers if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"loraplex: error: the peer formats need {' and '.join(missing)}: "
+            "pip install 'loraplex[quant-peers]' (or leave them out of --formats)"
+        )
+    run_quant(args)
+    return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from loraplex.bench.fleet import run_fleet
+
+    _require(args, adapters=True)
+    doc = run_fleet(args)
+    return 0 if all(r["finished"] == r["requests"] for r in doc["rows"]) else 1
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    from loraplex.bench.fleet import add_args
+
+    add_args(p)
+
+
 def _docs(args: argparse.Namespace) -> int:
     from loraplex.bench.docs import write_docs
 
@@ -69,7 +98,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from loraplex.bench import cliff, docs, scaling, serve
+    from loraplex.bench import cliff, docs, quant, scaling, serve
     from loraplex.bench.peers import compare
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -86,6 +115,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
          _peers),
         ("cliff", "long outputs vs a small KV cache, loraplex vs vLLM-cpu", cliff.add_args,
          _cliff),
+        ("quant", "weight formats: quality, LoRA on them, memory at a budget",
+         quant.add_args, _quant),
+        ("fleet", "N replicas behind round-robin / least-queue / adapter-affinity routing",
+         _fleet_args, _fleet),
         ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
     ]  # fmt: skip
     for name, help_text, add_args, run in commands:

@@ -51,3 +51,20 @@ def test_a_command_without_its_extra_names_it_and_stops(runs, argv, needs):
 def test_bench_serve_without_charts_needs_no_extra(runs):
     assert cli.main(["bench", "serve", "--api-key", "k", "--no-plot"]) == 0
     assert runs == ["serve"]
+
+
+def test_bench_quant_is_a_subcommand_that_names_the_peer_extra(monkeypatch):
+    from loraplex.bench import quant
+
+    started = []
+    monkeypatch.setattr(quant, "run_quant", lambda args: started.append(args.formats))
+    monkeypatch.setitem(sys.modules, "hqq", None)  # the `quant-peers` extra not installed
+    argv = ["bench", "quant", "--model", "m", "--no-plot"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*argv, "--formats", "float32", "HQQ int4 g128"])
+    assert stop.value.code.startswith("loraplex: error: the peer formats need hqq: ")
+    assert "pip install 'loraplex[quant-peers]'" in stop.value.code
+    assert started == []
+    # Our own formats need no extra; the run gets what the command line chose.
+    assert cli.main([*argv, "--formats", "float32", "ours int4 g128 (Hadamard + GPTQ)"]) == 0
+    assert started == [["float32", "ours int4 g128 (Hadamard + GPTQ)"]]
