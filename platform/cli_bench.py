@@ -76,20 +76,6 @@ def _quant(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet(args: argparse.Namespace) -> int:
-    from loraplex.bench.fleet import run_fleet
-
-    _require(args, adapters=True)
-    doc = run_fleet(args)
-    return 0 if all(r["finished"] == r["requests"] for r in doc["rows"]) else 1
-
-
-def _fleet_args(p: argparse.ArgumentParser) -> None:
-    from loraplex.bench.fleet import add_args
-
-    add_args(p)
-
-
 def _docs(args: argparse.Namespace) -> int:
     from loraplex.bench.docs import write_docs
 
@@ -117,8 +103,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
          _cliff),
         ("quant", "weight formats: quality, LoRA on them, memory at a budget",
          quant.add_args, _quant),
-        ("fleet", "N replicas behind round-robin / least-queue / adapter-affinity routing",
-         _fleet_args, _fleet),
         ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
     ]  # fmt: skip
     for name, help_text, add_args, run in commands:
