@@ -1,10 +1,11 @@
 """The engine for servers: a background thread steps the engine; callers await token streams.
 
-    asyncio callers ──commands (add / abort)──▶ queue ──▶ engine thread: apply, step, step…
+    asyncio callers ──commands (add / abort)──▶ queue ──▶ engine thread: EngineCore.run
           ▲                                                      │
           └────── per-request asyncio.Queue ◀── call_soon_threadsafe(outputs)
 
-Only the engine thread touches the engine, so no locks guard its internals. A caller that
+The thread runs the same core loop as the engine process (engine/core.py). Only the engine
+thread touches the engine, so no locks guard its internals. A caller that
 stops iterating (client disconnect, task cancelled) aborts its request, which frees its
 KV blocks at the next step boundary.
 """
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import AbortRequest, AddRequest, Command, CommandSource, EngineCore, Stop
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -45,8 +47,9 @@ class StreamingEngine:
     """The caller side shared by the in-thread and the out-of-process engine: per-request
     asyncio queues fed from another thread, `generate()` and `abort()` over them.
 
-    Subclasses submit commands (`_submit`) and call `_deliver_all` from their engine-facing
-    thread with (request id, RequestOutput or exception) pairs.
+    Subclasses submit commands (`_submit`, engine/core.py's command types) and call
+    `_deliver_all` from their engine-facing thread with (request id, RequestOutput or
+    exception) pairs.
     """
 
     config: EngineConfig
@@ -57,7 +60,7 @@ class StreamingEngine:
         self._ids = itertools.count()
         self.error: BaseException | None = None
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         raise NotImplementedError
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -86,7 +89,7 @@ class StreamingEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._streams[rid] = stream
-        self._submit(("add", rid, prompt, params, lora_request, tenant, weight))
+        self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight))
         finished = False
         try:
             while True:
@@ -103,7 +106,7 @@ class StreamingEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
     def _deliver(self, rid: str, item) -> None:
         self._deliver_all([(rid, item)])
@@ -125,6 +128,29 @@ class StreamingEngine:
             self._deliver(rid, EngineDeadError(f"engine stopped: {error!r}"))
 
 
+class _QueueSource(CommandSource):
+    def __init__(self) -> None:
+        self.commands: queue.Queue = queue.Queue()
+        self.wake = threading.Event()
+
+    def put(self, command: Command) -> None:
+        self.commands.put(command)
+        self.wake.set()
+
+    def wait(self, timeout: float) -> bool:
+        ready = self.wake.wait(timeout)
+        self.wake.clear()
+        return ready or not self.commands.empty()
+
+    def drain(self) -> list[Command]:
+        out = []
+        while True:
+            try:
+                out.append(self.commands.get_nowait())
+            except queue.Empty:
+                return out
+
+
 class AsyncLLMEngine(StreamingEngine):
     """The engine stepped by a thread of this process."""
 
@@ -133,9 +159,8 @@ class AsyncLLMEngine(StreamingEngine):
         self.engine = engine
         self.config = engine.config
         self.tokenizer = engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._core = EngineCore(engine)
+        self._source = _QueueSource()
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -143,13 +168,11 @@ class AsyncLLMEngine(StreamingEngine):
     def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
         return cls(LLMEngine(config, progress=progress))
 
-    def _submit(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wake.set()
+    def _submit(self, command: Command) -> None:
+        self._source.put(command)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._source.put(Stop())
         self._thread.join(timeout)
         self.engine.adapters.close()
 
@@ -161,52 +184,13 @@ class AsyncLLMEngine(StreamingEngine):
         """A snapshot for metrics; read without locking, so counts may be one step stale."""
         return engine_stats(self.engine, self.error is None and self._thread.is_alive())
 
-    # ------------------------------------------------------------ engine thread
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, prompt, params, lora, tenant, weight = cmd
-                try:
-                    # The adapter loads on a loader thread; steps go on meanwhile.
-                    self.engine.add_request(
-                        rid,
-                        prompt,
-                        params,
-                        lora,
-                        tenant=tenant,
-                        weight=weight,
-                        wait_for_adapter=False,
-                    )
-                except Exception as e:  # bad input: that caller's error only
-                    self._deliver(rid, e)
-            elif cmd[0] == "abort":
-                out = self.engine.abort(cmd[1])
-                if out is not None:
-                    self._deliver(cmd[1], out)
+    def _loop(self) -> None:  # the engine thread
+        def sink(results, _stats) -> None:
+            self._deliver_all(results)
 
-    def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._apply_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                items = []
-                for out in self.engine.step():
-                    err = self.engine.load_errors.pop(out.request_id, None)
-                    # Its adapter failed to load: the caller gets the error, typed.
-                    items.append((out.request_id, out if err is None else err))
-                self._deliver_all(items)
+            self._core.run(self._source, sink)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller
             self._fail_all(e)
+            self._core.abort_all(sink)
             raise
-        finally:
-            for rid in list(self.engine.requests):
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._deliver(rid, out)

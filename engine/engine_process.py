@@ -6,7 +6,7 @@ work. Here the engine steps in a child process with its own interpreter; the ser
 keeps only queues, the tokenizer and a reader thread:
 
     server process                                    engine process (spawned)
-    generate() ── JSON commands (add / abort / stop) ──▶ apply, step, step…
+    generate() ── JSON commands (add / abort / stop) ──▶ EngineCore.run (engine/core.py)
     asyncio queues ◀── reader thread ◀── JSON output deltas + stats, one message per step
 
 Messages are JSON over two one-way pipes, never pickles; a step's outputs carry only what
@@ -31,7 +31,9 @@ from pathlib import Path
 from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.async_engine import EngineDeadError, StreamingEngine
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import AbortRequest, AddRequest, Command, CommandSource, Stop
 from loraplex.engine.lora import AdapterError
+from loraplex.engine.memory import MemoryReport
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
 from loraplex.engine.output_deltas import (
     OutputDecoder,
@@ -41,7 +43,7 @@ from loraplex.engine.output_deltas import (
 )
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.engine.stats import EngineStats, engine_stats
+from loraplex.engine.stats import EngineStats
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
@@ -74,7 +76,8 @@ def _error_from(e: RequestError) -> BaseException:
 def _child_main(
     config: dict, commands: Connection, outputs: Connection, progress: bool, log_level: int
 ) -> None:
-    from loraplex.engine.llm_engine import LLMEngine  # torch & co. load here, in the child
+    from loraplex.engine.core import EngineCore  # torch & co. load here, in the child
+    from loraplex.engine.llm_engine import LLMEngine
     from loraplex.engine.quantization import resident_weight_bytes
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
@@ -85,60 +88,69 @@ def _child_main(
         _send(outputs, ["failed", " ".join(f"{type(e).__name__}: {e}".split())])
         return
     cfg = dataclasses.asdict(engine.config)
-    _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model)])
+    memory = dataclasses.asdict(engine.memory)
+    _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model), memory])
     encoder = OutputEncoder()  # how much of each running request's output has gone out
-    last_stats = 0.0
+
+    def sink(results, stats) -> None:
+        msg = StepMessage()
+        for rid, item in results:
+            if isinstance(item, BaseException):  # that request's error (bad input, adapter)
+                msg.errors.append(_request_error(rid, item))
+                encoder.forget(rid)
+            else:
+                msg.outputs.append(encoder.encode(item))
+        if stats is not None:
+            msg.stats = dataclasses.asdict(stats)
+        outputs.send_bytes(msg.to_json())
+
     try:
-        while True:
-            # Idle: block on the pipe (a short timeout keeps adapter loads moving); busy: drain.
-            if engine.has_unfinished() or commands.poll(0.05):
-                while commands.poll(0):
-                    cmd = json.loads(commands.recv_bytes())
-                    if cmd[0] == "stop":
-                        return
-                    msg = _apply(engine, cmd, encoder)
-                    if msg is not None:
-                        outputs.send_bytes(msg.to_json())
-            msg = StepMessage()
-            if engine.has_unfinished():
-                for out in engine.step():
-                    err = engine.load_errors.pop(out.request_id, None)
-                    if err is not None:  # its adapter failed to load: the caller's error
-                        msg.errors.append(_request_error(out.request_id, err))
-                        encoder.forget(out.request_id)
-                        continue
-                    msg.outputs.append(encoder.encode(out))
-            now = time.monotonic()
-            if now - last_stats > STATS_EVERY_S:
-                msg.stats, last_stats = dataclasses.asdict(engine_stats(engine, True)), now
-            if msg.outputs or msg.errors or msg.stats is not None:
-                outputs.send_bytes(msg.to_json())
+        EngineCore(engine, stats_every_s=STATS_EVERY_S).run(_PipeSource(commands), sink)
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
     finally:
         engine.adapters.close()
 
 
-def _apply(engine, cmd: list, encoder: OutputEncoder) -> StepMessage | None:
+class _PipeSource(CommandSource):
+    """Commands as JSON lists: ["add", id, prompt, params, lora, tenant, weight],
+    ["abort", id], ["stop"]."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def wait(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def drain(self) -> list[Command]:
+        out: list[Command] = []
+        while self.conn.poll(0):
+            out.append(_command(json.loads(self.conn.recv_bytes())))
+        return out
+
+
+def _command(cmd: list) -> Command:
     if cmd[0] == "add":
         _, rid, prompt, params, lora, tenant, weight = cmd
-        try:
-            engine.add_request(
-                rid,
-                prompt,
-                SamplingParams(**params),
-                None if lora is None else LoRARequest(*lora),
-                tenant=tenant,
-                weight=weight,
-                wait_for_adapter=False,
-            )
-        except Exception as e:  # bad input: that caller's error only
-            return StepMessage(errors=[_request_error(rid, e)])
-        return None
+        lora = None if lora is None else LoRARequest(*lora)
+        return AddRequest(rid, prompt, SamplingParams(**params), lora, tenant, weight)
     if cmd[0] == "abort":
-        out = engine.abort(cmd[1])
-        return None if out is None else StepMessage(outputs=[encoder.encode(out)])
+        return AbortRequest(cmd[1])
+    if cmd[0] == "stop":
+        return Stop()
     raise ValueError(f"unknown engine command {cmd[0]!r}")
+
+
+def _encode_command(command: Command) -> list:
+    if isinstance(command, AddRequest):
+        params = dataclasses.asdict(command.params or SamplingParams())
+        lora = command.lora
+        lora = None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
+        return ["add", command.request_id, command.prompt, params, lora, command.tenant,
+                command.weight]  # fmt: skip
+    if isinstance(command, AbortRequest):
+        return ["abort", command.request_id]
+    return ["stop"]
 
 
 # ---------------------------------------------------------------------------- parent
@@ -186,21 +198,17 @@ class EngineProcess(StreamingEngine):
             raise RuntimeError(f"the engine process could not start: {msg[1]}")
         self.config = EngineConfig(**msg[1])
         self.weight_bytes: int = msg[2]
+        self.memory = MemoryReport(**msg[3])  # what the engine logged at start
         self._reader = threading.Thread(target=self._read, name="loraplex-engine-io", daemon=True)
         self._reader.start()
 
-    def _submit(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, rid, prompt, params, lora, tenant, weight = command
-            params = dataclasses.asdict(params or SamplingParams())
-            lora = None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
-            command = ("add", rid, prompt, params, lora, tenant, weight)
+    def _submit(self, command: Command) -> None:
         try:
             with self._send_lock:
-                _send(self._cmd_send, list(command))
+                _send(self._cmd_send, _encode_command(command))
         except OSError as e:  # the child is gone: the reader reports it to the callers
-            if command[0] == "add":
-                self._deliver(command[1], EngineDeadError(f"engine stopped: {e!r}"))
+            if isinstance(command, AddRequest):
+                self._deliver(command.request_id, EngineDeadError(f"engine stopped: {e!r}"))
 
     def _read(self) -> None:
         try:
@@ -237,7 +245,7 @@ class EngineProcess(StreamingEngine):
     def shutdown(self, timeout: float = 10.0) -> None:
         try:
             with self._send_lock:
-                _send(self._cmd_send, ["stop"])
+                _send(self._cmd_send, _encode_command(Stop()))
         except OSError:
             pass
         self._proc.join(timeout)

@@ -1,0 +1,157 @@
+"""The engine core loop, the one both server modes run: apply commands, step, hand out results.
+
+    commands (AddRequest / AbortRequest / Stop) ──▶ EngineCore.run: apply, step, step…
+                                                         │
+                 sink(results, stats) ◀──────────────────┘  per step: (request id, output
+                                                            or the error that request caused)
+
+`AsyncLLMEngine` runs it on a thread of the server process (commands from a queue, results
+straight to the callers' asyncio queues); `EngineProcess` runs it in a child process (commands
+from a pipe, results encoded as output deltas). Only the loop's thread touches the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import LoRARequest
+from loraplex.engine.stats import EngineStats, engine_stats
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams | None
+    lora: LoRARequest | None
+    tenant: str | None
+    weight: float
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Command = AddRequest | AbortRequest | Stop
+# What a step hands out: per request, its output or the exception it gets instead.
+Result = tuple[str, "RequestOutput | Exception"]
+
+
+class CommandSource:
+    """Where the loop's commands come from (a queue, a pipe)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` s for a command; True if one may be ready."""
+        raise NotImplementedError
+
+    def drain(self) -> list[Command]:
+        """Every command ready now, without blocking."""
+        raise NotImplementedError
+
+
+class EngineCore:
+    """Steps one LLMEngine. `stats_every_s`: `run` hands the sink a stats snapshot at least
+    this often, and at once whenever what a router reads changed (request counts, adapter
+    residency) — so a queue that lasts a step is seen (None: never; a thread-mode caller
+    reads the engine directly)."""
+
+    IDLE_WAIT_S = 0.05  # idle: block this long on the commands (keeps adapter loads moving)
+
+    def __init__(self, engine: LLMEngine, stats_every_s: float | None = None):
+        self.engine = engine
+        self.stats_every_s = stats_every_s
+        self._last_stats = 0.0
+        self._last_key: tuple | None = None
+
+    def apply(self, cmd: Command) -> list[Result]:
+        """Apply one command; what its caller gets at once (a bad request's error, an aborted
+        request's last output)."""
+        if isinstance(cmd, AddRequest):
+            try:
+                # The adapter loads on a loader thread; steps go on meanwhile.
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    cmd.lora,
+                    tenant=cmd.tenant,
+                    weight=cmd.weight,
+                    wait_for_adapter=False,
+                )
+            except Exception as e:  # bad input: that caller's error only
+                return [(cmd.request_id, e)]
+            return []
+        if isinstance(cmd, AbortRequest):
+            out = self.engine.abort(cmd.request_id)
+            return [] if out is None else [(cmd.request_id, out)]
+        raise TypeError(f"unknown engine command {cmd!r}")
+
+    def step(self) -> list[Result]:
+        """One engine step (nothing when idle): each output, or, for a request whose adapter
+        failed to load, that error."""
+        if not self.engine.has_unfinished():
+            return []
+        results: list[Result] = []
+        for out in self.engine.step():
+            err = self.engine.load_errors.pop(out.request_id, None)
+            results.append((out.request_id, out if err is None else err))
+        return results
+
+    def stats(self, alive: bool = True) -> EngineStats:
+        return engine_stats(self.engine, alive)
+
+    def run(
+        self,
+        source: CommandSource,
+        sink: Callable[[list[Result], EngineStats | None], None],
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Loop until a Stop command (or `stopped()`): commands first, then a step; the sink
+        gets each batch of results, with a stats snapshot every `stats_every_s` while busy.
+        On a stop every unfinished request is aborted and handed out; an exception propagates
+        with the requests left as they are (the caller fails them, then `abort_all`)."""
+        while not stopped():
+            if self.engine.has_unfinished() or source.wait(self.IDLE_WAIT_S):
+                for cmd in source.drain():
+                    if isinstance(cmd, Stop):
+                        self.abort_all(sink)
+                        return
+                    if results := self.apply(cmd):
+                        sink(results, None)
+            results = self.step()
+            snapshot = self._snapshot_due()
+            if results or snapshot is not None:
+                sink(results, snapshot)
+        self.abort_all(sink)
+
+    def _snapshot_due(self) -> EngineStats | None:
+        if self.stats_every_s is None:
+            return None
+        s, now = self.stats(), time.monotonic()
+        key = (s.running, s.waiting, s.resident_adapters, s.running_adapters, s.waiting_adapters)
+        if key == self._last_key and now - self._last_stats <= self.stats_every_s:
+            return None
+        self._last_key, self._last_stats = key, now
+        return s
+
+    def abort_all(self, sink: Callable[[list[Result], EngineStats | None], None]) -> None:
+        results: list[Result] = []
+        for rid in list(self.engine.requests):
+            out = self.engine.abort(rid)
+            if out is not None:
+                results.append((rid, out))
+        if results:
+            with contextlib.suppress(EOFError, OSError):  # nobody left to tell
+                sink(results, None)
