@@ -23,7 +23,7 @@ import time
 
 from fastapi import Request, Response
 
-from loraplex.platform.api.errors import APIError
+from loraplex.platform.errors import APIError
 
 SESSION_COOKIE = "lpx_admin"
 CSRF_HEADER = "x-csrf-token"

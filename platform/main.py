@@ -16,7 +16,6 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.quantization import resident_weight_bytes
-from loraplex.platform.api.deps import AppState
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import (
     adapters,
@@ -30,6 +29,7 @@ from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessi
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
 from loraplex.platform.settings import Settings
+from loraplex.platform.state import AppState
 from loraplex.platform.store import AdapterCache, make_store
 
 log = logging.getLogger("loraplex.platform")

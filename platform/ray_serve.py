@@ -35,12 +35,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from loraplex.platform.api.deps import Caller, current_caller
-from loraplex.platform.api.errors import APIError, error_body
+from loraplex.platform.api.deps import current_caller
+from loraplex.platform.errors import APIError, error_body
 from loraplex.platform.main import create_app, load_engine
 from loraplex.platform.security import new_admin_key
 from loraplex.platform.serving import InferenceService
 from loraplex.platform.settings import Settings
+from loraplex.platform.state import Caller
 
 APP_NAME, DEPLOYMENT_NAME = "loraplex", "LoraplexReplica"
 REPLICA_HEADER = "x-loraplex-replica"  # the replica actor that answered

@@ -22,10 +22,10 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
 from loraplex.platform import quotas, usage
-from loraplex.platform.api.deps import AppState, Caller
-from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.errors import APIError
+from loraplex.platform.state import AppState, Caller
 from loraplex.platform.tool_calls import Tool, plain_tool_messages, template_messages
 
 FALLBACK_STOP = "\nUser:"

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.platform.api.errors import APIError
+from loraplex.platform.errors import APIError
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 

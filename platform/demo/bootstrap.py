@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 
 from loraplex.engine.models.spec import spec_from_config
-from loraplex.platform.api.deps import AppState
-from loraplex.platform.api.routes.adapters import store_and_register
+from loraplex.platform.adapter_service import store_and_register
 from loraplex.platform.db import crud
 from loraplex.platform.demo.adapters import prepare_demo_adapters
+from loraplex.platform.state import AppState
 from loraplex.platform.uploads.validate import validate_adapter
 
 TENANT = "demo"

@@ -13,10 +13,10 @@ from fastapi import APIRouter, Body, Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
+from loraplex.platform.adapter_service import remove_adapter
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.api.routes import admin_usage
-from loraplex.platform.api.routes.adapters import remove_adapter
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, Tenant, TenantStatus, utcnow
 from loraplex.platform.db.schemas import (

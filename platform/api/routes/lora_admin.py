@@ -23,9 +23,9 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.platform.adapter_service import NAME, remove_adapter, store_and_register
 from loraplex.platform.api.deps import AdminDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
-from loraplex.platform.api.routes.adapters import NAME, remove_adapter, store_and_register
 from loraplex.platform.db import crud
 from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import UploadError, receive_files, upload_workspace
