@@ -117,10 +117,6 @@ class AdapterManager:
             m.lora_a.nbytes + m.lora_b.nbytes for mods in self.modules for m in mods.values()
         )
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(a.nbytes for a in self.host.values())
-
     # ------------------------------------------------------------ host tier
     def acquire(self, lora: LoRARequest) -> None:
         """Pin an adapter for a new request and start loading it if it is not in memory."""
