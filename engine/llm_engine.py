@@ -31,7 +31,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
-from loraplex.engine.speculative import NgramProposer, accept_prefix
+from loraplex.engine.speculative import NgramProposer, SpecDecodeStats, accept_prefix
 from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.tokenizer import Tokenizer
 
@@ -120,7 +120,7 @@ class LLMEngine:
         self.proposer = None
         if config.num_speculative_tokens:
             self.proposer = NgramProposer(config.num_speculative_tokens)
-        self.spec_counts = [0, 0]  # speculative tokens proposed, accepted
+        self.spec_stats = SpecDecodeStats()
 
     def _make_swap_space(self, config: EngineConfig):
         """The host KV pool for preemption by swap and its measured copy costs (or none)."""
@@ -290,8 +290,7 @@ class LLMEngine:
                 tokens = accept_prefix(seq.spec_tokens, tokens)
                 seq.spec_proposed += k
                 seq.spec_accepted += len(tokens) - 1
-                self.spec_counts[0] += k
-                self.spec_counts[1] += len(tokens) - 1
+                self.spec_stats.record(k, len(tokens) - 1)
             sampled[seq.seq_no] = tokens
             for proc in seq.processors:
                 proc.accept(tokens[0])  # processors' requests are never speculated

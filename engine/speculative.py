@@ -19,6 +19,8 @@ proposals it has not accepted yet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 
@@ -30,6 +32,26 @@ def accept_prefix(proposed: list[int], drawn: list[int]) -> list[int]:
     while a < len(proposed) and drawn[a] == proposed[a]:
         a += 1
     return proposed[:a] + [drawn[a]]
+
+
+@dataclass
+class SpecDecodeStats:
+    """Engine-wide counters, with vLLM's meanings: a draft is one request's proposals scored in
+    one step; `accepted_per_pos[j]` counts drafts whose (j+1)-th proposal was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_proposed:
+            self.accepted_per_pos += [0] * (num_proposed - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
 
 
 class NgramProposer:

@@ -2,7 +2,7 @@
 
 A snapshot, taken on the engine's side without stopping its loop (plain reads of counters and
 small lists; it may be one step stale). In process mode it crosses the pipe as a JSON dict now
-and then, so every field is a number, a bool or a list of adapter names.
+and then, so every field is a number, a bool or a list (of adapter names, or of counts).
 
 Adapter residency is reported as it is, not as request states: `resident_adapters` hold a
 device slot now, `host_adapters` are in host memory, `waiting_adapters` have requests queued
@@ -48,6 +48,11 @@ class EngineStats:
     host_adapters: list[str] = field(default_factory=list)  # in host memory (LRU order)
     running_adapters: list[str] = field(default_factory=list)  # adapters of running requests
     waiting_adapters: list[str] = field(default_factory=list)  # queued, not in a slot
+    # Speculative decoding (engine/speculative.py SpecDecodeStats), counters since start.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 def _names(ids, names: dict[int, str]) -> list[str]:
@@ -70,6 +75,7 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
     waiting_ids = dict.fromkeys(
         s.adapter_id for s in waiting if s.adapter_id and s.adapter_id not in slots
     )
+    spec = engine.spec_stats
     return EngineStats(
         running=len(running),
         waiting=len(waiting),
@@ -99,4 +105,8 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
         host_adapters=_names(list(ad.host), names),
         running_adapters=_names(running_ids, names),
         waiting_adapters=_names(waiting_ids, names),
+        spec_drafts=spec.num_drafts,
+        spec_draft_tokens=spec.num_draft_tokens,
+        spec_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_pos=list(spec.accepted_per_pos),
     )

@@ -59,6 +59,7 @@ def _settings(args: argparse.Namespace):
             "quantization": getattr(args, "quantization", None),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
             "kv_admission": getattr(args, "kv_admission", None),
+            "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
             "max_model_len": getattr(args, "max_model_len", None),
         }.items()
         if v is not None
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache element type (default: settings)")  # fmt: skip
     s.add_argument("--kv-admission", action="store_true", default=None,
                    help="admit by expected KV growth, not by prompt alone")  # fmt: skip
+    s.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="speculative decoding by prompt lookup: K tokens proposed per request "
+                   "per step (0: off; default: settings)")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip

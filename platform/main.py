@@ -42,6 +42,7 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         quantization=settings.quantization,
         kv_cache_dtype=settings.kv_cache_dtype,
         kv_admission=settings.kv_admission,
+        num_speculative_tokens=settings.num_speculative_tokens,
         max_loras=settings.max_loras,
         max_cpu_loras=settings.max_cpu_loras,
         num_threads=settings.engine_threads or max(1, len(os.sched_getaffinity(0)) - 1),

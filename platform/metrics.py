@@ -11,6 +11,8 @@ Two families side by side:
   from the store, or in host memory waiting for a slot). Its labels carry served adapter
   names (what a tenant puts in `model`, the only name a router can match), so they are
   bounded by `max_lora` + the queue, and `/metrics` is for operators: see docs/fleet.md.
+  Speculative decoding's counters too (`vllm:spec_decode_*`): drafts (one request's proposals
+  scored in one step), draft tokens, accepted tokens, and accepted tokens per position.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -109,11 +112,14 @@ class Metrics:
             "Adapters with queued requests that are not in a device slot",
             registry=r,
         )
+        self.stats = None  # the engine snapshot of the latest refresh
+        r.register(_SpecDecodeCollector(self))
 
     def refresh(self, stats) -> None:
         """Copy the engine's snapshot into gauges (at scrape time)."""
         if stats is None:
             return
+        self.stats = stats
         self.vllm_waiting.set(stats.waiting)
         self.vllm_running.set(stats.running)
         self.vllm_kv_usage.set(stats.kv_usage)
@@ -142,3 +148,33 @@ def served_names(engine_names: list[str]) -> list[str]:
     """The names tenants serve adapters under, from the engine's `<tenant id>/<name>`: sorted,
     once each (two tenants' adapters of one name are one name to a router)."""
     return sorted({n.split("/", 1)[-1] for n in engine_names})
+
+
+class _SpecDecodeCollector:
+    """vLLM's speculative-decoding counters, read from the engine's own running totals (a
+    Counter we `inc` would drift from them)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # registered unchecked: names come from collect()
+
+    def collect(self):
+        s = self.metrics.stats
+        if s is None:
+            return
+        for name, doc, value in (
+            ("drafts", "Speculative drafts scored", s.spec_drafts),
+            ("draft_tokens", "Speculative tokens proposed", s.spec_draft_tokens),
+            ("accepted_tokens", "Speculative tokens accepted", s.spec_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"vllm:spec_decode_num_{name}", doc, value=value)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted speculative tokens per position in the draft",
+            labels=["position"],
+        )
+        for j, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([str(j)], n)
+        yield per_pos

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         description="admit a request only when its expected KV growth fits (output "
         "lengths learned from finished requests) instead of by its prompt alone",
     )
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="speculative decoding by prompt lookup: tokens proposed per request per "
+        "step (0: off); pays where outputs copy their prompt (editing, summarising)",
+    )
     max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
     engine_threads: int | None = Field(
         None,

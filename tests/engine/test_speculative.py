@@ -77,7 +77,8 @@ def test_prompt_lookup_keeps_greedy_output_and_saves_steps(setup):
     llm = LLM(model, dtype="float32", max_lora_rank=8, num_speculative_tokens=4)
     outs, steps = run(llm, loras)
     assert [o.token_ids for o in outs] == want
-    proposed, accepted = llm.engine.spec_counts
+    stats = llm.engine.spec_stats
+    proposed, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     assert proposed > 0 and 0 <= accepted <= proposed
 
 
@@ -88,7 +89,8 @@ def test_any_proposals_leave_greedy_output_unchanged(setup, spoil):
     llm.engine.proposer = Oracle(PROMPTS, want, spoil_every=spoil)
     outs, steps = run(llm, loras)
     assert [o.token_ids for o in outs] == want
-    proposed, accepted = llm.engine.spec_counts
+    stats = llm.engine.spec_stats
+    proposed, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     if spoil:  # the last of every 3 proposals is wrong: at most 2 of 3 land
         assert 0 < accepted <= proposed * 2 // 3
     else:  # every proposal lands: 4 tokens a step (40 tokens: the prefill step + 10 more)
@@ -127,3 +129,23 @@ def test_a_stop_inside_accepted_tokens_ends_the_output_there(setup):
     short = dataclasses.replace(GREEDY, max_tokens=7)
     outs, _ = run(llm, loras, short)
     assert all(len(o.token_ids) == 7 for o in outs)
+
+
+def test_speculation_stops_for_a_request_whose_proposals_do_not_land(setup):
+    model, loras, want = setup
+    llm = LLM(model, dtype="float32", max_lora_rank=8, num_speculative_tokens=4)
+    good, bad = Oracle(PROMPTS[:1], want[:1]), Oracle(PROMPTS[1:], want[1:])
+
+    class Mixed:  # right for the first request, always wrong for the others
+        def propose(self, tokens, k):
+            return good.propose(tokens, k) or [(t + 1) % 512 for t in bad.propose(tokens, k)]
+
+    llm.engine.proposer = Mixed()
+    outs, _ = run(llm, loras)
+    assert [o.token_ids for o in outs] == want
+    stats = llm.engine.spec_stats
+    # The first request's proposals all land; each of the others pays for 32 proposals (8
+    # drafts of 4, none accepted) and is then decoded without proposals.
+    assert stats.num_accepted_tokens > 30
+    assert stats.num_draft_tokens - stats.num_accepted_tokens == 2 * 32
+    assert stats.accepted_per_pos[0] == stats.num_drafts - 2 * 8

@@ -229,7 +229,10 @@ def make_tiny_model(
     tie: bool | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random-weight float32 model of `kind` (see module doc) plus tokenizer to `path`."""
+    """Write a random-weight float32 model of `kind` (see module doc) plus tokenizer to `path`.
+
+    A `vocab_size` too small for a tokenizer (statistical tests want a handful of tokens)
+    keeps a 512-id tokenizer, of which the model produces only the first `vocab_size`."""
     import transformers
 
     path = Path(path)
@@ -242,7 +245,7 @@ def make_tiny_model(
     )
     # 150 KB shards: the default 2-layer llama (~0.6 MB) splits into several files + index.
     model.save_pretrained(path, safe_serialization=True, max_shard_size="150KB" if shard else "5GB")
-    make_tokenizer(path, vocab_size=vocab_size)
+    make_tokenizer(path, vocab_size=vocab_size if vocab_size > 256 + len(SPECIAL_TOKENS) else 512)
     return path
 
 
