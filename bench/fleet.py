@@ -50,16 +50,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=int, default=256)
     p.add_argument("--requests", type=int, default=600, help="of the measured trace")
     p.add_argument("--warmup", type=int, default=1500, help="warm-up requests (1 token each)")
-    p.add_argument("--rate", type=float, default=10.0, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
     p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of popularity")
     p.add_argument("--input-len", default="16:64", help="prompt tokens, N or LOW:HIGH")
     p.add_argument("--output-len", default="8:32", help="output tokens, N or LOW:HIGH")
-    p.add_argument("--max-loras", type=int, default=4, help="device slots per replica")
+    p.add_argument("--max-loras", type=int, default=2, help="device slots per replica")
     p.add_argument("--max-cpu-loras", type=int, default=64, help="host tier per replica")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--queue-tolerance", type=float, default=4.0,
+    p.add_argument("--queue-tolerance", type=float, default=2.0,
                    help="affinity: extra queued requests worth one point of affinity")  # fmt: skip
+    p.add_argument("--host-weight", type=float, default=2.0,
+                   help="affinity-host: score of holding the adapter in the host tier")  # fmt: skip
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--repeats", type=int, default=1, help="runs per policy (order alternates)")
     p.add_argument("--seed", type=int, default=0)
@@ -144,7 +146,8 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
     from loraplex.engine.sequence import LoRARequest
 
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
-    router = Router(policy, args.replicas, seed=args.seed, queue_tolerance=args.queue_tolerance)
+    router = Router(policy, args.replicas, seed=args.seed, queue_tolerance=args.queue_tolerance,
+                    host_weight=args.host_weight)  # fmt: skip
     engines = build_engines(model, args)
     try:
         warm, measured = traces
@@ -206,7 +209,8 @@ def run_fleet(args: argparse.Namespace) -> dict:
     doc = {"kind": "fleet", "model": args.model, "replicas": args.replicas,
            "adapters": args.adapters, "max_loras": args.max_loras,
            "max_cpu_loras": args.max_cpu_loras, "max_num_seqs": args.max_num_seqs,
-           "queue_tolerance": args.queue_tolerance, "trace": cfg.describe(),
+           "queue_tolerance": args.queue_tolerance, "host_weight": args.host_weight,
+           "trace": cfg.describe(),
            "warmup": warm.num_requests, "repeats": args.repeats, "machine": machine(),
            "runs": runs, "rows": medians(runs, args.policies)}  # fmt: skip
     doc["goals"] = goals(doc["rows"])

@@ -6,14 +6,14 @@
                     replica, a LoRA-affinity score from what its /metrics shows
                     (`running_lora_adapters` = device slots, `waiting_lora_adapters`, `max_lora`)
                     plus a KV-usage score minus a queue penalty; the highest wins
-    affinity-host   the same, and a replica also counts as holding an adapter that sits in its
-                    host tier (EngineStats.host_adapters: no disk load, only a slot copy)
+    affinity-host   the same slot tiers (a slot is free unless a running request uses it),
+                    plus `host_weight` where the adapter sits in the replica's host tier
+                    (EngineStats.host_adapters: no disk read, only a slot copy)
 
 The affinity tiers follow the picker's LoRA-affinity scorer (1.0 adapter active, 0.8 adapter
-waiting, 0.5 room for one more adapter, 0 otherwise; host tier 0.9 between active and
-waiting). The queue term is absolute, not normalised across replicas: a replica that holds
-the adapter keeps it until its queue is `queue_tolerance` requests longer than another's per
-point of affinity, so a popular adapter spills over only under real imbalance.
+waiting, 0.5 room for one more adapter, 0 otherwise). The queue term is absolute, not
+normalised across replicas: each request queued costs 1 / `queue_tolerance` points, so a
+replica holding the adapter keeps it until its queue is that much longer than another's.
 
 A replica's queue is the router's own count of requests it sent there that have not finished:
 the replica's waiting + running without a scrape's lag (requests routed in one burst would
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from loraplex.engine.stats import EngineStats
 
 POLICIES = ("round-robin", "least-queue", "affinity", "affinity-host")
-ACTIVE, HOST, WAITING, ROOM = 1.0, 0.9, 0.8, 0.5  # the LoRA-affinity tiers
+ACTIVE, WAITING, ROOM = 1.0, 0.8, 0.5  # the LoRA-affinity tiers
 
 
 @dataclass
@@ -46,17 +46,28 @@ class ReplicaView:
 
 
 def lora_affinity(view: ReplicaView, adapter: str | None, host_tier: bool) -> float:
-    """The picker's LoRA-affinity score of a replica for `adapter` (None: the base model)."""
+    """The picker's LoRA-affinity score of a replica for `adapter` (None: the base model).
+
+    Without the host tier a slot counts as taken once an adapter sits in it (all /metrics
+    shows); with it, only while a running request uses it (an idle slot is reused at once).
+    """
     s = view.stats
     if adapter is None or adapter in s.resident_adapters or adapter in s.running_adapters:
         return ACTIVE
-    if host_tier and adapter in s.host_adapters:
-        return HOST
     if adapter in s.waiting_adapters or view.in_flight.get(adapter):
         return WAITING  # loading, or queued for a slot: it will be there
-    if host_tier:
-        return ROOM if s.adapters_in_host < view.max_cpu_loras else 0.0
-    return ROOM if s.adapter_slots_used < s.adapter_slots else 0.0
+    taken = len(s.running_adapters) if host_tier else s.adapter_slots_used
+    return ROOM if taken < s.adapter_slots else 0.0
+
+
+def host_affinity(view: ReplicaView, adapter: str | None) -> float:
+    """1 where the adapter's weights are in the replica's host tier (or on their way there):
+    a request sent elsewhere reads them from disk."""
+    s = view.stats
+    if adapter is None:
+        return 0.0
+    held = adapter in s.host_adapters or adapter in s.waiting_adapters
+    return 1.0 if held or view.in_flight.get(adapter) else 0.0
 
 
 class Router:
@@ -66,30 +77,29 @@ class Router:
         num_replicas: int,
         *,
         seed: int = 0,
-        queue_tolerance: float = 4.0,
+        queue_tolerance: float = 2.0,
         lora_weight: float = 1.0,
         kv_weight: float = 0.5,
+        host_weight: float = 1.0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; use one of {POLICIES}")
         if num_replicas < 1 or queue_tolerance <= 0:
             raise ValueError("need at least one replica and a positive queue_tolerance")
         self.policy, self.n = policy, num_replicas
-        self.queue_tolerance, self.lora_weight, self.kv_weight = (
-            queue_tolerance,
-            lora_weight,
-            kv_weight,
-        )
+        self.queue_tolerance, self.lora_weight = queue_tolerance, lora_weight
+        self.kv_weight, self.host_weight = kv_weight, host_weight
         self._turn = itertools.cycle(range(num_replicas))
         self._rng = random.Random(f"router/{seed}")
 
     def score(self, view: ReplicaView, adapter: str | None) -> float:
         host_tier = self.policy == "affinity-host"
-        return (
+        score = (
             self.lora_weight * lora_affinity(view, adapter, host_tier)
             + self.kv_weight * (1.0 - view.stats.kv_usage)
             - view.queue / self.queue_tolerance
         )
+        return score + (self.host_weight * host_affinity(view, adapter) if host_tier else 0.0)
 
     def pick(self, views: list[ReplicaView], adapter: str | None) -> int:
         """The replica index for a request naming `adapter`."""
