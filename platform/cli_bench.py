@@ -1,4 +1,4 @@
-"""`loraplex bench serve|offline|scaling|peers|cliff|quant|docs`; code in `loraplex.bench`."""
+"""`loraplex bench serve|offline|scaling|peers|cliff|quant|fleet|docs`; code in `loraplex.bench`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,14 @@ def _quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(args: argparse.Namespace) -> int:
+    from loraplex.bench.fleet import run_fleet
+
+    _require(args, adapters=True)
+    doc = run_fleet(args)
+    return 0 if all(r["finished"] == r["requests"] for r in doc["rows"]) else 1
+
+
 def _docs(args: argparse.Namespace) -> int:
     from loraplex.bench.docs import write_docs
 
@@ -84,7 +92,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from loraplex.bench import cliff, docs, quant, scaling, serve
+    from loraplex.bench import cliff, docs, fleet, quant, scaling, serve
     from loraplex.bench.peers import compare
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -103,6 +111,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
          _cliff),
         ("quant", "weight formats: quality, LoRA on them, memory at a budget",
          quant.add_args, _quant),
+        ("fleet", "N replicas behind round-robin / least-queue / adapter-affinity routing",
+         fleet.add_args, _fleet),
         ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
     ]  # fmt: skip
     for name, help_text, add_args, run in commands:
