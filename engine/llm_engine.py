@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +23,11 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.loader import load_model
 from loraplex.engine.logits_processors import ProcessorContext, build_processors
+from loraplex.engine.memory import MemoryReport
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
 from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
@@ -36,20 +37,6 @@ from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Device memory for adapters and the KV cache: one budget, adapter slots carved first.
-
-    kv_cache_bytes budget  = adapter slots (max_loras x max_lora_rank, every layer)
-                           + KV pool (whole blocks)  + unused remainder
-    """
-
-    budget_bytes: int
-    adapter_slot_bytes: int
-    kv_cache_bytes: int
-    num_kv_blocks: int
 
 
 def _sample_seed(seed: int | None, index: int) -> int | None:
@@ -97,8 +84,15 @@ class LLMEngine:
             adapter_slot_bytes=slot_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_kv_blocks=self.runner.num_blocks,
+            weight_bytes=resident_weight_bytes(self.model),
+            quantization=getattr(self.model, "quantization", None),
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            block_size=config.block_size,
+            adapter_slots=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            host_adapters=config.max_cpu_loras,
         )
-        log.info("device memory: %s", self.memory)
+        log.info("memory: %s", self.memory.summary())
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

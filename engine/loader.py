@@ -168,6 +168,7 @@ def load_model(
         if n:
             log.info("%d linear layers pre-packed for oneDNN", n)
     method = quantization or (stored.method if stored is not None else None)
+    model.quantization = method  # what the start log and /metrics name the weights' format
     # A tied head packed costs a copy of the table: not where quantization is saving memory.
     if (method is None or not spec.tie_embeddings) and prepack_cpu_lm_head(model):
         log.info(

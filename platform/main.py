@@ -15,7 +15,6 @@ from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import (
     adapters,
@@ -70,12 +69,12 @@ def load_engine(state: AppState, model_dir: str) -> None:
     if state.settings.engine_process:
         proc = EngineProcess(config, progress=True)
         state.spec = proc.spec
-        state.metrics.weight_bytes.set(proc.weight_bytes)
+        state.metrics.set_memory(proc.memory)
         state.engine = proc
     else:
         engine = LLMEngine(config, progress=True)
         state.spec = engine.model.spec
-        state.metrics.weight_bytes.set(resident_weight_bytes(engine.model))
+        state.metrics.set_memory(engine.memory)
         state.engine = AsyncLLMEngine(engine)
     log.info("model %s ready", state.model_name)
 

@@ -71,9 +71,21 @@ class Metrics:
         )
         self.preemptions = Gauge("loraplex_preemptions", "Sequences preempted", registry=r)
         self.model_loaded = Gauge("loraplex_model_loaded", "1 when the model is ready", registry=r)
+        # Set once at start, from the engine's MemoryReport (its start log line says the same).
         self.weight_bytes = Gauge(
             "loraplex_model_weight_bytes",
             "Resident base-model weight bytes (after quantization; no KV cache, no adapters)",
+            ["quantization"],
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "loraplex_kv_cache_capacity_tokens", "Tokens the KV pool holds", registry=r
+        )
+        self.kv_bytes = Gauge("loraplex_kv_cache_bytes", "Bytes of the KV pool", registry=r)
+        self.adapter_capacity = Gauge(
+            "loraplex_adapter_slots",
+            "Adapters that fit per tier (device: slots of max_lora_rank; host: the LRU's size)",
+            ["tier"],
             registry=r,
         )
 
@@ -114,6 +126,15 @@ class Metrics:
         )
         self.stats = None  # the engine snapshot of the latest refresh
         r.register(_SpecDecodeCollector(self))
+
+    def set_memory(self, memory) -> None:
+        """The engine's MemoryReport (engine/memory.py), at start."""
+        self.weight_bytes.clear()
+        self.weight_bytes.labels(memory.quantization or "none").set(memory.weight_bytes)
+        self.kv_capacity.set(memory.kv_cache_tokens)
+        self.kv_bytes.set(memory.kv_cache_bytes)
+        self.adapter_capacity.labels("device").set(memory.adapter_slots)
+        self.adapter_capacity.labels("host").set(memory.host_adapters)
 
     def refresh(self, stats) -> None:
         """Copy the engine's snapshot into gauges (at scrape time)."""

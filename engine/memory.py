@@ -1,0 +1,44 @@
+"""`MemoryReport`: what the resident base model, the adapter slots and the KV pool take, and
+what fits in them: logged once at start, read by /metrics (no torch here: the server process
+of process mode reads it too).
+
+    device memory = base weights (after quantization; no KV cache, no adapters)
+                  + kv_cache_bytes budget = adapter slots (max_loras x max_lora_rank, every
+                                            layer) + KV pool (whole blocks) + unused remainder
+    host memory   = up to max_cpu_loras adapters (LRU), each as its checkpoint's tensors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    budget_bytes: int  # kv_cache_bytes: slots + KV pool
+    adapter_slot_bytes: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    weight_bytes: int = 0  # resident base-model weights
+    quantization: str | None = None  # int8 | int4 | fp8 | gptq | awq (checkpoint) | None
+    dtype: str = ""
+    block_size: int = 0
+    adapter_slots: int = 0  # max_loras: adapters on the device at once
+    max_lora_rank: int = 0
+    host_adapters: int = 0  # max_cpu_loras: adapters kept in host memory
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def summary(self) -> str:
+        """The start log's one line."""
+        mib = 2**20
+        return (
+            f"weights {self.weight_bytes / mib:.1f} MiB ({self.dtype}, quantization="
+            f"{self.quantization or 'none'}); KV cache {self.kv_cache_tokens} tokens "
+            f"({self.num_kv_blocks} blocks of {self.block_size}, "
+            f"{self.kv_cache_bytes / mib:.1f} MiB); adapter slots {self.adapter_slots} of rank "
+            f"<= {self.max_lora_rank} ({self.adapter_slot_bytes / mib:.1f} MiB) + "
+            f"{self.host_adapters} in host memory; budget {self.budget_bytes / mib:.1f} MiB"
+        )
