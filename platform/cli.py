@@ -61,6 +61,7 @@ def _settings(args: argparse.Namespace):
             "kv_admission": getattr(args, "kv_admission", None),
             "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
             "max_model_len": getattr(args, "max_model_len", None),
+            "swap_space_gib": getattr(args, "swap_space", None),
         }.items()
         if v is not None
     }
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only base (default: settings)",
     )
     s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
+    s.add_argument("--swap-space", type=float, metavar="GIB",
+                   help="host memory for preempted requests' KV blocks: swapped out and "
+                   "back, not recomputed, when that is cheaper (default: settings)")  # fmt: skip
     s.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="KV cache element type (default: settings)")  # fmt: skip
     s.add_argument("--kv-admission", action="store_true", default=None,
