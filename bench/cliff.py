@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from loraplex.bench import cliff_trace
@@ -129,9 +130,12 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
         return out
 
     engine.scheduler.schedule = counted
+    cpu0 = time.process_time()
     run = cliff_trace.drive(trace, concurrency, add, step, args.cap_s)
+    cpu_s = time.process_time() - cpu0  # the engine's own work: steady on a busy machine
     res = cliff_trace.summarize(run, computed[0], engine.scheduler.num_preemptions - preempted)
-    res = {**res, "kv_blocks": engine.runner.num_blocks, "kv_bytes": engine.runner.kv_cache_bytes}
+    res = {**res, "kv_blocks": engine.runner.num_blocks, "kv_bytes": engine.runner.kv_cache_bytes,
+           "cpu_s": cpu_s}  # fmt: skip
     if engine.scheduler.swap is not None:  # counts include the warm-up's (it rarely preempts)
         sw = engine.scheduler.swap
         res |= {"swapped_out": sw.num_swapped_out, "recompute_preemptions": sw.num_recomputed,
@@ -200,6 +204,7 @@ def run_cliff(args: argparse.Namespace) -> dict:
     for n in notes:
         print("note:", n)
     doc = {"kind": "cliff", "model": str(model), "scale": args.scale, "plan": plan,
+           "kv_fraction": args.kv_fraction,
            "requests": args.requests, "rate": args.rate, "machine": machine(),
            "rows": rows, "notes": notes}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,8 @@ python bench/offline.py --model tiny-llama --peer vllm,hf
 loraplex bench cliff --out bench/results/cliff-tiny-llama.json
 loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
+python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
+    --out bench/results/speculative-demo.json
 loraplex bench docs                                             # this page
 ```
 
@@ -255,15 +257,26 @@ def cliff_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.cliff import table
 
     plan = doc["plan"]
+    fraction = doc.get("kv_fraction", 0.25)
+    fraction = "a quarter" if fraction == 0.25 else f"{fraction:g}"
+    swap = any(r["system"].endswith("-swap") for r in doc["rows"])
     text = (
         f"### `{path.name}`: {Path(doc['model']).name}\n\n"
         f"{doc['requests']} requests, Poisson at {doc['rate']:g}/s, prompts of 200-400 and "
         f"outputs of 1k-8k tokens (Pareto, long-tailed), every length x{doc['scale']:g} to fit "
         f"minutes on 2 cores; KV pool {plan['blocks']} blocks ({plan['bytes'] / 2**20:.2f} MiB, "
-        f"a quarter of the peak demand of {plan['peak_demand_tokens']:.0f} tokens), the same "
+        f"{fraction} of the peak demand of {plan['peak_demand_tokens']:.0f} tokens), the same "
         "bytes for every system (the -int8 systems hold ~2x the tokens in them); one compute "
         "thread each. loraplex admits by prompt as vLLM does; -adm admits by expected KV "
-        "growth (`kv_admission`). Goodput: output tokens of the requests that finished over "
+        "growth (`kv_admission`). "
+        + (
+            "-swap adds a host KV pool as large as the device pool: each preempted request "
+            "is swapped out and back or recomputed, whichever the engine's measured costs "
+            "say is cheaper (engine/swap.py). "
+            if swap
+            else ""
+        )
+        + "Goodput: output tokens of the requests that finished over "
         "the wall time; recomputed: tokens run through the model (each engine's own per-step "
         "counts) beyond each prompt and output token once. vLLM's step counts show almost no "
         "recomputation despite its preemptions (not looked into; the likely reason is that its "
@@ -291,6 +304,25 @@ def kv_int8_section(doc: dict, path: Path, out: Path) -> str:
         for k, v in across.items()
     )
     return text + table(doc["rows"]) + "\n" + scale
+
+
+def speculative_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.speculative import table
+
+    text = (
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
+        "Greedy, `ignore_eos`, the same prompts on two engines loaded side by side (prefix "
+        f"caching off), {doc['threads']} torch thread(s) each, ABBA order, "
+        f"{doc['repeats']} cycle(s) per row, median tokens/s per side (wall time of "
+        "`generate`, prefill included). copy: a held-out paragraph (about "
+        f"{doc['chars']} characters) asked for again word for word, or corrected from a copy "
+        "with misspelt words, its first words given; nocopy: open-ended prompts of a few "
+        "words. Acceptance: accepted / proposed tokens; greedy agreement: generated tokens "
+        "equal position by position with speculation off (bf16 rounding of a k + 1-row step "
+        "may part a near-tie).\n\n"
+    )
+    notes = "".join(f"- {n}\n" for n in doc.get("notes", []))
+    return text + table(doc["rows"]) + "\n" + (f"\n{notes}" if notes else "") + _image(path, out)
 
 
 def fleet_section(doc: dict, path: Path, out: Path) -> str:
@@ -323,6 +355,7 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
+    ("Speculative decoding (`python -m bench.speculative`)", "speculative", speculative_section),
 ]
 
 
