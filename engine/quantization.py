@@ -31,18 +31,11 @@ decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int
 activations and outputs round to bf16); larger batches dequantize the weight per call into a
 temporary and use a plain matmul (`*_PACKED_MAX_ROWS`). int4 weights are rounded by GPTQ on
 the calibration texts of engine/calibration.py (engine/gptq.py). The int4 op wants its own
-byte order:
-
-    CPU int4 layout, uint8 [N, K // 2] viewed as [N // B, K, B // 2]:
-        byte [b, k, j] = q[B b + j, k] | q[B b + B // 2 + j, k] << 4      j in [0, B // 2)
-    with the block B torch's build picked for this CPU: 64 with AVX-512, 32 with AVX2 only
-    (`cpu_int4_block` finds it out once, by packing a probe with torch's own converter).
-    scales_and_zeros bf16 [K // G, N, 2] = (scales^T, zeros^T), same (q - 8) * s + z rule
+byte order (engine/int4_layout.py).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -53,7 +46,15 @@ from torch import nn
 
 from loraplex.engine.calibration import CALIBRATION_TEXTS
 from loraplex.engine.gptq import calibrate_and_quantize, gptq_int4
+from loraplex.engine.int4_layout import (
+    cpu_int4_block,
+    dequantize_cpu_int4,
+    from_cpu_int4_layout,
+    pack_int4,
+    to_cpu_int4_layout,
+)
 from loraplex.engine.models.layers import LoRALinear
+from loraplex.engine.rotation import hadamard, rotate_groups, rotate_xtx
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 
@@ -88,12 +89,6 @@ def quantize_int8(
     return q, scales
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Shape: q [N, K] integers in [0, 15] -> uint8 [N, K // 2], even columns in low nibbles."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
 def quantize_int4(
     w: torch.Tensor, group_size: int = GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,69 +104,6 @@ def quantize_int4(
     q = torch.round((g - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15)
     zeros = lo + 8 * scales  # so that (q - 8) * s + z = q * s + lo
     return pack_int4(q.view(n, k)), scales, zeros
-
-
-@functools.cache
-def cpu_int4_block() -> int | None:
-    """Rows per block of `_weight_int4pack_mm_for_cpu`'s weight layout on this CPU (64 with
-    AVX-512, 32 with AVX2 only), found by comparing torch's converter with each candidate on
-    a probe; None when neither matches or the op is missing (the fast CPU path is then off)."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
-    try:
-        theirs = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    except (AttributeError, RuntimeError):
-        return None
-    for block in (64, 32):
-        if torch.equal(theirs, to_cpu_int4_layout(pack_int4(q), block)):
-            return block
-    log.warning("torch's CPU int4 weight layout is not one loraplex knows: int4 runs unpacked")
-    return None
-
-
-def to_cpu_int4_layout(qweight: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """Canonical uint8 [N, K // 2] -> the layout of `_weight_int4pack_mm_for_cpu`
-    (N % block == 0; block: `cpu_int4_block()` unless given)."""
-    block = block or cpu_int4_block()
-    q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)  # [N, K]
-    n, k = q.shape
-    halves = q.view(n // block, 2, block // 2, k)  # rows Bb + j and Bb + B/2 + j share a byte
-    packed = halves[:, 0] | (halves[:, 1] << 4)  # [N // B, B // 2, K]
-    return packed.transpose(1, 2).contiguous().view(n, k // 2)
-
-
-def from_cpu_int4_layout(packed: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """Inverse of `to_cpu_int4_layout`: back to the canonical uint8 [N, K // 2]."""
-    block = block or cpu_int4_block()
-    n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.view(n // block, k, block // 2).transpose(1, 2)  # [N // B, B // 2, K]
-    q = torch.stack([b & 0xF, b >> 4], dim=1).reshape(n, k)
-    return pack_int4(q)
-
-
-def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The normalised Sylvester Hadamard matrix [n, n] (n a power of 2): symmetric, H H = I."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of 2, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).to(dtype=dtype, device=device)
-
-
-def rotate_groups(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Each group of G = h.shape[0] consecutive last-dim entries times h: t blockdiag(h).
-
-    Shape: t [..., K] (K % G == 0), h [G, G] -> [..., K].
-    """
-    return (t.reshape(-1, h.shape[0]) @ h).reshape(t.shape)  # one 2-D matmul: fastest on CPU
-
-
-def rotate_xtx(xtx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """blockdiag(h)^T xtx blockdiag(h): the second moment of rotated inputs. [K, K] -> [K, K]."""
-    k, g = xtx.shape[0], h.shape[0]
-    blocks = xtx.reshape(k // g, g, k // g, g)
-    return torch.einsum("ca,iajb,bd->icjd", h, blocks, h).reshape(k, k)
 
 
 def group_size_for(in_features: int, wanted: int = GROUP_SIZE) -> int:
@@ -192,22 +124,6 @@ def group_size_for(in_features: int, wanted: int = GROUP_SIZE) -> int:
 # 0.31 at 64; int4 0.80 vs 0.87 at 128 rows, 1.63 vs 1.08 at 256 (K 640, N 1536).
 INT8_PACKED_MAX_ROWS = 32
 INT4_PACKED_MAX_ROWS = 128
-
-
-def dequantize_cpu_int4(
-    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """The weight, in `dtype`, straight from the CPU op's layout (no canonical copy).
-
-    Shape: packed uint8 [N, K // 2] (CPU layout); scales, zeros [N, K // G] -> [N, K].
-    """
-    n, k, block = packed.shape[0], packed.shape[1] * 2, cpu_int4_block()
-    b = packed.view(n // block, k, block // 2)
-    q = torch.stack([b & 0xF, b >> 4], dim=1).transpose(-1, -2)  # [N // B, 2, B // 2, K]
-    q = q.reshape(n, k // group_size, group_size).to(dtype)
-    w = torch.addcmul(zeros.to(dtype).unsqueeze(-1), q - 8, scales.to(dtype).unsqueeze(-1))
-    return w.view(n, k)
 
 
 class QuantizedLoRALinear(LoRALinear):
