@@ -70,6 +70,12 @@ class Metrics:
             "loraplex_adapter_slots_used", "Device adapter slots used", registry=r
         )
         self.preemptions = Gauge("loraplex_preemptions", "Sequences preempted", registry=r)
+        self.kv_swaps = Gauge(
+            "loraplex_kv_swaps",
+            "Preempted sequences whose KV blocks went to the host pool (out) and back (in)",
+            ["direction"],
+            registry=r,
+        )
         self.model_loaded = Gauge("loraplex_model_loaded", "1 when the model is ready", registry=r)
         # Set once at start, from the engine's MemoryReport (its start log line says the same).
         self.weight_bytes = Gauge(
@@ -163,6 +169,8 @@ class Metrics:
         self.adapter_loads.set(stats.adapter_loads)
         self.adapter_slots.set(stats.adapter_slots_used)
         self.preemptions.set(stats.preemptions)
+        self.kv_swaps.labels("out").set(stats.swapped_out)
+        self.kv_swaps.labels("in").set(stats.swapped_in)
 
 
 def served_names(engine_names: list[str]) -> list[str]:

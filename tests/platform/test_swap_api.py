@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -82,11 +83,18 @@ def test_streams_resumed_after_swap_neither_repeat_nor_drop_a_token(server, tena
 
     streamed = asyncio.run(together())
 
-    deadline = time.monotonic() + 5  # the engine process sends its counters every 0.25 s
-    while (stats := server.state.engine.stats()).swapped_in == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # The engine process sends its counters every 0.25 s: wait for a snapshot from after the
+    # last step (two reads 0.5 s apart agree).
+    stats, deadline = server.state.engine.stats(), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        stats, before = server.state.engine.stats(), stats
+        if stats == before:
+            break
     assert stats.preemptions > 0, "six requests in 10 blocks must preempt"
     assert stats.swapped_in > 0 and stats.swapped_in == stats.swapped_out
+    scrape = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'loraplex_kv_swaps{{direction="in"}} {float(stats.swapped_in)}' in scrape
     for i, ((tokens, text, usage), (want_tokens, want_text)) in enumerate(
         zip(streamed, alone, strict=True)
     ):
