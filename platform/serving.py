@@ -30,6 +30,7 @@ from loraplex.platform.tool_calls import Tool, plain_tool_messages, template_mes
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
+_ENGINE_CHECKED_FIELDS = frozenset({"logit_bias", "max_tokens", "min_tokens", "prompt", "messages"})
 
 
 def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
@@ -235,7 +236,11 @@ class InferenceService:
             ) from None
         except ValueError as e:
             job.status = "error"
-            raise APIError(400, str(e), "invalid_value") from None
+            # The engine's checks that need the model (vocabulary, context length) start their
+            # message with the request field they are about.
+            word = str(e).split(" ", 1)[0]
+            param = word if word in _ENGINE_CHECKED_FIELDS else None
+            raise APIError(400, str(e), "invalid_value", param) from None
         finally:
             self.state.inflight.discard(job.request_id)
 

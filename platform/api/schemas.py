@@ -17,8 +17,30 @@ from loraplex.platform.tool_calls import Tool, ToolChoice, forced_calls_schema, 
 # clients may send but that change nothing here are declared and documented as ignored
 # (README, "API strictness"); they are the only exceptions.
 _STRICT = ConfigDict(extra="forbid", strict=True)
-IGNORED_FIELDS = ("metadata", "store", "service_tier", "skip_special_tokens",
-                  "spaces_between_special_tokens")  # fmt: skip
+# name -> why it changes nothing (docs/openai-compat.md is generated with these reasons).
+IGNORED_FIELDS = {
+    "metadata": "tags for stored completions; completions are never stored here",
+    "store": "completions are never stored here",
+    "service_tier": "one tier: every request is scheduled the same way",
+    "prompt_cache_key": "the prefix cache is automatic, keyed by adapter and prompt tokens",
+    "safety_identifier": "no abuse monitoring here; `user` names the end user in the usage ledger",
+    "skip_special_tokens": "vLLM extension; special tokens are always left out of the text",
+    "spaces_between_special_tokens": "vLLM extension; special tokens are never in the text",
+}
+# OpenAI parameters refused by name (400, code "unsupported", param the field): name -> why.
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output needs an audio model; the served models write text",
+    "modalities": "the served models write text only; leave modalities out",
+    "functions": "deprecated by OpenAI; send tools",
+    "function_call": "deprecated by OpenAI; send tool_choice",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served models are not reasoning models",
+    "verbosity": "the served models are not reasoning models",
+    "web_search_options": "there is no web search here",
+    "moderation": "there is no moderation model here",
+    "prompt_cache_options": "the prefix cache is managed by the server",
+    "prompt_cache_retention": "the prefix cache is managed by the server",
+}
 # Message fields the openai client keeps when a previous answer is sent back in `messages`.
 IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 
@@ -56,9 +78,20 @@ class _Common(StructuredFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # false: a forced tool call is one call
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        # A named 400 instead of pydantic's "Extra inputs are not permitted".
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED_FIELDS.items():
+                if name in data:
+                    raise APIError(400, f"{name} is not supported: {why}", "unsupported", name)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -211,6 +244,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: a forced tool call is one call
 
     @property
     def tool_mode(self) -> str | None:

@@ -83,6 +83,7 @@ def test_unknown_fields_are_refused(server, key, path):
 
 def test_documented_ignored_fields_are_accepted(server, key):
     ignored = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto",
+               "prompt_cache_key": "k1", "safety_identifier": "user-1",
                "skip_special_tokens": True, "spaces_between_special_tokens": True}  # fmt: skip
     assert set(ignored) == set(IGNORED_FIELDS)
     for path, make in (("/v1/completions", _completion), ("/v1/chat/completions", _chat)):

@@ -1,0 +1,536 @@
+"""Every request parameter of the official `openai` client, sent through it to a live server.
+
+The parameter lists come from the client's own type definitions
+(`openai.types.CompletionCreateParams`, `openai.types.chat.CompletionCreateParams`), so a
+parameter a new client release adds fails this test until it has a probe here. Each probe
+sends one parameter (plus what it needs: `top_logprobs` needs `logprobs`) on top of a greedy
+baseline request and records what happened:
+
+- supported: 200, and the probe's check saw the parameter's effect in the response;
+- ignored: 200, listed with its reason in `IGNORED_FIELDS`, output identical to the baseline;
+- refused: a 4xx whose error names the parameter (status, code, param and message recorded).
+
+Anything else fails: a 5xx, a refusal that does not name the parameter, or a 200 for a
+parameter neither checked nor listed as ignored (a silently ignored parameter).
+`docs/openai-compat.md` is written from the record; the test fails when the committed page
+differs. Regenerate it with
+
+    LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/test_openai_compat.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import completion_create_params as chat_params
+
+from loraplex.platform.api.schemas import (
+    IGNORED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from tests.utils.server import run_server
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
+WRITE = os.environ.get("LORAPLEX_WRITE_COMPAT") == "1"
+MAX = 6  # tokens per baseline answer (ignore_eos: always exactly this many)
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+# "required" lets a random model write call after call until max_tokens; one named call ends.
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@dataclass
+class Ctx:
+    """What a check may use: the endpoint's sender, the baseline answer, the server."""
+
+    send: Callable[..., typing.Any]
+    base: typing.Any
+    server: typing.Any
+
+
+@dataclass
+class Probe:
+    value: typing.Any
+    # Sees the response and says what it showed (the table's text); absent for a parameter
+    # that must be refused or ignored.
+    check: Callable[[typing.Any, Ctx], str] | None = None
+    needs: dict | Callable[[Ctx], dict] = field(default_factory=dict)  # client kwargs
+    extra: dict = field(default_factory=dict)  # extension fields it needs (extra_body)
+
+
+def _text(r) -> str:
+    c = r.choices[0]
+    return c.text if hasattr(c, "text") else c.message.content
+
+
+def _tokens(r) -> list[str]:
+    lp = r.choices[0].logprobs
+    return lp.tokens if hasattr(lp, "tokens") else [t.token for t in lp.content]
+
+
+def _chunks(stream) -> list:
+    return list(stream)
+
+
+def _check_model(r, ctx):
+    assert r.model == ctx.server.state.model_name
+    return "names the base model or an adapter; answered by it"
+
+
+def _check_max(r, ctx):
+    assert r.usage.completion_tokens == 3, r.usage
+    return "3 sent: 3 tokens generated"
+
+
+def _check_n(r, ctx):
+    assert [c.index for c in r.choices] == [0, 1]
+    return "2 sent: choices 0 and 1"
+
+
+def _check_seed(r, ctx):
+    again = ctx.send(seed=7, temperature=1.0)
+    assert _text(r) == _text(again)
+    return "same seed at temperature 1: same text twice"
+
+
+def _check_temperature(r, ctx):
+    assert _text(r) != _text(ctx.base)
+    return "1.5 with a seed: text differs from temperature 0"
+
+
+def _check_top_p(r, ctx):
+    assert _text(r) == _text(ctx.base)
+    return "0.001 at temperature 1.5: the greedy text"
+
+
+def _check_logit_bias(r, ctx):
+    tokens = _tokens(r)
+    assert len(tokens) == MAX and len(set(tokens)) == 1, tokens
+    return "+100 on one token: every token is that token"
+
+
+def _check_stop(r, ctx):
+    stop = _stop(ctx)
+    assert stop not in _text(r) and _text(ctx.base).startswith(_text(r))
+    assert r.choices[0].finish_reason == "stop"
+    return "a piece of the baseline text: the answer ends before it, finish_reason stop"
+
+
+def _stop(ctx) -> str:
+    text = _text(ctx.base)
+    return text[len(text) // 2 :][:3] or text
+
+
+def _check_stream(chunks, ctx):
+    assert len(chunks) > 1
+    pieces = [(c.choices[0].text if hasattr(c.choices[0], "text") else c.choices[0].delta.content)
+              or "" for c in chunks if c.choices]  # fmt: skip
+    assert "".join(pieces) == _text(ctx.base)
+    return "server-sent events; the pieces join to the baseline text"
+
+
+def _check_usage_chunk(chunks, ctx):
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    assert chunks[-1].usage.completion_tokens == MAX
+    return "include_usage: a last chunk with usage and no choices"
+
+
+def _check_penalty(r, ctx):
+    # The sampler's tests check the arithmetic (tests/engine/test_sampler.py); here: it reaches it.
+    assert _text(r) != _text(ctx.send(max_tokens=24))
+    return "2.0: greedy text changes (arithmetic: tests/engine/test_sampler.py)"
+
+
+def _check_user(r, ctx):
+    from loraplex.platform.db.models import UsageRecord
+
+    with ctx.server.sessions() as session:
+        row = session.query(UsageRecord).filter_by(request_id=r.id).one()
+    assert row.end_user == "end-user-7"
+    return "kept as the usage record's end_user"
+
+
+def _check_best_of(r, ctx):
+    assert len(r.choices) == 1 and r.usage.completion_tokens == 2 * MAX
+    return "2 sent: one choice returned, both samples billed"
+
+
+def _check_echo(r, ctx):
+    assert _text(r) == "The capital of France is" + _text(ctx.base)
+    return "the prompt before the answer"
+
+
+def _check_completion_logprobs(r, ctx):
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == MAX and all(len(t) == 2 for t in lp.top_logprobs)
+    return "2 sent: a logprob per token and 2 alternatives each"
+
+
+def _check_prompt(r, ctx):
+    assert r.usage.prompt_tokens == 3
+    return "text or token ids (3 ids sent: 3 prompt tokens)"
+
+
+def _check_messages(r, ctx):
+    assert r.usage.prompt_tokens > ctx.base.usage.prompt_tokens
+    return "rendered with the model's chat template"
+
+
+def _check_chat_logprobs(r, ctx):
+    assert len(r.choices[0].logprobs.content) == MAX
+    return "a logprob per generated token"
+
+
+def _check_top_logprobs(r, ctx):
+    assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
+    return "2 sent: 2 alternatives per token"
+
+
+def _check_response_format(r, ctx):
+    assert json.loads(_text(r)) in ({"answer": "yes"}, {"answer": "no"})
+    return "a JSON schema sent: the answer parses and validates (grammar-constrained)"
+
+
+def _check_tools(r, ctx):
+    assert r.usage.prompt_tokens > ctx.base.usage.prompt_tokens
+    return "written into the prompt; calls parsed out of the answer"
+
+
+def _check_tool_choice(r, ctx):
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    assert r.choices[0].finish_reason == "tool_calls"
+    return "a named function (or required): the answer is a call (grammar-constrained)"
+
+
+def _check_parallel(r, ctx):
+    assert len(r.choices[0].message.tool_calls) == 1
+    return "false: a forced call is exactly one call"
+
+
+_COMMON = {
+    "frequency_penalty": Probe(2.0, _check_penalty, {"max_tokens": 24}),
+    "presence_penalty": Probe(2.0, _check_penalty, {"max_tokens": 24}),
+    "max_tokens": Probe(3, _check_max),
+    "n": Probe(2, _check_n),
+    "seed": Probe(7, _check_seed, {"temperature": 1.0}),
+    "stop": Probe(_stop, _check_stop),
+    "stream": Probe(True, _check_stream),
+    "stream_options": Probe({"include_usage": True}, _check_usage_chunk, {"stream": True}),
+    "temperature": Probe(1.5, _check_temperature, {"seed": 1}),
+    "top_p": Probe(0.001, _check_top_p, {"temperature": 1.5, "seed": 1}),
+    "user": Probe("end-user-7", _check_user),
+}
+PROBES = {
+    "completions": {
+        **_COMMON,
+        "model": Probe(None, _check_model),
+        "prompt": Probe([5, 6, 7], _check_prompt),
+        "best_of": Probe(2, _check_best_of, {"temperature": 1.0}),
+        "echo": Probe(True, _check_echo),
+        "logprobs": Probe(2, _check_completion_logprobs),
+        "logit_bias": Probe({"100": 100}, _check_logit_bias, {"logprobs": 0}),
+        "suffix": Probe(" and that is all."),
+    },
+    "chat.completions": {
+        **_COMMON,
+        "model": Probe(None, _check_model),
+        "messages": Probe(None, _check_messages),
+        "logprobs": Probe(True, _check_chat_logprobs),
+        "logit_bias": Probe({"100": 100}, _check_logit_bias, {"logprobs": True}),
+        "top_logprobs": Probe(2, _check_top_logprobs, {"logprobs": True}),
+        "max_completion_tokens": Probe(3, _check_max),
+        "response_format": Probe(
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+            _check_response_format,
+            {"max_tokens": 32},
+        ),
+        "tools": Probe([TOOL], _check_tools),
+        "tool_choice": Probe(NAMED, _check_tool_choice, {"tools": [TOOL], "max_tokens": 120}),
+        "parallel_tool_calls": Probe(
+            False, _check_parallel, {"tools": [TOOL], "tool_choice": "required", "max_tokens": 120}
+        ),
+        "metadata": Probe({"team": "search"}),
+        "store": Probe(False),
+        "service_tier": Probe("auto"),
+        "prompt_cache_key": Probe("conversation-1"),
+        "safety_identifier": Probe("user-hash-1"),
+        "audio": Probe({"voice": "alloy", "format": "wav"}),
+        "modalities": Probe(["text"]),
+        "functions": Probe([TOOL["function"]]),
+        "function_call": Probe("auto"),
+        "prediction": Probe({"type": "content", "content": "The capital"}),
+        "reasoning_effort": Probe("low"),
+        "verbosity": Probe("low"),
+        "web_search_options": Probe({}),
+        "moderation": Probe({"model": "omni-moderation-latest"}),
+        "prompt_cache_options": Probe({"mode": "implicit", "ttl": "30m"}),
+        "prompt_cache_retention": Probe("24h"),
+    },
+}
+
+
+def _eos_bias(ctx) -> dict:
+    eos = min(ctx.server.state.engine.tokenizer.eos_token_ids)
+    return {"logit_bias": {str(eos): 100}}
+
+
+def _check_greedy(r, ctx):
+    assert _text(r) == _text(ctx.base)
+    return "at temperature 1.5 with a seed: the greedy text"
+
+
+def _check_min_tokens(r, ctx):
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    return "4 sent, end of sequence biased +100: it ends after exactly 4 tokens"
+
+
+def _check_ignore_eos(r, ctx):
+    assert r.usage.completion_tokens == MAX and r.choices[0].finish_reason == "length"
+    return "end of sequence biased +100: still max_tokens tokens"
+
+
+def _check_in_choice(r, ctx):
+    assert _text(r) in ("yes", "no"), _text(r)
+    return "the answer is one of the choices"
+
+
+def _check_regex(r, ctx):
+    assert re.fullmatch("[a-z]{4}", _text(r)), _text(r)
+    return "`[a-z]{4}` sent: the answer matches it"
+
+
+def _check_json(r, ctx):
+    return _check_response_format(r, ctx)
+
+
+def _check_backend(r, ctx):
+    _check_in_choice(r, ctx)
+    return "xgrammar (or auto) with guided_choice: constrained; any other backend: 400"
+
+
+CHOICE = ["yes", "no"]
+# Extensions: vLLM's names, in extra_body. Values for the ignored ones.
+EXTENSION_PROBES = {
+    "top_k": Probe(1, _check_greedy, {"temperature": 1.5, "seed": 1}),
+    "min_p": Probe(1.0, _check_greedy, {"temperature": 1.5, "seed": 1}),
+    "repetition_penalty": Probe(2.0, _check_penalty, {"max_tokens": 24}),
+    "min_tokens": Probe(4, _check_min_tokens, _eos_bias, {"ignore_eos": False}),
+    "ignore_eos": Probe(True, _check_ignore_eos, _eos_bias),
+    "guided_choice": Probe(CHOICE, _check_in_choice, {"max_tokens": 16}),
+    "guided_regex": Probe("[a-z]{4}", _check_regex, {"max_tokens": 16}),
+    "guided_json": Probe(SCHEMA, _check_json, {"max_tokens": 32}),
+    "guided_grammar": Probe('root ::= "yes" | "no"', _check_in_choice, {"max_tokens": 16}),
+    "guided_decoding_backend": Probe(
+        "xgrammar", _check_backend, {"max_tokens": 16}, {"guided_choice": CHOICE}
+    ),
+    "structured_outputs": Probe({"choice": CHOICE}, _check_in_choice, {"max_tokens": 16}),
+}
+EXTENSION_PROBES_BY_ENDPOINT = {
+    "completions": {
+        "response_format": Probe(
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+            _check_json,
+            {"max_tokens": 32},
+        ),
+    },
+    "chat.completions": {},
+}
+IGNORED_VALUES = {"metadata": {"team": "search"}, "store": False, "service_tier": "auto",
+                  "prompt_cache_key": "conversation-1", "safety_identifier": "user-hash-1",
+                  "skip_special_tokens": False, "spaces_between_special_tokens": False}  # fmt: skip
+GRAMMARS = ("guided_choice", "guided_regex", "guided_json", "guided_grammar",
+            "structured_outputs", "response_format")  # fmt: skip
+
+
+# Unions of the streaming and non-streaming TypedDicts (`stream` is only in those).
+CLIENT_PARAMS = {
+    "completions": completion_params.CompletionCreateParams,
+    "chat.completions": chat_params.CompletionCreateParams,
+}
+SERVER_MODELS = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
+
+
+def client_params(endpoint: str) -> list[str]:
+    kinds = typing.get_args(CLIENT_PARAMS[endpoint])
+    return sorted(set().union(*(typing.get_type_hints(k) for k in kinds)))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    with run_server(
+        tiny_models["llama"], tmp_path_factory.mktemp("compat"), max_model_len=512
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    key = server.new_tenant("compat")[1]
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def _sender(client, server, endpoint: str):
+    def send(**kw):
+        base = {"model": server.state.model_name, "max_tokens": MAX, "temperature": 0.0}
+        if endpoint == "completions":
+            base["prompt"] = "The capital of France is"
+            create = client.completions.create
+        else:
+            base["messages"] = [{"role": "user", "content": "The capital of France is"}]
+            create = client.chat.completions.create
+        extra = kw.pop("extra_body", {})
+        # A finished grammar allows only the end of the sequence.
+        grammar = {"tool_choice", "response_format"} & set(kw) or set(GRAMMARS) & set(extra)
+        extra = extra if grammar else {"ignore_eos": True, **extra}
+        out = create(**{**base, **kw}, extra_body=extra)
+        return _chunks(out) if kw.get("stream") else out
+
+    return send
+
+
+def _observe(endpoint: str, name: str, probe: Probe, ctx: Ctx, extension: bool = False) -> dict:
+    value = probe.value(ctx) if callable(probe.value) else probe.value
+    kw = dict(probe.needs(ctx) if callable(probe.needs) else probe.needs)
+    extra = dict(probe.extra)
+    if value is not None:
+        (extra if extension else kw)[name] = value
+    if extra:
+        kw["extra_body"] = extra
+    if name == "messages":
+        kw["messages"] = [{"role": "system", "content": "Answer in French."},
+                          {"role": "user", "content": "The capital of France is"}]  # fmt: skip
+    try:
+        r = ctx.send(**kw)
+    except openai.APIStatusError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        assert e.status_code < 500, f"{endpoint} {name}: {e.status_code} {e.message}"
+        assert err.get("param") == name, f"{endpoint} {name}: the refusal names {err}"
+        assert probe.check is None, f"{endpoint} {name}: refused but probed as supported: {err}"
+        return {"status": "refused", "http": e.status_code, "code": err.get("code"),
+                "message": err.get("message")}  # fmt: skip
+    if name in IGNORED_FIELDS:
+        assert _text(r) == _text(ctx.base), f"{endpoint} {name}: ignored but changed the answer"
+        return {"status": "ignored", "reason": IGNORED_FIELDS[name]}
+    assert probe.check is not None, (
+        f"{endpoint} {name}: accepted with no check of its effect and not listed in "
+        "IGNORED_FIELDS: silently ignored"
+    )
+    return {"status": "supported", "observed": probe.check(r, ctx)}
+
+
+def extensions(endpoint: str) -> list[str]:
+    """Fields the server takes beyond the client's typed parameters (sent in extra_body)."""
+    return sorted(set(SERVER_MODELS[endpoint].model_fields) - set(client_params(endpoint)))
+
+
+def _table(rows: dict[str, dict]) -> list[str]:
+    counts = {s: sum(r["status"] == s for r in rows.values())
+              for s in ("supported", "ignored", "refused")}  # fmt: skip
+    lines = [", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
+             "| parameter | status | what the test saw |", "| --- | --- | --- |"]  # fmt: skip
+    for name, r in rows.items():
+        if r["status"] == "supported":
+            what = r["observed"]
+        elif r["status"] == "ignored":
+            what = r["reason"]
+        else:
+            what = f"{r['http']} `{r['code']}`: {r['message']}"
+        lines.append(f"| `{name}` | {r['status']} | {what.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def render(record: dict[str, dict[str, dict]], openai_version: str) -> str:
+    lines = [
+        "# OpenAI API compatibility",
+        "",
+        "<!-- Generated by tests/platform/test_openai_compat.py; do not edit. Regenerate:",
+        "     LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/test_openai_compat.py -->",
+        "",
+        f"Every request parameter of `openai` {openai_version}'s `CompletionCreateParams` and",
+        "`chat.CompletionCreateParams` (the client's own type definitions: a parameter a new",
+        "release adds fails the test until it is classified), sent through that client to a live",
+        "loraplex server (a tiny Llama; greedy baseline with `ignore_eos`, 6 tokens).",
+        "",
+        "- **supported**: the test saw the parameter's effect in the answer (the table says",
+        "  what).",
+        "- **ignored**: accepted, the answer is identical to the baseline's; the reason is given.",
+        "- **refused**: the error the client raised: status, `code` and message; `param` is the",
+        "  parameter.",
+        "",
+        "A parameter accepted without a check of its effect, and not in the ignored list with a",
+        "reason, fails the test: none is silently ignored. Extensions are the fields the server",
+        "takes beyond the client's typed ones (vLLM's names; send them in `extra_body`), probed",
+        "the same way.",
+        "",
+    ]
+    for endpoint, path in (("completions", "/v1/completions"),
+                           ("chat.completions", "/v1/chat/completions")):  # fmt: skip
+        lines += [f"## `{path}`", "", *_table(record[endpoint])]
+        lines += [f"### Extensions on `{path}`", "", *_table(record[f"{endpoint} extensions"])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, client):
+    record: dict[str, dict[str, dict]] = {}
+    for endpoint, probes in PROBES.items():
+        missing = sorted(set(client_params(endpoint)) - set(probes))
+        assert not missing, f"openai {openai.__version__} sends {missing} to {endpoint}: add probes"
+        extra = sorted(set(probes) - set(client_params(endpoint)))
+        assert not extra, f"probes for parameters the client does not have: {extra}"
+        ext_probes = {**EXTENSION_PROBES, **EXTENSION_PROBES_BY_ENDPOINT[endpoint]}
+        missing = sorted(set(extensions(endpoint)) - set(ext_probes) - set(IGNORED_FIELDS))
+        assert not missing, f"the server takes {missing} on {endpoint}: add probes"
+        send = _sender(client, server, endpoint)
+        ctx = Ctx(send=send, base=send(), server=server)
+        assert ctx.base.usage.completion_tokens == MAX
+        record[endpoint] = {
+            name: _observe(endpoint, name, probes[name], ctx) for name in client_params(endpoint)
+        }
+        record[f"{endpoint} extensions"] = {
+            name: _observe(endpoint, name, ext_probes.get(name, Probe(IGNORED_VALUES.get(name))),
+                           ctx, extension=True)
+            for name in extensions(endpoint)
+        }  # fmt: skip
+    page = render(record, openai.__version__)
+    if WRITE:
+        PAGE.write_text(page)
+    assert PAGE.exists() and PAGE.read_text() == page, (
+        "docs/openai-compat.md differs from what the test saw; regenerate it with "
+        "LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/test_openai_compat.py"
+    )
+
+
+def test_a_refusal_the_engine_makes_names_the_parameter(server, client):
+    # Only the engine knows the vocabulary: its refusal still names the field.
+    with pytest.raises(openai.BadRequestError) as e:
+        _sender(client, server, "completions")(logit_bias={"99999": 5})
+    assert e.value.body["param"] == "logit_bias" and "vocabulary" in e.value.body["message"]
