@@ -1,4 +1,5 @@
-"""Long outputs through the engine process: bytes per step message and tokens/s vs offline.
+"""`loraplex bench long`: long outputs through the engine process — bytes per step message and
+tokens/s against the offline `LLM` doing the same work.
 
 One tiny random Llama (tests/utils/factories), `--concurrency` requests of `--tokens` greedy
 tokens each (ignore_eos). Prints the bytes the engine process sent the server per step
@@ -7,15 +8,20 @@ carries every running request's output, and now and then a stats snapshot, hence
 and generated tokens/s through `EngineProcess` against the offline `LLM` doing the same work
 (`--repeats` alternates the two, ABBA, and takes each one's median: the machine is shared).
 
-    .venv/bin/python -m bench.long_outputs                        # 1 request x 4,096 tokens
-    .venv/bin/python -m bench.long_outputs --tokens 8192 --late 8000
-    .venv/bin/python -m bench.long_outputs --concurrency 8
+    loraplex bench long                                   # 1 request x 4,096 tokens
+    loraplex bench long --tokens 8192 --late 8000
+    loraplex bench long --concurrency 8
+    loraplex bench long --cases issue                     # 1 x 8,192 and 8 x 4,096, one run
+
+(or `python -m bench.long_outputs` from a checkout). The tiny model is built with the
+checkout's tests/utils (as `--model tiny-llama` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -71,49 +77,88 @@ def _around(sizes: list[int], token: int, width: int = 10) -> float:
     return statistics.median(sizes[max(0, token - 1 - width) : token + width])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--early", type=int, default=100)
-    ap.add_argument("--late", type=int, default=4000)
-    ap.add_argument("--repeats", type=int, default=1)
-    args = ap.parse_args()
-    assert args.early < args.late < args.tokens, "need early < late < tokens"
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens each request generates")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests at once")
+    ap.add_argument("--early", type=int, default=100, help="token the early bytes are taken at")
+    ap.add_argument("--late", type=int, default=4000, help="token the late bytes are taken at")
+    ap.add_argument("--repeats", type=int, default=1, help="served/offline pairs, ABBA order")
+    ap.add_argument(
+        "--cases", choices=("one", "issue"), default="one",
+        help="one: the case above; issue: 1 x 8,192 and 8 x 4,096 tokens (late at 8,000 / 4,000)",
+    )  # fmt: skip
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
 
-    from loraplex.bench.assets import import_installed_kernels
 
-    import_installed_kernels()  # before transformers, or our kernels/ folder stands in for it
-    from tests.utils.factories import make_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = str(
-            make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=args.tokens + 64)
-        )
-        served_runs, offline_runs = [], []
-        for i in range(args.repeats):
-            for which in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
-                if which == "served":
-                    rate, sizes = _served(model, args.concurrency, args.tokens)
-                    served_runs.append(rate)
-                else:
-                    offline_runs.append(_offline(model, args.concurrency, args.tokens))
+def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int) -> dict:
+    served_runs, offline_runs = [], []
+    for i in range(repeats):
+        for which in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
+            if which == "served":
+                rate, sizes = _served(model, n, tokens)
+                served_runs.append(rate)
+            else:
+                offline_runs.append(_offline(model, n, tokens))
     served, offline = statistics.median(served_runs), statistics.median(offline_runs)
-    early, late = _around(sizes, args.early), _around(sizes, args.late)
-    n, t = args.concurrency, args.tokens
-    print(f"work: {n} request(s) x {t} tokens, tiny random llama, float32, greedy, ignore_eos")
-    print(f"engine -> server bytes per step at token {args.early}: {early:,.0f}")
-    print(f"engine -> server bytes per step at token {args.late}: {late:,.0f}")
-    print(f"  ratio late/early: {late / early:.2f}  (goal <= 1.2)")
+    e, la = _around(sizes, early), _around(sizes, late)
+    print(f"work: {n} request(s) x {tokens} tokens, tiny random llama, float32, greedy, ignore_eos")
+    print(f"engine -> server bytes per step at token {early}: {e:,.0f}")
+    print(f"engine -> server bytes per step at token {late}: {la:,.0f}")
+    print(f"  ratio late/early: {la / e:.2f}  (goal <= 1.2)")
     print(f"  all step messages: {sum(sizes):,} bytes in {len(sizes)} messages")
     print(f"tokens/s through the engine process: {served:,.1f}")
     print(f"tokens/s through the offline LLM:    {offline:,.1f}")
     print(f"  ratio served/offline: {served / offline:.2f}  (goal >= 0.9)")
-    if args.repeats > 1:
-        print(
-            f"  runs: served {[round(r, 1) for r in served_runs]}, offline "
-            f"{[round(r, 1) for r in offline_runs]}"
+    if repeats > 1:
+        print(f"  runs: served {[round(r, 1) for r in served_runs]}, "
+              f"offline {[round(r, 1) for r in offline_runs]}")  # fmt: skip
+    return {
+        "requests": n, "tokens": tokens, "early_token": early, "late_token": late,
+        "bytes_early": e, "bytes_late": la, "bytes_ratio": la / e,
+        "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": served / offline,
+        "served_runs": served_runs, "offline_runs": offline_runs,
+    }  # fmt: skip
+
+
+def run_long(args: argparse.Namespace) -> dict:
+    if args.cases == "issue":
+        cases = [(1, 8192, args.early, 8000), (8, 4096, args.early, 4000)]
+    else:
+        assert args.early < args.late < args.tokens, "need early < late < tokens"
+        cases = [(args.concurrency, args.tokens, args.early, args.late)]
+
+    from loraplex.bench.assets import _repo_on_path
+    from loraplex.bench.sysinfo import machine
+
+    with _repo_on_path():  # the tiny model factory lives in tests/utils
+        try:
+            from tests.utils.factories import make_tiny_model
+        except ModuleNotFoundError as e:
+            if e.name not in ("tests", "tests.utils", "tests.utils.factories"):
+                raise
+            raise SystemExit(  # an installed package has no tests/
+                "loraplex: error: bench long builds its tiny model with tests/utils of a "
+                "loraplex checkout; run it from a clone"
+            ) from None
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        longest = max(t for _, t, _, _ in cases)
+        model = str(
+            make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=longest + 64)
         )
+        for n, tokens, early, late in cases:
+            rows.append(_case(model, n, tokens, early, late, args.repeats))
+    doc = {"bench": "long", "machine": machine(), "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(ap)
+    run_long(ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`loraplex bench serve|offline|scaling|peers|cliff|quant|fleet|docs`; code in `loraplex.bench`."""
+"""`loraplex bench serve|offline|scaling|peers|cliff|quant|fleet|long|docs`; code in `loraplex.bench`."""
 
 from __future__ import annotations
 
@@ -84,6 +84,13 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0 if all(r["finished"] == r["requests"] for r in doc["rows"]) else 1
 
 
+def _long(args: argparse.Namespace) -> int:
+    from loraplex.bench.long_outputs import run_long
+
+    run_long(args)
+    return 0
+
+
 def _docs(args: argparse.Namespace) -> int:
     from loraplex.bench.docs import write_docs
 
@@ -92,7 +99,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from loraplex.bench import cliff, docs, fleet, quant, scaling, serve
+    from loraplex.bench import cliff, docs, fleet, long_outputs, quant, scaling, serve
     from loraplex.bench.peers import compare
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -113,6 +120,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
          quant.add_args, _quant),
         ("fleet", "N replicas behind round-robin / least-queue / adapter-affinity routing",
          fleet.add_args, _fleet),
+        ("long", "long outputs: engine -> server bytes per step, served vs offline tok/s",
+         long_outputs.add_args, _long),
         ("docs", "regenerate docs/benchmarks.md", docs.add_args, _docs),
     ]  # fmt: skip
     for name, help_text, add_args, run in commands:
