@@ -40,6 +40,8 @@ python bench/offline.py --model tiny-llama --peer vllm,hf
 loraplex bench cliff --out bench/results/cliff-tiny-llama.json
 loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
+python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
+    --out bench/results/speculative-demo.json
 loraplex bench docs                                             # this page
 ```
 
@@ -304,6 +306,27 @@ def kv_int8_section(doc: dict, path: Path, out: Path) -> str:
     return text + table(doc["rows"]) + "\n" + scale
 
 
+def speculative_section(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.speculative import table
+
+    text = (
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
+        "`ignore_eos`, the same prompts on two engines loaded side by side (prefix caching "
+        f"off), {doc['threads']} torch thread(s) each, ABBA order, {doc['repeats']} cycle(s) "
+        "per row, median tokens/s per side (wall time of `generate`, prefill included). "
+        f"copy (greedy): a held-out paragraph (about {doc['chars']} characters) asked for "
+        "again word for word, or corrected from a copy with misspelt words, its first words "
+        "given; nocopy (sampled: temperature 0.9, top_p 0.95; greedy decoding of this base "
+        "model loops, and a loop is something to copy): open-ended prompts of a few words. "
+        "The engine's planner (engine/speculative.py SpecPlanner) scores a proposal only "
+        "where its expected tokens pay for its row at the measured step cost. Acceptance: "
+        "accepted / proposed tokens; greedy agreement: generated tokens equal position by "
+        "position with speculation off.\n\n"
+    )
+    notes = "".join(f"- {n}\n" for n in doc.get("notes", []))
+    return text + table(doc["rows"]) + "\n" + (f"\n{notes}" if notes else "") + _image(path, out)
+
+
 def fleet_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.fleet import goal_lines, table
 
@@ -334,6 +357,7 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
+    ("Speculative decoding (`python -m bench.speculative`)", "speculative", speculative_section),
 ]
 
 

@@ -32,7 +32,12 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
-from loraplex.engine.speculative import NgramProposer, SpecDecodeStats, accept_prefix
+from loraplex.engine.speculative import (
+    NgramProposer,
+    SpecDecodeStats,
+    SpecPlanner,
+    accept_prefix,
+)
 from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.tokenizer import Tokenizer
 
@@ -114,6 +119,8 @@ class LLMEngine:
         self.proposer = None
         if config.num_speculative_tokens:
             self.proposer = NgramProposer(config.num_speculative_tokens)
+        # Trims drafts to what pays on this hardware (None: score every proposal).
+        self.spec_planner = SpecPlanner() if self.proposer else None
         self.spec_stats = SpecDecodeStats()
 
     def _make_swap_space(self, config: EngineConfig):
@@ -260,6 +267,9 @@ class LLMEngine:
         )
         t0 = time.perf_counter()
         sampled = self._run(out, slots)
+        spec_rows = sum(len(s.spec_tokens) for s in out.seqs)
+        if self.spec_planner and out.num_batched_tokens == len(out.seqs) + spec_rows:
+            self.spec_planner.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
         if self.host_kv is not None:  # what a recompute costs here, per token
             seconds = time.perf_counter() - t0
             self.scheduler.swap.costs.observe_step(out.num_batched_tokens, len(out.seqs), seconds)
@@ -285,6 +295,8 @@ class LLMEngine:
                 seq.spec_proposed += k
                 seq.spec_accepted += len(tokens) - 1
                 self.spec_stats.record(k, len(tokens) - 1)
+                if self.spec_planner:
+                    self.spec_planner.observe_draft(seq.seq_no, k, len(tokens) - 1)
             sampled[seq.seq_no] = tokens
             for proc in seq.processors:
                 proc.accept(tokens[0])  # processors' requests are never speculated
@@ -298,10 +310,13 @@ class LLMEngine:
     def _propose(self) -> None:
         """Speculative proposals for the running decodes that may take them."""
         cfg, proposer = self.config, self.proposer
+        decodes, drafts = [], {}
         for seq in self.scheduler.running:
             p = seq.params
             if seq.processors or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue
+            decodes.append(seq)
+            drafts[seq.seq_no] = []
             if seq.spec_proposed >= 32 and seq.spec_accepted < 0.1 * seq.spec_proposed:
                 continue  # proposals rarely land for this request: stop paying for them
             # Room for all k proposals and the bonus token within max_tokens and the context.
@@ -309,7 +324,11 @@ class LLMEngine:
             k = min(k, cfg.max_model_len - seq.num_tokens - 1)
             if p.max_tokens is not None:
                 k = min(k, p.max_tokens - len(seq.output_token_ids) - 1)
-            seq.spec_tokens = proposer.propose(seq.all_token_ids, k) if k > 0 else []
+            if k > 0:
+                drafts[seq.seq_no] = proposer.propose(seq.all_token_ids, k)
+        keep = self.spec_planner.plan(drafts) if self.spec_planner else {}
+        for seq in decodes:
+            seq.spec_tokens = drafts[seq.seq_no][: keep.get(seq.seq_no, len(drafts[seq.seq_no]))]
 
     def _process(
         self, stepped: list[Sequence], sampled: dict[int, list[int]]

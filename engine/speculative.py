@@ -19,6 +19,7 @@ proposals it has not accepted yet.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,3 +77,68 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return arr[start : start + k].tolist()
         return []
+
+
+class SpecPlanner:
+    """How many of its proposals each request scores this step: as many as raise the step's
+    expected tokens per second.
+
+    Every proposal costs a row of the forward pass; it yields a token only if it and all
+    before it are accepted. A request's proposals are accepted with probability p (estimated
+    per request: accepted / (accepted + rejections), prior 1 / 2), so its j-th proposal is
+    worth p^j tokens. Step time is modelled as a + b * rows, fitted by least squares to the
+    recent decode-only steps. Proposals are taken best first while each adds more tokens than
+    its row costs at the step's current rate: p^j * t > b * T (T expected tokens, t the step's
+    expected seconds). On a memory-bound step (a GPU, or a CPU at batch 1) b is small and all
+    proposals pass; where rows cost compute, only the likely ones do. Until the fit exists
+    (too few steps, or too little spread in their row counts) every proposal is scored.
+    """
+
+    def __init__(self, window: int = 64, min_steps: int = 8):
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds)
+        self.min_steps = min_steps
+        self.counts: dict[int, list[int]] = {}  # seq_no -> [accepted, rejections]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.steps.append((rows, seconds))
+
+    def observe_draft(self, seq_no: int, proposed: int, accepted: int) -> None:
+        c = self.counts.setdefault(seq_no, [0, 0])
+        c[0] += accepted
+        c[1] += accepted < proposed
+
+    def cost(self) -> tuple[float, float] | None:
+        """(a, b) of step seconds = a + b * rows, or None without enough spread."""
+        if len(self.steps) < self.min_steps:
+            return None
+        rows = np.array([r for r, _ in self.steps], dtype=np.float64)
+        secs = np.array([s for _, s in self.steps], dtype=np.float64)
+        if rows.max() - rows.min() < 2:
+            return None
+        b, a = np.polyfit(rows, secs, 1)
+        return float(a), max(float(b), 0.0)
+
+    def plan(self, drafts: dict[int, list[int]]) -> dict[int, int]:
+        """seq_no -> proposals kept (a prefix of its draft), for the decodes of one step;
+        `drafts` holds every decode, with [] where there is nothing to propose."""
+        for seq_no in [s for s in self.counts if s not in drafts]:
+            del self.counts[seq_no]  # finished or preempted
+        keep = {s: len(d) for s, d in drafts.items()}
+        fit = self.cost()
+        if fit is None:
+            return keep
+        a, b = fit
+        gains = []  # (worth in tokens, seq_no, j)
+        for seq_no, draft in drafts.items():
+            acc, rej = self.counts.get(seq_no, (0, 0))
+            p = (acc + 1) / (acc + rej + 2)
+            gains += [(p ** (j + 1), seq_no, j) for j in range(len(draft))]
+        gains.sort(reverse=True)
+        keep = dict.fromkeys(drafts, 0)
+        tokens, seconds = float(len(drafts)), a + b * len(drafts)
+        for g, seq_no, j in gains:
+            if g * seconds <= b * tokens or keep[seq_no] != j:
+                continue  # not worth its row (or one before it in the draft was dropped)
+            keep[seq_no] = j + 1
+            tokens, seconds = tokens + g, seconds + b
+        return keep

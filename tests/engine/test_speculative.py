@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.speculative import NgramProposer, accept_prefix
+from loraplex.engine.speculative import NgramProposer, SpecPlanner, accept_prefix
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # Repetitive prompts: prompt lookup finds continuations in them.
@@ -87,6 +87,7 @@ def test_any_proposals_leave_greedy_output_unchanged(setup, spoil):
     model, loras, want = setup
     llm = LLM(model, dtype="float32", max_lora_rank=8, num_speculative_tokens=3)
     llm.engine.proposer = Oracle(PROMPTS, want, spoil_every=spoil)
+    llm.engine.spec_planner = None  # every proposal scored: the counts below are exact
     outs, steps = run(llm, loras)
     assert [o.token_ids for o in outs] == want
     stats = llm.engine.spec_stats
@@ -141,6 +142,7 @@ def test_speculation_stops_for_a_request_whose_proposals_do_not_land(setup):
             return good.propose(tokens, k) or [(t + 1) % 512 for t in bad.propose(tokens, k)]
 
     llm.engine.proposer = Mixed()
+    llm.engine.spec_planner = None  # every proposal scored: the counts below are exact
     outs, _ = run(llm, loras)
     assert [o.token_ids for o in outs] == want
     stats = llm.engine.spec_stats
@@ -149,3 +151,30 @@ def test_speculation_stops_for_a_request_whose_proposals_do_not_land(setup):
     assert stats.num_accepted_tokens > 30
     assert stats.num_draft_tokens - stats.num_accepted_tokens == 2 * 32
     assert stats.accepted_per_pos[0] == stats.num_drafts - 2 * 8
+
+
+def test_planner_scores_what_pays_for_its_rows():
+    planner = SpecPlanner(min_steps=8)
+    drafts = {1: [7, 8, 9, 10], 2: [7, 8, 9, 10], 3: []}
+    for seq_no, accepted in ((1, 4), (1, 4), (1, 4), (2, 0), (2, 0), (2, 0)):
+        planner.observe_draft(seq_no, 4, accepted)
+    assert planner.plan(drafts) == {1: 4, 2: 4, 3: 0}  # no step times yet: score everything
+    # Memory-bound steps (rows nearly free): every proposal pays.
+    for rows in range(3, 14):
+        planner.observe_step(rows, 0.050 + 0.000001 * rows)
+    assert planner.plan(drafts) == {1: 4, 2: 4, 3: 0}
+    # 10 ms a row on top of 50 ms (the demo model on one CPU core: about 68 + 7 per row):
+    # request 1 (every proposal landed so far) keeps its draft, request 2 (none landed:
+    # p = 1/5) keeps none, request 3 had nothing to propose.
+    for rows in range(3, 67):
+        planner.observe_step(rows, 0.050 + 0.010 * rows)
+    assert planner.plan(drafts) == {1: 4, 2: 0, 3: 0}
+    a, b = planner.cost()
+    assert a == pytest.approx(0.050) and b == pytest.approx(0.010)
+    # Steps that cost rows only (no fixed part): a proposal (< 1 token) never beats a row.
+    for rows in range(3, 67):
+        planner.observe_step(rows, 0.010 * rows)
+    assert planner.plan(drafts) == {1: 0, 2: 0, 3: 0}
+    # Finished requests are forgotten.
+    planner.plan({3: []})
+    assert set(planner.counts) == set()

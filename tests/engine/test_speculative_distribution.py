@@ -125,6 +125,7 @@ def generate(model_dir, tree: Tree, params: SamplingParams, speculate: bool, n: 
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=256, num_speculative_tokens=K)
     if speculate:
         llm.engine.proposer = MixedProposer(tree)
+        llm.engine.spec_planner = None  # keep every proposal: timing must not steer the run
     else:
         llm.engine.proposer = None
     outs = llm.generate(
