@@ -63,6 +63,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-venv", type=Path, default=Path("/tmp/vllm-peer"))
     p.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "cliff.json")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line for the notes (e.g. what else shared the machine)")  # fmt: skip
     p.add_argument("--cache", type=Path, default=CACHE_DIR, help="where adapters are made")
 
 
@@ -186,7 +188,7 @@ def run_cliff(args: argparse.Namespace) -> dict:
           f"{cliff_trace.OUTPUT[1] * args.scale:.0f} tokens); KV pool {plan['blocks']} blocks "
           f"x {args.block_size} = {plan['bytes'] / 2**20:.2f} MiB, {args.kv_fraction:g} of the "
           f"peak demand {plan['peak_demand_tokens']:.0f} tokens", flush=True)  # fmt: skip
-    rows, notes = [], []
+    rows, notes = [], list(args.note)
     for c in args.concurrency:
         for system in SYSTEMS:
             if system in args.systems:
