@@ -250,6 +250,8 @@ def quant_section(doc: dict, path: Path, out: Path) -> str:
         "table: what each format's smaller weights free in a fixed budget, all of it to KV "
         "or all of it to adapters.\n\n"
     )
+    if doc.get("partial"):
+        text += "**Partial run**: the formats not shown did not finish.\n\n"
     return text + tables(doc) + "\n" + _image(path, out)
 
 
@@ -310,7 +312,8 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.speculative import table
 
     text = (
-        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off"
+        f"{'' if doc.get('planner', True) else ', planner off (every proposal scored)'}\n\n"
         "`ignore_eos`, the same prompts on two engines loaded side by side (prefix caching "
         f"off), {doc['threads']} torch thread(s) each, ABBA order, {doc['repeats']} cycle(s) "
         "per row, median tokens/s per side (wall time of `generate`, prefill included). "
@@ -340,7 +343,9 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
         "thread; every replica is an engine in this one process (the machine's 2 cores are "
         "shared by all replicas, and by other work). Cold loads: adapters read from disk "
         "(safetensors) into a replica's host tier during the measured trace, as the adapter "
-        "managers count them; TTFT from each request's scheduled arrival. Policies: "
+        f"managers count them ({doc.get('unseen_in_warmup', '?')} adapters of the measured "
+        "trace never appear in the warm-up: cold for every policy); TTFT from each request's "
+        "scheduled arrival. Policies: "
         "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
         "scoring on what /metrics shows; affinity-host also sees the host tier).\n\n"
     )

@@ -159,9 +159,11 @@ def _heldout_texts() -> list[str]:
     return list(module.HELDOUT_TEXTS)
 
 
-def run(model: Path, names: list[str], adapters: dict[str, Path] | None = None) -> dict:
+def run(
+    model: Path, names: list[str], adapters: dict[str, Path] | None = None, on_row=None
+) -> dict:
     """Rows per format (the first is the reference the others compare with: float32), and
-    the fixed-budget memory table when adapters were given."""
+    the fixed-budget memory table when adapters were given; `on_row(rows)` after each."""
     texts = _heldout_texts()
     dispatch.set_mode("reference")
     rows, base, lora_ref, geometry = [], None, None, None
@@ -191,6 +193,8 @@ def run(model: Path, names: list[str], adapters: dict[str, Path] | None = None) 
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if on_row is not None:
+                on_row(rows)
             del llm
     doc: dict = {"rows": rows}
     if adapters:
@@ -332,13 +336,20 @@ def _adapters(args: argparse.Namespace) -> dict[str, Path] | None:
 
 
 def run_quant(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(2)
-    doc = run(args.model, args.formats, _adapters(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     from loraplex.bench.sysinfo import machine
 
-    doc = {"kind": "quant", "model": str(args.model), "machine": machine(), **doc}
-    args.out.write_text(json.dumps(doc, indent=2))
+    torch.set_num_threads(2)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(doc: dict) -> dict:
+        doc = {"kind": "quant", "model": str(args.model), "machine": machine(), **doc}
+        args.out.write_text(json.dumps(doc, indent=2))
+        return doc
+
+    # Rows so far are kept as they come (a long run cut short still leaves them), marked partial.
+    doc = run(args.model, args.formats, _adapters(args),
+              on_row=lambda rows: save({"rows": rows, "partial": True}))  # fmt: skip
+    doc = save(doc)
     print(tables(doc))
     if not args.no_plot:
         plot(doc, args.plot or args.out.with_suffix(".png"))
