@@ -312,8 +312,7 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.speculative import table
 
     text = (
-        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off"
-        f"{'' if doc.get('planner', True) else ', planner off (every proposal scored)'}\n\n"
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
         "`ignore_eos`, the same prompts on two engines loaded side by side (prefix caching "
         f"off), {doc['threads']} torch thread(s) each, ABBA order, {doc['repeats']} cycle(s) "
         "per row, median tokens/s per side (wall time of `generate`, prefill included). "
@@ -343,9 +342,7 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
         "thread; every replica is an engine in this one process (the machine's 2 cores are "
         "shared by all replicas, and by other work). Cold loads: adapters read from disk "
         "(safetensors) into a replica's host tier during the measured trace, as the adapter "
-        f"managers count them ({doc.get('unseen_in_warmup', '?')} adapters of the measured "
-        "trace never appear in the warm-up: cold for every policy); TTFT from each request's "
-        "scheduled arrival. Policies: "
+        "managers count them; TTFT from each request's scheduled arrival. Policies: "
         "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
         "scoring on what /metrics shows; affinity-host also sees the host tier).\n\n"
     )
