@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -30,10 +31,10 @@ from pathlib import Path
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
 
 
-def _offline(model: str, n: int, tokens: int) -> float:
+def _offline(model: str, n: int, tokens: int, threads: int) -> float:
     from loraplex.engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32")
+    llm = LLM(model, dtype="float32", num_threads=threads)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -43,11 +44,11 @@ def _offline(model: str, n: int, tokens: int) -> float:
     return n * tokens / seconds
 
 
-def _served(model: str, n: int, tokens: int) -> tuple[float, list[int]]:
+def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[int]]:
     from loraplex.engine import EngineConfig, SamplingParams
     from loraplex.engine.engine_process import EngineProcess
 
-    engine = EngineProcess(EngineConfig(model, dtype="float32"))
+    engine = EngineProcess(EngineConfig(model, dtype="float32", num_threads=threads))
 
     async def one(max_tokens: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -87,21 +88,28 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--cases", choices=("one", "issue"), default="one",
         help="one: the case above; issue: 1 x 8,192 and 8 x 4,096 tokens (late at 8,000 / 4,000)",
     )  # fmt: skip
+    ap.add_argument(
+        "--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
+        help="torch threads of the engine, both sides (default: as `loraplex serve`, all "
+        "cores but one, which the server's own work keeps)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
 
 
-def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int) -> dict:
+def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int,
+          threads: int) -> dict:  # fmt: skip
     served_runs, offline_runs = [], []
     for i in range(repeats):
         for which in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
             if which == "served":
-                rate, sizes = _served(model, n, tokens)
+                rate, sizes = _served(model, n, tokens, threads)
                 served_runs.append(rate)
             else:
-                offline_runs.append(_offline(model, n, tokens))
+                offline_runs.append(_offline(model, n, tokens, threads))
     served, offline = statistics.median(served_runs), statistics.median(offline_runs)
     e, la = _around(sizes, early), _around(sizes, late)
-    print(f"work: {n} request(s) x {tokens} tokens, tiny random llama, float32, greedy, ignore_eos")
+    print(f"work: {n} request(s) x {tokens} tokens, tiny random llama, float32, greedy, "
+          f"ignore_eos, {threads} engine thread(s)")  # fmt: skip
     print(f"engine -> server bytes per step at token {early}: {e:,.0f}")
     print(f"engine -> server bytes per step at token {late}: {la:,.0f}")
     print(f"  ratio late/early: {la / e:.2f}  (goal <= 1.2)")
@@ -113,7 +121,8 @@ def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int) 
         print(f"  runs: served {[round(r, 1) for r in served_runs]}, "
               f"offline {[round(r, 1) for r in offline_runs]}")  # fmt: skip
     return {
-        "requests": n, "tokens": tokens, "early_token": early, "late_token": late,
+        "requests": n, "tokens": tokens, "threads": threads,
+        "early_token": early, "late_token": late,
         "bytes_early": e, "bytes_late": la, "bytes_ratio": la / e,
         "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": served / offline,
         "served_runs": served_runs, "offline_runs": offline_runs,
@@ -148,7 +157,7 @@ def run_long(args: argparse.Namespace) -> dict:
             make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=longest + 64)
         )
         for n, tokens, early, late in cases:
-            rows.append(_case(model, n, tokens, early, late, args.repeats))
+            rows.append(_case(model, n, tokens, early, late, args.repeats, args.threads))
     doc = {"bench": "long", "machine": machine(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
