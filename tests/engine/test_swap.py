@@ -84,6 +84,17 @@ def test_swap_preemption_same_outputs_and_frees_everything(
     assert got == roomy(prompts)
 
 
+def test_int8_cache_swap_same_outputs(tiny_models, tiny_adapters):
+    """With the int8 cache, swapped-in blocks carry their scales: the same tokens as an int8
+    run that never preempts."""
+    prompts, loras = _prompts(6), _loras(tiny_adapters["llama"], 6)
+    want = _generate(_llm(tiny_models["llama"], kv_cache_dtype="int8"), prompts, loras)
+    llm = _llm(tiny_models["llama"], kv_cache_dtype="int8", num_kv_blocks=14,
+               num_host_kv_blocks=64, preemption_mode="swap")  # fmt: skip
+    assert _generate(llm, prompts, loras) == want
+    assert llm.engine.scheduler.swap.num_swapped_in > 0
+
+
 def test_forked_samples_under_swap(tiny_models, tiny_adapters, roomy):
     """n = 3 samples share their prompt's blocks (reference counts > 1) when preempted."""
     prompts = _prompts(3, shared=8)
