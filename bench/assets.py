@@ -16,6 +16,7 @@ import shutil
 import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import save_file
@@ -71,6 +72,22 @@ def _repo_on_path():
         sys.path[:] = saved
 
 
+def checkout_factories(what: str, otherwise: str = "") -> ModuleType:
+    """tests/utils/factories of the checkout this package runs from (the tiny random models
+    and tokenizers); an installed package has no tests/, so `what` stops with a clear error."""
+    with _repo_on_path():
+        try:
+            from tests.utils import factories
+        except ModuleNotFoundError as e:
+            if e.name not in ("tests", "tests.utils", "tests.utils.factories"):
+                raise
+            raise SystemExit(
+                f"loraplex: error: {what} with tests/utils of a loraplex checkout; run from a "
+                f"clone{', ' + otherwise if otherwise else ''}"
+            ) from None
+    return factories
+
+
 def tiny_llama(cache: Path = CACHE_DIR) -> Path:
     """The tiny random Llama folder, built on first use (~10 s)."""
     out = cache / "tiny-llama"
@@ -78,16 +95,9 @@ def tiny_llama(cache: Path = CACHE_DIR) -> Path:
         return out
     import transformers
 
-    with _repo_on_path():  # the tokenizer factory lives in tests/utils
-        try:
-            from tests.utils.factories import make_tokenizer
-        except ModuleNotFoundError as e:
-            if e.name not in ("tests", "tests.utils", "tests.utils.factories"):
-                raise
-            raise SystemExit(  # an installed package has no tests/
-                "loraplex: error: --model tiny-llama is built with tests/utils of a loraplex "
-                "checkout; run from a clone, or pass --model demo or a model folder"
-            ) from None
+    make_tokenizer = checkout_factories(
+        "--model tiny-llama is built", "or pass --model demo or a model folder"
+    ).make_tokenizer
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

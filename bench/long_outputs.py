@@ -136,19 +136,10 @@ def run_long(args: argparse.Namespace) -> dict:
         assert args.early < args.late < args.tokens, "need early < late < tokens"
         cases = [(args.concurrency, args.tokens, args.early, args.late)]
 
-    from loraplex.bench.assets import _repo_on_path
+    from loraplex.bench.assets import checkout_factories
     from loraplex.bench.sysinfo import machine
 
-    with _repo_on_path():  # the tiny model factory lives in tests/utils
-        try:
-            from tests.utils.factories import make_tiny_model
-        except ModuleNotFoundError as e:
-            if e.name not in ("tests", "tests.utils", "tests.utils.factories"):
-                raise
-            raise SystemExit(  # an installed package has no tests/
-                "loraplex: error: bench long builds its tiny model with tests/utils of a "
-                "loraplex checkout; run it from a clone"
-            ) from None
+    make_tiny_model = checkout_factories("bench long builds its tiny model").make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
