@@ -42,6 +42,8 @@ loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
     --out bench/results/speculative-demo.json
+python -m bench.structured --data-dir DATA_DIR --out bench/results/structured-bitmask-demo.json
+python -m bench.structured_acceptance --data-dir DATA_DIR
 loraplex bench docs                                             # this page
 ```
 
@@ -312,7 +314,8 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.speculative import table
 
     text = (
-        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off"
+        f"{'' if doc.get('planner', True) else ', planner off (every proposal scored)'}\n\n"
         "`ignore_eos`, the same prompts on two engines loaded side by side (prefix caching "
         f"off), {doc['threads']} torch thread(s) each, ABBA order, {doc['repeats']} cycle(s) "
         "per row, median tokens/s per side (wall time of `generate`, prefill included). "
@@ -332,6 +335,10 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
 def fleet_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.fleet import goal_lines, table
 
+    unseen = ""
+    if "unseen_in_warmup" in doc:
+        unseen = (f" ({doc['unseen_in_warmup']} adapters of the measured trace never appear in "
+                  "the warm-up: cold for every policy)")  # fmt: skip
     text = (
         f"### `{path.name}`: {doc['replicas']} replicas of {Path(doc['model']).name}, "
         f"{doc['adapters']} adapters\n\n"
@@ -342,11 +349,23 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
         "thread; every replica is an engine in this one process (the machine's 2 cores are "
         "shared by all replicas, and by other work). Cold loads: adapters read from disk "
         "(safetensors) into a replica's host tier during the measured trace, as the adapter "
-        "managers count them; TTFT from each request's scheduled arrival. Policies: "
+        f"managers count them{unseen}; TTFT from each request's scheduled arrival. Policies: "
         "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
         "scoring on what /metrics shows; affinity-host also sees the host tier).\n\n"
     )
     return text + table(doc) + "\n\n" + goal_lines(doc) + "\n" + _image(path, out)
+
+
+def _structured_acc(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.structured_acceptance import section
+
+    return section(doc, path, out)
+
+
+def _structured_mask(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.structured import section
+
+    return section(doc, path, out)
 
 
 SECTIONS = [  # (title, file prefix, renderer)
@@ -360,6 +379,8 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
     ("Speculative decoding (`python -m bench.speculative`)", "speculative", speculative_section),
+    ("Structured output: every answer validates", "structured-acceptance", _structured_acc),
+    ("Structured output: the bitmask's step cost", "structured-bitmask", _structured_mask),
 ]
 
 
