@@ -91,9 +91,11 @@ def _doc_machine(doc: dict) -> dict | None:
             "torch": meta.get("torch")}  # fmt: skip
 
 
-def _machine(m: dict | None) -> str:
+def _machine(m: dict | str | None) -> str:
     if not m:
         return "unknown machine"
+    if isinstance(m, str):  # a file that describes its machine in words
+        return m
     gen = f" (family {m['cpu_family']}, model {m['cpu_model']})" if "cpu_family" in m else ""
     return (
         f"{m.get('cpu', '?')}{gen}, {m.get('cores', '?')} cores "
