@@ -269,13 +269,15 @@ def goal_lines(doc: dict) -> str:
 
 def table(doc: dict) -> str:
     lines = ["| policy | cold loads | requests that waited for a load | slot writes | "
-             "TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | busiest replica's share | "
-             "finished |",
+             "TTFT p50 (ms) | TTFT p99 (ms), runs' range | output tok/s | "
+             "busiest replica's share | finished |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in doc["rows"]:
+        p99 = sorted(x["ttft_p99_ms"] for x in doc["runs"] if x["policy"] == r["policy"])
+        spread = f" ({p99[0]:.0f}–{p99[-1]:.0f})" if len(p99) > 1 else ""
         lines.append(
             f"| {r['policy']} | {r['cold_loads']:.0f} | {r['load_waits']:.0f} | "
-            f"{r['slot_writes']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+            f"{r['slot_writes']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f}{spread} | "
             f"{r['output_tok_s']:.0f} | {r['max_replica_share']:.0%} | "
             f"{r['finished']:.0f}/{r['requests']:.0f} |"
         )
