@@ -38,6 +38,9 @@ loraplex bench serve --url http://127.0.0.1:8000 --api-key $KEY --num-adapters 4
 loraplex bench offline --model demo --num-adapters 16 --rate inf
 python bench/offline.py --model tiny-llama --peer vllm,hf
 loraplex bench cliff --out bench/results/cliff-tiny-llama.json
+loraplex bench cliff --concurrency 8 --kv-fraction 0.5 --cap-s 240 \\
+    --systems loraplex loraplex-swap loraplex-adm loraplex-adm-swap \\
+    --out bench/results/cliff-swap-tiny-llama.json
 loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
