@@ -45,6 +45,8 @@ loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
     --out bench/results/speculative-demo.json
+python -m bench.structured --data-dir DATA_DIR --out bench/results/structured-bitmask-demo.json
+python -m bench.structured_acceptance --data-dir DATA_DIR
 loraplex bench docs                                             # this page
 ```
 
@@ -317,7 +319,8 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
     from loraplex.bench.speculative import table
 
     text = (
-        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off\n\n"
+        f"### `{path.name}`: {Path(doc['model']).name}, prompt lookup on vs off"
+        f"{'' if doc.get('planner', True) else ', planner off (every proposal scored)'}\n\n"
         "`ignore_eos`, the same prompts on two engines loaded side by side (prefix caching "
         f"off), {doc['threads']} torch thread(s) each, ABBA order, {doc['repeats']} cycle(s) "
         "per row, median tokens/s per side (wall time of `generate`, prefill included). "
@@ -358,6 +361,18 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
     return text + table(doc) + "\n\n" + goal_lines(doc) + "\n" + _image(path, out)
 
 
+def _structured_acc(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.structured_acceptance import section
+
+    return section(doc, path, out)
+
+
+def _structured_mask(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.structured import section
+
+    return section(doc, path, out)
+
+
 SECTIONS = [  # (title, file prefix, renderer)
     ("Peers side by side (serving)", "peers-", peers_section),
     ("Adapter-count scaling (serving)", "scaling-", scaling_section),
@@ -369,6 +384,8 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
     ("Speculative decoding (`python -m bench.speculative`)", "speculative", speculative_section),
+    ("Structured output: every answer validates", "structured-acceptance", _structured_acc),
+    ("Structured output: the bitmask's step cost", "structured-bitmask", _structured_mask),
 ]
 
 

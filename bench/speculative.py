@@ -134,6 +134,8 @@ def run(args) -> list[dict]:
     rows = []
     for k in args.k:
         on = _llm(args.model, k, args.threads, args.max_model_len)
+        if args.no_planner:
+            on.engine.spec_planner = None  # score every proposal (for comparison)
         warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         for llm in (off, on):
             llm.generate(copy_prompts(1, args.chars), warm)
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chars", type=int, default=600, help="paragraph length of copy prompts")
     p.add_argument("--repeats", type=int, default=1, help="ABBA cycles per row")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
+    p.add_argument("--no-planner", action="store_true", help="score every proposal")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--out", type=Path, default=Path("bench/results/speculative-demo.json"))
     args = p.parse_args(argv)
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
 
     doc = {"kind": "speculative", "model": str(args.model), "machine": machine(),
            "threads": args.threads, "repeats": args.repeats, "chars": args.chars,
+           "planner": not args.no_planner,
            "seconds": time.perf_counter() - start, "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
