@@ -272,7 +272,7 @@ class LLMEngine:
             self.spec_planner.observe_step(out.num_batched_tokens, time.perf_counter() - t0)
         if self.host_kv is not None:  # what a recompute costs here, per token
             seconds = time.perf_counter() - t0
-            self.scheduler.swap.costs.observe_step(out.num_batched_tokens, len(out.seqs), seconds)
+            self.scheduler.swap.costs.observe_step(out.num_batched_tokens, seconds)
         stepped = self.scheduler.postprocess(out, sampled)
         return outputs + self._process(stepped, sampled)
 

@@ -7,8 +7,9 @@ machine, the model and the request, so both sides are measured, not assumed:
 
     swap_s(n)      = out_fixed + n x out_per_block + in_fixed + n x in_per_block
                      (timed at engine start on the real caches: device -> host -> device)
-    recompute_s(t) = t computed tokens x prefill seconds per token
-                     (the median of the runner's own recent steps that carried prefill)
+    recompute_s(t) = t computed tokens x seconds per token, the slope of the runner's own
+                     recent step times over their token counts (least squares): what a
+                     token adds to a step, as recomputed tokens ride in steps that run anyway
     swap           when swap_s(blocks held) < recompute_s(computed tokens) and the host pool
                    has the blocks; otherwise recompute, as without a host pool
 
@@ -33,7 +34,6 @@ before they are read.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,8 +54,8 @@ class SwapCosts:
     out_per_block_s: float = 0.0
     in_fixed_s: float = 0.0
     in_per_block_s: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=32), repr=False)  # s / token
-    prefill_per_token_s: float | None = None  # None: no prefill step seen yet
+    steps: deque = field(default_factory=lambda: deque(maxlen=64), repr=False)  # (tokens, s)
+    prefill_per_token_s: float | None = None  # None: too few steps of different sizes yet
 
     def swap_s(self, num_blocks: int) -> float:
         out = self.out_fixed_s + num_blocks * self.out_per_block_s
@@ -70,12 +70,18 @@ class SwapCosts:
         recompute = self.recompute_s(num_tokens)
         return recompute is not None and self.swap_s(num_blocks) < recompute
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """One runner step. Only steps mostly made of prefill tokens say what a recompute
-        costs per token (a decode step's time is per sequence, not per token)."""
-        if num_tokens >= max(16, 2 * num_seqs):
-            self.recent.append(seconds / num_tokens)
-            self.prefill_per_token_s = statistics.median(self.recent)
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """One runner step of `num_tokens` tokens took `seconds`: refit seconds per token.
+        A fit that comes out flat or falling (a busy machine's spike) keeps the last one."""
+        self.steps.append((num_tokens, seconds))
+        n = len(self.steps)
+        mean_t = sum(t for t, _ in self.steps) / n
+        mean_s = sum(s for _, s in self.steps) / n
+        var = sum((t - mean_t) ** 2 for t, _ in self.steps)
+        if var > 0:
+            slope = sum((t - mean_t) * (s - mean_s) for t, s in self.steps) / var
+            if slope > 0:
+                self.prefill_per_token_s = slope
 
 
 class SwapSpace:

@@ -140,11 +140,16 @@ def test_cost_model_arithmetic():
     costs = SwapCosts(out_fixed_s=1e-4, out_per_block_s=1e-5, in_fixed_s=1e-4,
                       in_per_block_s=2e-5)  # fmt: skip
     assert costs.recompute_s(100) is None and not costs.prefers_swap(1, 100)  # nothing seen
-    costs.observe_step(4, 4, 1.0)  # a decode step: says nothing of prefill
-    assert costs.prefill_per_token_s is None
-    for seconds in (0.010, 0.012, 0.5):  # 100-token prefill steps; one outlier
-        costs.observe_step(100, 2, seconds)
-    assert costs.prefill_per_token_s == pytest.approx(1.2e-4)  # the median
+    costs.observe_step(8, 0.002)
+    costs.observe_step(8, 0.003)  # steps of one size only: no slope yet
+    assert costs.prefers_swap(1, 100) is False and costs.prefill_per_token_s is None
+    for tokens in (100, 40, 8):  # 1 ms a step + 0.12 ms a token
+        costs.observe_step(tokens, 1e-3 + tokens * 1.2e-4)
+    costs.steps.popleft(), costs.steps.popleft()  # drop the noisy pair, refit
+    costs.observe_step(8, 1e-3 + 8 * 1.2e-4)
+    assert costs.prefill_per_token_s == pytest.approx(1.2e-4)
+    costs.observe_step(2, 0.5)  # a spike that makes the fit fall: the last slope stays
+    assert costs.prefill_per_token_s == pytest.approx(1.2e-4)
     # 10 blocks: 2e-4 + 10 x 3e-5 = 5e-4 s to swap; 80 tokens: 9.6e-3 s to recompute.
     assert costs.swap_s(10) == pytest.approx(5e-4)
     assert costs.prefers_swap(10, 80)
