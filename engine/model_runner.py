@@ -177,5 +177,6 @@ class ModelRunner:
             outputs,
             [s.generator for s in seqs],
             [s.processors for s in seqs],
+            logits_owned=True,
         )
         return seqs, result

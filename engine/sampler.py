@@ -77,6 +77,7 @@ class Sampler:
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
         processors: list[list[LogitsProcessor]] | None = None,  # per row, possibly empty
+        logits_owned: bool = False,  # the caller will not read `logits` again: may be changed
     ) -> SamplerOutput:
         rows, vocab = logits.shape
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == rows
@@ -87,7 +88,11 @@ class Sampler:
             # Hot path: argmax is exact in any float dtype, so no float32 copy is needed.
             token_ids = _argmax(logits)  # [rows]
         else:
-            x = logits.to(torch.float32, copy=True)  # [rows, vocab]
+            # Owned float32 logits are masked in place unless a row needs the raw distribution
+            # for its logprobs (the copy: 32 MB a step at batch 32 and a 262k vocabulary).
+            raw = any(p.logprobs is not None or p.best_of for p in params)
+            in_place = logits_owned and logits.dtype == torch.float32 and not raw
+            x = logits if in_place else logits.to(torch.float32, copy=True)  # [rows, vocab]
             self._apply_penalties(x, params, prompt_ids, output_ids)
             if processed:
                 apply_processors(x, processors)

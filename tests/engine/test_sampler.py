@@ -293,3 +293,19 @@ def test_blockwise_argmax_equals_argmax_with_first_tie(vocab: int, dtype: torch.
     assert torch.equal(_argmax(x), expected)
     assert torch.equal(_argmax(x.t().contiguous().t()), expected)  # a strided view
     assert _argmax(x[:, : vocab // 2]).tolist() == x[:, : vocab // 2].float().argmax(-1).tolist()
+
+
+def test_owned_logits_are_masked_in_place_unless_logprobs_need_them(sampler: Sampler) -> None:
+    x = torch.tensor([[5.0, 4.0, 3.0, 0.0]])  # EOS best
+    banned = SamplingParams(temperature=0.0, min_tokens=1)
+    kept = x.clone()
+    assert run(sampler, x, [banned]).token_ids == [1]
+    assert torch.equal(x, kept)  # not owned: the caller's logits are untouched
+    out = sampler(x, [banned], [[]], [[]], [None], logits_owned=True)
+    assert out.token_ids == [1] and x[0, EOS] == float("-inf")  # no copy made
+    # With logprobs the raw distribution is still reported, owned or not.
+    asked = SamplingParams(temperature=0.0, min_tokens=1, logprobs=1)
+    x = kept.clone()
+    out = sampler(x, [asked], [[]], [[]], [None], logits_owned=True)
+    assert torch.equal(x, kept)
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(kept, -1)[0, 1].item())
