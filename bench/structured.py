@@ -11,6 +11,7 @@ the ratio and the machine.
 
     .venv/bin/python -m bench.structured
     .venv/bin/python -m bench.structured --model /path/to/model --batch 8 --tokens 32
+    .venv/bin/python -m bench.structured --out bench/results/structured-bitmask-demo.json
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", help="also write the result here (JSON; bench/results/structured-*)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,6 +114,38 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode step, free:        {f * 1000:8.1f} ms  (median of {len(free)} runs)")
     print(f"decode step, constrained: {c * 1000:8.1f} ms  (median of {len(constrained)} runs)")
     print(f"constrained / free:       {c / f:8.3f}  ({(c / f - 1) * 100:+.1f} %)")
+    if args.out:
+        import json
+
+        doc = {
+            "model": Path(model).name,
+            "vocab": vocab,
+            "batch": args.batch,
+            "tokens": args.tokens,
+            "dtype": args.dtype,
+            "machine": device,
+            "free_ms": [round(t * 1000, 2) for t in free],
+            "constrained_ms": [round(t * 1000, 2) for t in constrained],
+            "ratio": round(c / f, 4),
+        }
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+def section(doc: dict, path: Path, out: Path) -> str:
+    """bench/docs.py's section for a results file of this benchmark."""
+    f, c = statistics.median(doc["free_ms"]), statistics.median(doc["constrained_ms"])
+    return (
+        f"### `{path.name}`: {doc['model']} (vocabulary {doc['vocab']:,}), batch "
+        f"{doc['batch']}, {doc['dtype']}\n\n"
+        "Decode step time with every row constrained by a JSON schema (xgrammar bitmask filled "
+        "per row, logits masked) vs the same batch unconstrained; runs alternate (ABBA), "
+        "median step of each run, median of the runs. Goal: at most +10 %.\n\n"
+        "| free (ms) | constrained (ms) | constrained / free |\n| --- | --- | --- |\n"
+        f"| {f:.1f} | {c:.1f} | {doc['ratio']:.3f} ({(doc['ratio'] - 1) * 100:+.1f} %) |\n\n"
+        f"Runs, free: {doc['free_ms']}; constrained: {doc['constrained_ms']}. "
+        f"Machine: {doc['machine']}.\n"
+    )
 
 
 if __name__ == "__main__":

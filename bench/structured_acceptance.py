@@ -250,5 +250,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if total["valid"] == len(results) else 1
 
 
+def section(doc: dict, path: Path, out: Path) -> str:
+    """bench/docs.py's section for a results file of this benchmark."""
+    t = doc["summary"]["total"]
+    by = doc["summary"]["by"]
+    rows = "".join(
+        f"| {k} | {c['valid']} | {c['invalid']} | {c['length']} | {c['error']} |\n"
+        for k, c in by.items()
+    )
+    longest = max((r.get("completion_tokens") or 0) for r in doc["results"])
+    return (
+        f"### `{path.name}`: {doc['model']} + adapters {', '.join(doc['adapters'])}\n\n"
+        f"{doc['requests']} requests through the `openai` client, {doc['concurrency']} in "
+        "flight, `response_format` json_schema (four schemas with bounded strings, arrays and "
+        "integers), base model and adapters, streamed or not, chat and completions; each "
+        f"answer parsed and validated with `jsonschema`. Temperature {doc['temperature']}, "
+        f"max_tokens {doc['max_tokens']} (the longest answer: {longest} tokens). "
+        f"{doc['wall_s']} s, {doc['completion_tokens']} completion tokens. "
+        f"Machine: {doc['machine']} (shared).\n\n"
+        f"**Valid: {t['valid']} / {doc['requests']}** (invalid {t['invalid']}, cut by "
+        f"max_tokens {t['length']}, errors {t['error']}).\n\n"
+        "| slice | valid | invalid | cut by max_tokens | errors |\n"
+        "| --- | --- | --- | --- | --- |\n" + rows
+    )
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
