@@ -117,13 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         import json
 
+        from loraplex.bench import sysinfo
+
         doc = {
             "model": Path(model).name,
             "vocab": vocab,
             "batch": args.batch,
             "tokens": args.tokens,
             "dtype": args.dtype,
-            "machine": device,
+            "machine": sysinfo.machine(),
             "free_ms": [round(t * 1000, 2) for t in free],
             "constrained_ms": [round(t * 1000, 2) for t in constrained],
             "ratio": round(c / f, 4),
@@ -143,8 +145,8 @@ def section(doc: dict, path: Path, out: Path) -> str:
         "median step of each run, median of the runs. Goal: at most +10 %.\n\n"
         "| free (ms) | constrained (ms) | constrained / free |\n| --- | --- | --- |\n"
         f"| {f:.1f} | {c:.1f} | {doc['ratio']:.3f} ({(doc['ratio'] - 1) * 100:+.1f} %) |\n\n"
-        f"Runs, free: {doc['free_ms']}; constrained: {doc['constrained_ms']}. "
-        f"Machine: {doc['machine']}.\n"
+        f"Runs, free: {doc['free_ms']}; constrained: {doc['constrained_ms']} (a shared "
+        "machine: the step time moves with its load; the ratio is within a run pair).\n"
     )
 
 

@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.server import LoraplexServer
-    from bench.structured import _cpu_name
+    from loraplex.bench import sysinfo
+    from loraplex.bench.server import LoraplexServer
+    from loraplex.bench.structured import _cpu_name
     from loraplex.engine.demo import prepare_demo
     from loraplex.platform.demo.adapters import prepare_demo_adapters
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "response_format json_schema through the openai client; jsonschema validation",
         "model": model.name,
         "adapters": list(ADAPTERS),
-        "machine": machine,
+        "machine": sysinfo.machine(),
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
@@ -266,8 +267,8 @@ def section(doc: dict, path: Path, out: Path) -> str:
         "integers), base model and adapters, streamed or not, chat and completions; each "
         f"answer parsed and validated with `jsonschema`. Temperature {doc['temperature']}, "
         f"max_tokens {doc['max_tokens']} (the longest answer: {longest} tokens). "
-        f"{doc['wall_s']} s, {doc['completion_tokens']} completion tokens. "
-        f"Machine: {doc['machine']} (shared).\n\n"
+        f"{doc['wall_s']} s, {doc['completion_tokens']} completion tokens on a shared "
+        "machine.\n\n"
         f"**Valid: {t['valid']} / {doc['requests']}** (invalid {t['invalid']}, cut by "
         f"max_tokens {t['length']}, errors {t['error']}).\n\n"
         "| slice | valid | invalid | cut by max_tokens | errors |\n"
