@@ -216,8 +216,9 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         mib = f"{r['weight_bytes'] / 2**20:.0f}" + (" (computed)" if r["bytes_computed"] else "")
+        name = r["format"] + (f" (earlier run, {r['carried_from']})" if "carried_from" in r else "")
         lines.append(
-            f"| {r['format']} | {r['perplexity']:.3f} | x{r['ratio']:.4f} | "
+            f"| {name} | {r['perplexity']:.3f} | x{r['ratio']:.4f} | "
             f"{r['greedy_agreement']:.3f} | {mib} |"
         )
     return "\n".join(lines)
@@ -234,8 +235,9 @@ def adapter_table(rows: list[dict]) -> str:
     )
     lines = [head, "| --- |" + " ---: | ---: |" * len(names)]
     for r in rows:
-        cells = [f"{r['adapters'][n]['greedy_agreement']:.3f} | x{r['adapters'][n]['ratio']:.4f}"
-                 for n in names]  # fmt: skip
+        got = r.get("adapters", {})  # rows carried from an earlier run have none: "-"
+        cells = [f"{got[n]['greedy_agreement']:.3f} | x{got[n]['ratio']:.4f}" if n in got
+                 else "- | -" for n in names]  # fmt: skip
         lines.append(f"| {r['format']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -286,8 +288,8 @@ def plot(doc: dict, path: Path) -> None:
         names = sorted(rows[0]["adapters"])
         h = 0.8 / len(names)
         for i, n in enumerate(names):
-            ax.barh([v + i * h for v in y], [r["adapters"][n]["greedy_agreement"] for r in rows],
-                    height=h, label=n)  # fmt: skip
+            agree = [r.get("adapters", {}).get(n, {}).get("greedy_agreement", 0) for r in rows]
+            ax.barh([v + i * h for v in y], agree, height=h, label=n)
         ax.set_yticks([v + h * (len(names) - 1) / 2 for v in y], labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, 1)
