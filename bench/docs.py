@@ -41,7 +41,9 @@ loraplex bench cliff --out bench/results/cliff-tiny-llama.json
 loraplex bench cliff --concurrency 8 --kv-fraction 0.5 --cap-s 240 \\
     --systems loraplex loraplex-swap loraplex-adm loraplex-adm-swap \\
     --out bench/results/cliff-swap-tiny-llama.json
-loraplex bench fleet --repeats 2 --out bench/results/fleet-tiny-llama.json
+loraplex bench fleet --warmup 1500 --repeats 2 --out bench/results/fleet-tiny-llama.json
+loraplex bench fleet --policies round-robin affinity-host --repeats 3 \\
+    --out bench/results/fleet-tiny-llama-warm2500.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
     --out bench/results/speculative-demo.json
@@ -356,7 +358,9 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
         "(safetensors) into a replica's host tier during the measured trace, as the adapter "
         f"managers count them{unseen}; TTFT from each request's scheduled arrival. Policies: "
         "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
-        "scoring on what /metrics shows; affinity-host also sees the host tier).\n\n"
+        "scoring on what /metrics shows; affinity-host also sees the host tier, weight "
+        f"{doc.get('host_weight', '-')}); a queued request costs 1/{doc['queue_tolerance']:g} "
+        "point of affinity.\n\n"
     )
     return text + table(doc) + "\n\n" + goal_lines(doc) + "\n" + _image(path, out)
 
