@@ -249,10 +249,24 @@ def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> to
     return counts[:, :vocab]
 
 
+# top_p without top_k first tries this many best tokens per row (then 16 times as many):
+# when they already hold the mass top_p keeps, the rest would be dropped anyway and a partial
+# sort replaces a full one (a 262k vocabulary: topk(1024) ~2.5 ms against a 75 ms sort per 4
+# rows, 1 thread, Zen 4).
+TOP_P_CANDIDATES = 1024
+
+
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Masks to -inf what top_k and then top_p drop; one sort serves both. x: [rows, vocab]."""
     vocab = x.shape[1]
     width = max(top_k)
+    if width >= vocab and all(q < 1.0 for q in top_p):
+        for candidates in (TOP_P_CANDIDATES, 16 * TOP_P_CANDIDATES):
+            if candidates >= vocab:
+                break
+            masked = _top_p_partial(x, top_k, top_p, candidates)
+            if masked is not None:
+                return masked
     if width < vocab:
         # Every row truncates to at most `width` tokens: a partial sort is much cheaper.
         sorted_x, order = x.topk(width, dim=-1)  # [rows, width], best first
@@ -262,8 +276,35 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     rank = torch.arange(width, device=x.device)[None, :]  # [1, width]
     sorted_x = sorted_x.masked_fill(rank >= k, _NEG_INF)
     probs = torch.softmax(sorted_x, dim=-1)  # renormalised over the top_k survivors
+    return _drop_past_top_p(x, sorted_x, order, probs, top_p)
+
+
+def _drop_past_top_p(x, sorted_x, order, probs, top_p: list[float]) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs  # [rows, width]
     # p = 1 must keep everything, even where rounding pushes the running sum to 1.
     p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=x.device)
     sorted_x = sorted_x.masked_fill(mass_before >= p[:, None], _NEG_INF)
     return torch.full_like(x, _NEG_INF).scatter_(1, order, sorted_x)
+
+
+def _top_p_partial(x, top_k: list[int], top_p: list[float], width: int) -> torch.Tensor | None:
+    """`_top_k_top_p` over each row's `width` best tokens only, when that is exact: every row
+    has top_p < 1, rows with a top_k have it within `width`, and the others' `width` best
+    tokens hold at least their top_p of the whole distribution. None otherwise."""
+    vocab = x.shape[1]
+    if any(width < k < vocab for k in top_k):
+        return None
+    sorted_x, order = x.topk(width, dim=-1)  # [rows, width], best first
+    k = torch.tensor(top_k, device=x.device)[:, None]
+    rank = torch.arange(width, device=x.device)[None, :]
+    sorted_x = sorted_x.masked_fill(rank >= k, _NEG_INF)
+    probs = torch.softmax(sorted_x, dim=-1)  # top_k rows: renormalised over their survivors
+    full = [i for i, kk in enumerate(top_k) if kk >= vocab]
+    if full:  # no top_k: probabilities of the whole vocabulary
+        lse = torch.logsumexp(x[full], dim=-1, keepdim=True)
+        whole = torch.exp(sorted_x[full] - lse)
+        p = torch.tensor([top_p[i] for i in full], device=x.device)
+        if not bool((whole.sum(dim=-1) >= p).all()):
+            return None  # the tail holds mass top_p would keep: needs the full sort
+        probs[full] = whole
+    return _drop_past_top_p(x, sorted_x, order, probs, top_p)

@@ -309,3 +309,28 @@ def test_owned_logits_are_masked_in_place_unless_logprobs_need_them(sampler: Sam
     out = sampler(x, [asked], [[]], [[]], [None], logits_owned=True)
     assert torch.equal(x, kept)
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(kept, -1)[0, 1].item())
+
+
+@pytest.mark.parametrize("peaked", [True, False], ids=["peaked", "flat"])
+def test_top_p_over_the_best_candidates_equals_the_full_sort(monkeypatch, peaked: bool) -> None:
+    """top_p without top_k looks at each row's TOP_P_CANDIDATES best tokens first: where they
+    hold the mass top_p keeps (a peaked distribution) the mask is the full sort's, exactly;
+    where they do not (flat) it falls back to the full sort. Rows with a small top_k mix in."""
+    from loraplex.engine import sampler as sampler_mod
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 5000
+    x = torch.randn(4, vocab, generator=gen) * (6.0 if peaked else 0.1)
+    top_k, top_p = [vocab, 50, vocab, vocab], [0.9, 0.8, 0.5, 0.99]
+    calls = []
+    real = sampler_mod._top_p_partial
+    monkeypatch.setattr(sampler_mod, "_top_p_partial", lambda *a: calls.append(r := real(*a)) or r)
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", 256)
+    got = sampler_mod._top_k_top_p(x.clone(), top_k, top_p)
+    assert len(calls) == (1 if peaked else 2) and (calls[0] is None) == (not peaked)
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", vocab)  # the full sort
+    want = sampler_mod._top_k_top_p(x.clone(), top_k, top_p)
+    assert torch.equal(got.isfinite(), want.isfinite())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    kept = got.isfinite().sum(-1).tolist()
+    assert kept[1] <= 50 and all(0 < n < vocab for n in kept)
