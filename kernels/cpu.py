@@ -72,6 +72,11 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, al
     return attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=allowed)
 
 
+# Sequences with 2 to this many new rows in a step (a token and its speculative proposals,
+# short prefill chunks) run attention as one padded batch instead of one call each.
+SHORT_QUERY_ROWS = 8
+
+
 def _decode_matmul(q, k, v, allowed, scale, softcap):
     """`_attend`'s "matmul" form for one query per sequence, as two plain batched matmuls.
 
@@ -92,24 +97,34 @@ def _decode_matmul(q, k, v, allowed, scale, softcap):
 
 
 class _DecodePlan:
-    """What every layer's decode attention of one step shares (built once per step, kept in the
-    step's memo): the one-token sequences, their
-    rows, block tables and positions, and the visibility mask per sliding window."""
+    """What every layer's attention of one step shares for one group of short queries (built
+    once per step, kept in the step's memo): the sequences with `lo`..`hi` new tokens, their
+    rows (padded to the group's longest by repeating a sequence's last row), block tables,
+    positions, and the visibility mask per sliding window. Group 1..1 is the decode rows;
+    2..`SHORT_QUERY_ROWS` holds, e.g., a row and its speculative proposals."""
 
-    def __init__(self, block_tables, query_start_loc, seq_lens, block_size: int, device):
+    def __init__(self, block_tables, query_start_loc, seq_lens, block_size: int, device,
+                 lo: int = 1, hi: int = 1):  # fmt: skip
         self.device = torch.device(device)
-        n = len(seq_lens)
-        self.decode = [i for i in range(n) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+        qsl = query_start_loc
+        new = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        self.decode = [i for i, n in enumerate(new) if lo <= n <= hi]
         if not self.decode:
             return
-        self.rows = torch.tensor([query_start_loc[i] for i in self.decode], device=device)
+        self.n = max(new[i] for i in self.decode)
+        rows = [[qsl[i] + min(j, new[i] - 1) for j in range(self.n)] for i in self.decode]
+        pos = [[seq_lens[i] - new[i] + min(j, new[i] - 1) for j in range(self.n)]
+               for i in self.decode]  # fmt: skip
+        self.rows = torch.tensor(rows, device=device)  # [B, n]
+        if self.n == 1:
+            self.rows = self.rows[:, 0]  # [B]
         lens = [seq_lens[i] for i in self.decode]
         nb = -(-max(lens) // block_size)
         # Whole blocks are gathered: a contiguous [B, nb * block_size, ...] view of them needs
         # no copy, and the keys past each length are masked by causality.
         self.max_len = nb * block_size
         self.tables = block_tables[self.decode, :nb]
-        self.q_pos = (torch.tensor(lens, device=device) - 1).unsqueeze(-1)  # [B, 1]
+        self.q_pos = torch.tensor(pos, device=device)  # [B, n]
         self.k_pos = torch.arange(self.max_len, device=device)
         self._masks: dict[int | None, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # kv heads -> row indices for gather()
@@ -198,13 +213,15 @@ def paged_attention(
     ks, vs, dt = (k_scale, v_scale, q.dtype)
     dev = q.device
     key = ("decode_plan", k_cache.shape[1], dev)
-    plan = memo.get(key) if memo is not None else None
-    if plan is None:
-        plan = _DecodePlan(block_tables, query_start_loc, seq_lens, k_cache.shape[1], dev)
+    plans = memo.get(key) if memo is not None else None
+    if plans is None:
+        args = (block_tables, query_start_loc, seq_lens, k_cache.shape[1], dev)
+        plans = (_DecodePlan(*args), _DecodePlan(*args, lo=2, hi=SHORT_QUERY_ROWS))
         if memo is not None:
-            memo[key] = plan
-    decode = plan.decode
-    if decode:
+            memo[key] = plans
+    plan, short = plans
+    decode = plan.decode + short.decode
+    if plan.decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
         allowed = plan.mask(sliding_window)  # [B, 1, L]
         if softcap or _attention_impl == "matmul":
@@ -217,6 +234,23 @@ def paged_attention(
                         sliding_window, softcap, allowed=allowed).squeeze(1)  # fmt: skip
         # Padding keys sit beyond each sequence's length, which causality already masks.
         out[plan.rows] = o.to(out.dtype)
+    if short.decode:
+        # A few new rows per sequence (a token and its proposals): padded to [B, n] queries
+        # (a padding row repeats its sequence's last one, same result) in one batched call.
+        k = gather_kv(k_cache, short.tables, short.max_len, ks, dt)  # [B, L, KVH, d]
+        v = gather_kv(v_cache, short.tables, short.max_len, vs, dt)
+        o = _attend(
+            q[short.rows],
+            k,
+            v,
+            short.q_pos,
+            short.k_pos,
+            scale,
+            sliding_window,
+            softcap,
+            allowed=short.mask(sliding_window),
+        )  # [B, n, H, d] fmt: skip
+        out[short.rows.flatten()] = o.flatten(0, 1).to(out.dtype)
     decode_set = set(decode)
     for i in range(len(seq_lens)):
         if i in decode_set:

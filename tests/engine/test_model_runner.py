@@ -83,7 +83,7 @@ def test_per_step_plans_are_built_once_for_all_layers(engine, tiny_adapters, mon
              LoRARequest("attn8", 2, str(adapters["attn8"]))]  # fmt: skip
     plans, groups, applies = [], [], []
     real_plan, real_groups, real_apply = cpu._DecodePlan, cpu._lora_groups, cpu.lora_apply
-    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a: plans.append(1) or real_plan(*a))
+    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
     monkeypatch.setattr(cpu, "_lora_groups", lambda *a: groups.append(a[1]) or real_groups(*a))
 
     def lora_apply(*a, **kw):
@@ -95,7 +95,7 @@ def test_per_step_plans_are_built_once_for_all_layers(engine, tiny_adapters, mon
     _run(engine, tiny_adapters, [([5, 17, 99], lo) for lo in loras], max_tokens=4)
     layers = len(engine.model.model.layers)
     assert layers > 1 and len(steps) >= 4
-    assert len(plans) == len(steps)  # each step's first attention layer builds it
+    assert len(plans) == 2 * len(steps)  # each step's first layer builds both query groups
     # Every LoRA module (4 per layer) of every layer calls lora_apply; a plan is built once
     # per step and width set (module kinds with the same widths share one).
     width_sets = len({tuple(w) for w in groups})

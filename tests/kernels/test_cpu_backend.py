@@ -17,6 +17,8 @@ from tests.utils.kernels import guarded, make_segments, slot_weights
 STEPS = {  # cached tokens, new tokens per sequence
     "decode": ([30, 12, 50, 0, 7], [1, 1, 1, 1, 1]),
     "mixed": ([0, 37, 16, 5, 70], [20, 9, 1, 1, 1]),
+    # a token and its proposals (short queries, batched), decodes and a prefill chunk
+    "short": ([30, 12, 50, 0, 7, 3], [5, 1, 3, 12, 1, 2]),
 }
 
 
@@ -50,7 +52,7 @@ def test_one_decode_plan_per_step_memo(gen, monkeypatch):
                                             *STEPS["decode"])  # fmt: skip
     plans = []
     real = cpu._DecodePlan
-    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a: plans.append(1) or real(*a))
+    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real(*a, **k))
     scale = heads[2] ** -0.5
 
     def layer(memo, window=None, lengths=lens):
@@ -63,11 +65,11 @@ def test_one_decode_plan_per_step_memo(gen, monkeypatch):
     memo: dict = {}
     for window in (None, 8, None, 8):
         layer(memo, window)
-    assert len(plans) == 1
-    layer({}, lengths=[max(n - 5, 1) for n in lens])  # the next step: other lengths, a new plan
+    assert len(plans) == 2  # one-token queries, short multi-row queries
+    layer({}, lengths=[max(n - 5, 1) for n in lens])  # the next step: other lengths, new plans
     layer(None)
     layer(None)
-    assert len(plans) == 4
+    assert len(plans) == 8
     assert not [k for k, v in vars(cpu).items() if isinstance(v, dict) and not k.startswith("__")]
 
 
