@@ -179,6 +179,7 @@ def test_lora_info_names_served_adapters_once_and_can_be_turned_off():
         adapters_in_host=5,
         resident_adapters=["1/support", "2/support", "2/sql"],
         waiting_adapters=["3/legal"],
+        host_adapters=["1/support", "2/sql", "3/faq", "2/support", "4/faq"],
     )
     m = Metrics()
     for _ in range(3):  # refreshed per scrape: one series, not one per scrape
@@ -191,6 +192,8 @@ def test_lora_info_names_served_adapters_once_and_can_be_turned_off():
         "running_lora_adapters": "sql,support",
         "waiting_lora_adapters": "legal",
     }
+    (host,) = fams["loraplex:lora_host_adapters_info"]
+    assert host.labels == {"host_lora_adapters": "faq,sql,support"} and host.value > 0
     tiers = {s.labels["tier"]: s.value for s in fams["loraplex_adapters_resident"]}
     assert tiers == {"device": 3, "host": 5}
     (cfg,) = fams["vllm:cache_config_info"]
@@ -200,3 +203,5 @@ def test_lora_info_names_served_adapters_once_and_can_be_turned_off():
     hidden.refresh(stats)
     labels, _ = _lora_info(_render(hidden))
     assert labels["running_lora_adapters"] == labels["waiting_lora_adapters"] == ""
+    (host,) = _render(hidden)["loraplex:lora_host_adapters_info"]
+    assert host.labels == {"host_lora_adapters": ""}
