@@ -12,6 +12,12 @@ Qwen `<tool_call>{json}</tool_call>`, Mistral `[TOOL_CALLS][{...}]`, Llama 3's b
 forces a JSON array of calls, `[{"name": ..., "arguments": {...}}]`, valid against each
 function's parameter schema, so the answer is always a parseable call (unless max_tokens cuts
 it: finish_reason "length").
+
+Streamed: a forced call's `delta.tool_calls` come as it is written, as OpenAI sends them (the
+call's index, id, type and name once its name is complete, then its arguments piece by
+piece; `ForcedCallStream`); a call cut by max_tokens has streamed partial arguments and ends
+with finish_reason "length". With `auto` the text is parsed once complete: the calls come in
+the last delta.
 """
 
 from __future__ import annotations
@@ -243,3 +249,73 @@ def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[Too
         if found:
             return None, found
     return text, []
+
+
+_FORCED_HEAD = re.compile(r'\{"name":\s*"([A-Za-z0-9_-]+)",\s*"arguments":\s*')
+
+
+def scan_forced_calls(text: str) -> list[tuple[str, str, bool]]:
+    """(name, arguments as written, complete) of each call in a forced answer, so far.
+
+    A forced answer is the grammar's JSON array `[{"name": .., "arguments": {..}}, ..]`
+    (properties in the schema's order); `text` may stop anywhere in it. A call appears once its
+    name is complete; its arguments grow as `text` does (each a prefix of the final ones).
+    """
+    calls: list[tuple[str, str, bool]] = []
+    pos = 1 if text.startswith("[") else len(text)
+    while pos < len(text):
+        head = _FORCED_HEAD.match(text, pos)
+        if head is None:
+            break
+        start = end = head.end()
+        depth, in_str, escaped = 0, False, False
+        for end in range(start, len(text)):
+            ch = text[end]
+            if in_str:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_str = False
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    break
+        done = depth == 0 and end > start
+        calls.append((head.group(1), text[start : end + 1], done))
+        if not done:
+            break
+        pos = end + 1
+        while pos < len(text) and text[pos] in "}], ":  # to the next call's "{"
+            pos += 1
+    return calls
+
+
+class ForcedCallStream:
+    """The streamed `delta.tool_calls` of a forced answer: each call's id, type and name once
+    its name is written, then its arguments piece by piece, as OpenAI streams them."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[ToolCall] = []  # calls begun, arguments as sent so far
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        deltas = []
+        for i, (name, args, _) in enumerate(scan_forced_calls(self.text)):
+            if i == len(self.calls):
+                self.calls.append(ToolCall(name, ""))
+                deltas.append({**self.calls[i].public(i)})
+            call = self.calls[i]
+            if len(args) > len(call.arguments):
+                new, call.arguments = args[len(call.arguments) :], args
+                if deltas and deltas[-1]["index"] == i:
+                    deltas[-1]["function"]["arguments"] += new
+                else:
+                    deltas.append({"index": i, "function": {"arguments": new}})
+        return deltas

@@ -8,7 +8,13 @@ import jsonschema
 import openai
 import pytest
 
-from loraplex.platform.tool_calls import Tool, parse_tool_calls, plain_tool_messages
+from loraplex.platform.tool_calls import (
+    ForcedCallStream,
+    Tool,
+    parse_tool_calls,
+    plain_tool_messages,
+    scan_forced_calls,
+)
 from tests.utils.server import run_server, upload_adapter
 
 WEATHER = {
@@ -97,6 +103,41 @@ def test_parallel_calls_are_valid_or_cut_by_length(server, client):
             _check_calls(choice.message.tool_calls)
 
 
+def test_forced_calls_stream_piecewise_and_match_the_unstreamed_answer(server, client):
+    kw = dict(
+        model=server.state.model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,  # a random model's array of calls may run to max_tokens
+        temperature=1.0,
+        seed=4,
+        max_completion_tokens=120,
+    )
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # As OpenAI streams them: a call's id, type and name first, then its arguments in pieces.
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for chunk in chunks:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            else:
+                assert d.id is None and not d.function.name
+            calls[d.index]["arguments"] += d.function.arguments or ""
+            pieces += 1
+    assert sorted(calls) == list(range(len(calls))) and pieces > len(calls)
+    got = [(c["name"], c["arguments"]) for c in calls.values()]
+    want = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert got == want  # same seed: the same calls, argument text for argument text
+    for name, arguments in got:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
 def test_named_function_streamed(server, client):
     stream = client.chat.completions.create(
         model=server.state.model_name,
@@ -109,11 +150,11 @@ def test_named_function_streamed(server, client):
         stream=True,
     )
     chunks = [c for c in stream if c.choices]
-    last = chunks[-1].choices[0]
-    assert last.finish_reason == "tool_calls"
-    calls = last.delta.tool_calls
-    assert len(calls) == 1 and calls[0].index == 0
-    _check_calls(calls, names=("get_time",))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert {d.index for d in deltas} == {0} and deltas[0].function.name == "get_time"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), TIME)
 
 
 def test_round_trip_call_result_answer(server, client):
@@ -231,3 +272,22 @@ def test_tool_turns_become_plain_turns_for_templates_without_tools():
         '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
     )
     assert out[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
+
+
+def test_forced_call_scanner_streams_every_call_of_an_array_in_pieces():
+    full = ('[{"name": "get_weather", "arguments": {"city": "Pa}r\\"is", "n": [1, {"a": 2}]}}, '
+            '{"name": "get_time", "arguments": {}}]')  # fmt: skip
+    stream = ForcedCallStream()
+    deltas = [d for i in range(0, len(full), 3) for d in stream.feed(full[i : i + 3])]
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == [(0, "get_weather"),
+                                                                    (1, "get_time")]  # fmt: skip
+    joined = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
+              for i in (0, 1)]  # fmt: skip
+    assert [json.loads(a) for a in joined] == [c["arguments"] for c in json.loads(full)]
+    assert [(n, a, done) for n, a, done in scan_forced_calls(full)] == [
+        ("get_weather", joined[0], True), ("get_time", joined[1], True)]  # fmt: skip
+    # Cut anywhere: every call seen so far has a prefix of its final arguments.
+    for cut in range(len(full)):
+        for (_, args, _), want in zip(scan_forced_calls(full[:cut]), joined, strict=False):
+            assert want.startswith(args)

@@ -17,7 +17,12 @@ from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
-from loraplex.platform.tool_calls import ToolCall, parse_tool_calls
+from loraplex.platform.tool_calls import (
+    ForcedCallStream,
+    ToolCall,
+    parse_tool_calls,
+    scan_forced_calls,
+)
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=API_ERRORS)
 # JSON, or server-sent events with "stream": true.
@@ -323,6 +328,7 @@ async def chat_completions(
     sent_role = False
     many = _Choices()
     held: list[str] = []  # with tools in play the text is parsed once it is complete
+    forced = ForcedCallStream() if tools and tool_mode != "auto" else None
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         nonlocal sent_role
@@ -341,6 +347,18 @@ async def chat_completions(
             return ({**base, "choices": choices} if choices else None), total
         n = len(out.delta_token_ids)
         start = len(out.outputs[0].token_ids) - n
+        if forced is not None:  # a forced call: streamed as it is written
+            calls = forced.feed(out.delta_text)
+            reason = out.outputs[0].finish_reason if out.finished else None
+            if not calls and reason is None:
+                return None, n
+            delta: dict = {"content": None, "tool_calls": calls} if calls else {}
+            if not sent_role:
+                delta["role"], sent_role = "assistant", True
+            if reason == "stop" and forced.calls:
+                reason = "tool_calls"
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**base, "choices": [choice]}, n
         if tools:
             held.append(out.delta_text)
             if not out.finished:
@@ -393,5 +411,6 @@ def _answer(text: str, reason: str | None, tools, mode: str) -> tuple[str | None
         return text, [], reason
     else:
         content = None
-        calls = [ToolCall(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+        # The arguments as the grammar wrote them, as they were streamed.
+        calls = [ToolCall(name, args) for name, args, _ in scan_forced_calls(text)]
     return content, calls, ("tool_calls" if calls and reason == "stop" else reason)
