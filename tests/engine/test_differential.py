@@ -90,6 +90,8 @@ class Case:
     label: str = ""  # set on explicit examples: why they are kept
     num_host_kv_blocks: int = 0  # > 0: preempted requests may swap out (engine/swap.py)
     preemption_mode: str = "auto"
+    num_speculative_tokens: int = 0  # > 0: prompt-lookup proposals verified in the same pass
+    kv_admission: bool = False  # admission by expected KV growth (engine/admission.py)
 
 
 ADAPTER_NAMES = ("qv4", "attn8", "mlp16", "all2", *EXTRA_ADAPTER_SPECS)
@@ -161,6 +163,8 @@ def cases(draw) -> Case:
         # Drawn last so the draws before keep the values they had without a host pool.
         num_host_kv_blocks=draw(st.sampled_from([0, 0, 3, 64])),
         preemption_mode=draw(st.sampled_from(["auto", "swap"])),
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 2, 4])),
+        kv_admission=draw(st.booleans()),
     )
 
 
@@ -276,6 +280,8 @@ def _record(kind: str, case: Case, llm: LLM, first, second, outs2) -> None:
     swap = llm.engine.scheduler.swap
     if swap is not None and swap.num_swapped_in:
         seen.add("preemption by swap")
+    if llm.engine.spec_stats.num_accepted_tokens:
+        seen.add("speculated tokens accepted")
     if case.enable_chunked_prefill and any(
         len(p) > case.max_num_batched_tokens for p, *_ in first + second
     ):
@@ -354,6 +360,8 @@ def test_engine_matches_hf_peft(kind, case, tiny_models, adapters):
         cpu_attention=case.cpu_attention,
         num_host_kv_blocks=case.num_host_kv_blocks,
         preemption_mode=case.preemption_mode,
+        num_speculative_tokens=case.num_speculative_tokens,
+        kv_admission=case.kv_admission,
     )
     try:
         first = [(list(r.prompt), r.adapter, r.max_tokens, r.ignore_eos) for r in case.first]
@@ -375,6 +383,7 @@ def test_generated_examples_exercise_every_feature(tiny_models, adapters):
     missing = {
         "preemption",
         "preemption by swap",
+        "speculated tokens accepted",
         "chunked prefill",
         "more adapters than slots in one batch",
         "prefix-cache hit across generate calls",
