@@ -105,12 +105,17 @@ BACKLOG = 8
 SHAPES = {"long_outputs": ((16, 64), (16, 8)), "long_prompts": ((96, 8), (8, 8))}
 
 
+# KV-aware admission (engine/admission.py) must keep every fairness property.
+ADMISSION = pytest.mark.parametrize("kv_admission", [False, True], ids=["plain", "kv-admission"])
+
+
+@ADMISSION
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_two_backlogged_tenants_stay_within_the_service_bound(model_dir, shape):
+def test_two_backlogged_tenants_stay_within_the_service_bound(model_dir, shape, kv_admission):
     (pa, oa), (pb, ob) = SHAPES[shape]
     gaps = {}
     for policy in ("vtc", "fcfs"):
-        sim = FairSim(model_dir, policy)
+        sim = FairSim(model_dir, policy, kv_admission=kv_admission)
         bound = paper_bound(sim, max(pa, pb), max(oa, ob))
         worst = 0.0
         for _ in range(1500):
@@ -144,11 +149,12 @@ def test_weights_give_proportional_token_shares(model_dir):
         assert abs(share - want) <= 0.05 * want, f"{tenant}: share {share:.4f}, want {want:.4f}"
 
 
+@ADMISSION
 @pytest.mark.parametrize("policy", ["vtc", "fcfs"])
 def test_light_tenant_arriving_during_a_flood_gets_its_first_token_within_the_bound(
-    model_dir, policy
+    model_dir, policy, kv_admission
 ):
-    sim = FairSim(model_dir, policy)
+    sim = FairSim(model_dir, policy, kv_admission=kv_admission)
     for _ in range(120):
         sim.submit("heavy", 16, 32)
     for _ in range(30):
@@ -216,9 +222,10 @@ def test_returning_tenant_starts_at_the_active_minimum(model_dir):
     assert gained["busy"] >= 0.4 * sum(gained.values()), gained
 
 
-def test_preemption_takes_from_the_tenant_with_most_service(model_dir):
+@ADMISSION
+def test_preemption_takes_from_the_tenant_with_most_service(model_dir, kv_admission):
     # A pool too small for every running request's full length forces preemption.
-    sim = FairSim(model_dir, "vtc", num_blocks=12, max_num_seqs=8)
+    sim = FairSim(model_dir, "vtc", num_blocks=12, max_num_seqs=8, kv_admission=kv_admission)
     for _ in range(6):
         sim.submit("heavy", 16, 48)
     for _ in range(6):
