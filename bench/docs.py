@@ -383,7 +383,7 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("Single serving runs", "serve-", run_section),
     ("In-process engine runs (`bench offline`)", "engine-", run_section),
     ("Offline throughput (`bench/offline.py`)", "offline-", offline_section),
-    ("Weight-only quantization quality (`python -m bench.quant`)", "quant-", quant_section),
+    ("Weight formats: quality, LoRA, memory (`loraplex bench quant`)", "quant-", quant_section),
     ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
