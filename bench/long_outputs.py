@@ -31,10 +31,14 @@ from pathlib import Path
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
 
 
+def _context(tokens: int) -> int:
+    return -(-(len(PROMPT) + tokens) // 64) * 64  # the prompt and every token fit
+
+
 def _offline(model: str, n: int, tokens: int, threads: int) -> float:
     from loraplex.engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", num_threads=threads)
+    llm = LLM(model, dtype="float32", num_threads=threads, max_model_len=_context(tokens))
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -48,7 +52,10 @@ def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[
     from loraplex.engine import EngineConfig, SamplingParams
     from loraplex.engine.engine_process import EngineProcess
 
-    engine = EngineProcess(EngineConfig(model, dtype="float32", num_threads=threads))
+    config = EngineConfig(
+        model, dtype="float32", num_threads=threads, max_model_len=_context(tokens)
+    )
+    engine = EngineProcess(config)
 
     async def one(max_tokens: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

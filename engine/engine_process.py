@@ -76,6 +76,9 @@ def _error_from(e: RequestError) -> BaseException:
 def _child_main(
     config: dict, commands: Connection, outputs: Connection, progress: bool, log_level: int
 ) -> None:
+    from loraplex.engine.host_malloc import keep_freed_memory
+
+    keep_freed_memory()  # before torch allocates: this process only runs the engine
     from loraplex.engine.core import EngineCore  # torch & co. load here, in the child
     from loraplex.engine.llm_engine import LLMEngine
     from loraplex.engine.quantization import resident_weight_bytes

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import EngineProcess
+from loraplex.engine.host_malloc import keep_freed_memory
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import (
@@ -72,6 +73,7 @@ def load_engine(state: AppState, model_dir: str) -> None:
         state.metrics.set_memory(proc.memory)
         state.engine = proc
     else:
+        keep_freed_memory()  # the server's process hosts the engine (engine/host_malloc.py)
         engine = LLMEngine(config, progress=True)
         state.spec = engine.model.spec
         state.metrics.set_memory(engine.memory)

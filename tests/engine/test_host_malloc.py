@@ -1,0 +1,35 @@
+"""engine/host_malloc.py: glibc's malloc keeps freed blocks in the process (no page faults per
+step). Checked in a fresh interpreter: large tensors freed and allocated again cost no new
+minor page faults once tuned, and thousands without."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import resource, sys, torch
+if sys.argv[1] == "tuned":
+    from loraplex.engine.host_malloc import keep_freed_memory
+    assert keep_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):  # warm up
+    t = torch.empty(8 << 20); t.fill_(1.0); del t
+before = faults()
+for _ in range(20):  # 32 MB allocated, touched and freed, as a step's gathered KV is
+    t = torch.empty(8 << 20); t.fill_(1.0); del t
+print(faults() - before)
+"""
+
+
+def _faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
+                         check=True, timeout=120)  # fmt: skip
+    return int(out.stdout.split()[-1])
+
+
+def test_freed_blocks_are_reused_without_page_faults():
+    plain, tuned = _faults("plain"), _faults("tuned")
+    assert plain > 20 * 1000  # 32 MB = 8,192 pages, faulted in again after every free
+    assert tuned < 1000
