@@ -21,7 +21,7 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.engine.stats import EngineStats, engine_stats
+from loraplex.engine.stats import EngineStats, engine_stats, routing_key
 
 
 @dataclass
@@ -139,12 +139,11 @@ class EngineCore:
     def _snapshot_due(self) -> EngineStats | None:
         if self.stats_every_s is None:
             return None
-        s, now = self.stats(), time.monotonic()
-        key = (s.running, s.waiting, s.resident_adapters, s.running_adapters, s.waiting_adapters)
+        key, now = routing_key(self.engine), time.monotonic()
         if key == self._last_key and now - self._last_stats <= self.stats_every_s:
             return None
         self._last_key, self._last_stats = key, now
-        return s
+        return self.stats()
 
     def abort_all(self, sink: Callable[[list[Result], EngineStats | None], None]) -> None:
         results: list[Result] = []

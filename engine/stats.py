@@ -59,6 +59,14 @@ def _names(ids, names: dict[int, str]) -> list[str]:
     return [names[i] for i in ids if i in names]
 
 
+def routing_key(engine: LLMEngine) -> tuple:
+    """What a router reads of a snapshot, cheaply: request counts and adapter residency
+    (a new snapshot is due when it changes; `engine_stats` costs more, every step)."""
+    sched, ad = engine.scheduler, engine.adapters
+    waiting_adapters = tuple(s.adapter_id for s in sched.waiting)
+    return (len(sched.running), waiting_adapters, tuple(ad.slots), len(ad.host), len(ad.loading))
+
+
 def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
     """A snapshot of `engine` (read without locking: may be one step stale)."""
     bm, ad, sched = engine.block_manager, engine.adapters, engine.scheduler
