@@ -3,10 +3,9 @@
 Why this exists (no library does it for us; jemalloc/tcmalloc would need LD_PRELOAD): the CPU
 path allocates and frees tens of MB per layer per step (gathered KV rows, activations), and
 glibc's malloc hands large blocks straight back to the kernel when they are freed (mmap'd
-blocks are unmapped, the heap top is trimmed), so the next step page-faults them in again.
-In the engine process that was ~8 brk calls per step and about a quarter of its CPU time in
-the kernel (8 streams of 4,000 tokens, tiny Llama): docs/cpu-path.md. With mmap off and a
-high trim threshold, freed blocks stay in the heap and are reused.
+blocks are unmapped, the heap top is trimmed), so the next step page-faults them in again
+(measured: docs/cpu-path.md). With mmap off and a high trim threshold, freed blocks stay in
+the heap and are reused.
 """
 
 from __future__ import annotations

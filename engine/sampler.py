@@ -251,8 +251,7 @@ def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> to
 
 # top_p without top_k first tries this many best tokens per row (then 16 times as many):
 # when they already hold the mass top_p keeps, the rest would be dropped anyway and a partial
-# sort replaces a full one (a 262k vocabulary: topk(1024) ~2.5 ms against a 75 ms sort per 4
-# rows, 1 thread, Zen 4).
+# sort replaces a full one (a 262k vocabulary's sort costs ~30x a topk(1024): docs/cpu-path.md).
 TOP_P_CANDIDATES = 1024
 
 
