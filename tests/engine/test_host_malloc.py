@@ -1,6 +1,7 @@
 """engine/host_malloc.py: glibc's malloc keeps freed blocks in the process (no page faults per
-step). Checked in a fresh interpreter: large tensors freed and allocated again cost no new
-minor page faults once tuned, and thousands without."""
+step). Checked in a fresh interpreter: a large tensor freed and allocated again 20 times
+faults all of its pages in every time without the tuning, and at most once or twice with it
+(the heap grows to its working size, then is reused)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,5 @@ def _faults(mode: str) -> int:
 
 def test_freed_blocks_are_reused_without_page_faults():
     plain, tuned = _faults("plain"), _faults("tuned")
-    assert plain > 20 * 1000  # 32 MB = 8,192 pages, faulted in again after every free
-    assert tuned < 1000
+    assert plain > 20 * 8000  # 32 MB = 8,192 pages, faulted in again after every free
+    assert 4 * tuned < plain  # the heap grows once or twice to its working size, then no more
