@@ -206,7 +206,7 @@ class InferenceService:
     # ---------------------------------------------------------------- running
     async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
         """Engine outputs for the job. The caller reports delivery via `job.sent_tokens` and
-        must call `finish(job)` in a `finally` (the job stays in `state.inflight` until then)."""
+        must call `finish(job)` in a `finally`."""
         engine = self._engine()
         self.state.inflight.add(job.request_id)
         try:
@@ -241,6 +241,8 @@ class InferenceService:
             word = str(e).split(" ", 1)[0]
             param = word if word in _ENGINE_CHECKED_FIELDS else None
             raise APIError(400, str(e), "invalid_value", param) from None
+        finally:
+            self.state.inflight.discard(job.request_id)
 
     async def finish(self, job: Job, status: str | None = None) -> None:
         """Record usage once and give back the unused part of the quota reservation."""
@@ -292,9 +294,5 @@ class InferenceService:
             "request finished",
             extra={**record, "route": job.route, "latency_ms": round(record["latency_ms"], 1)},
         )
-        # Shielded: a cancelled request (client gone) must still be billed. In flight until
-        # its record is written, so a shutdown's drain (and a reader of the ledger) waits for it.
-        try:
-            await asyncio.shield(asyncio.to_thread(write))
-        finally:
-            self.state.inflight.discard(job.request_id)
+        # Shielded: a cancelled request (client gone) must still be billed.
+        await asyncio.shield(asyncio.to_thread(write))
