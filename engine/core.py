@@ -116,12 +116,13 @@ class EngineCore:
         self,
         source: CommandSource,
         sink: Callable[[list[Result], EngineStats | None], None],
+        stopped: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Loop until a Stop command: commands first, then a step; the sink gets each batch of
-        results, with a stats snapshot when one is due (see the class doc). On a stop every
-        unfinished request is aborted and handed out; an exception propagates with the
-        requests left as they are (the caller fails them, then `abort_all`)."""
-        while True:
+        """Loop until a Stop command (or `stopped()`): commands first, then a step; the sink
+        gets each batch of results, with a stats snapshot every `stats_every_s` while busy.
+        On a stop every unfinished request is aborted and handed out; an exception propagates
+        with the requests left as they are (the caller fails them, then `abort_all`)."""
+        while not stopped():
             if self.engine.has_unfinished() or source.wait(self.IDLE_WAIT_S):
                 for cmd in source.drain():
                     if isinstance(cmd, Stop):
@@ -133,6 +134,7 @@ class EngineCore:
             snapshot = self._snapshot_due()
             if results or snapshot is not None:
                 sink(results, snapshot)
+        self.abort_all(sink)
 
     def _snapshot_due(self) -> EngineStats | None:
         if self.stats_every_s is None:
