@@ -75,11 +75,12 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks for a new sequence's prefix and the number of tokens they hold.
 
-        At least one token is left to compute so the step produces logits to sample from.
+        At least one token is left to compute so the step produces logits to sample from,
+        and a prompt whose logprobs are asked is computed until it is scored.
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = seq.max_cached_tokens // self.block_size
         hits: list[int] = []
         for key in self._keys_for(seq, max_blocks):
             block_id = self.cached.get(key)

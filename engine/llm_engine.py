@@ -26,7 +26,7 @@ from loraplex.engine.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.memory import MemoryReport
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.outputs import PromptLogprobs, RequestOutput
 from loraplex.engine.quantization import resident_weight_bytes
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
@@ -209,6 +209,8 @@ class LLMEngine:
             )
             for index in range(samples)
         ]
+        if params.prompt_logprobs is not None:  # one request, one prompt: the first sample's
+            seqs[0].prompt_logprobs = PromptLogprobs()
         group = self.outputs.new_request(text, seqs)
         first = group.samples[0].seq
         first.fork_children = [r.seq for r in group.samples[1:]]
@@ -274,6 +276,11 @@ class LLMEngine:
             seconds = time.perf_counter() - t0
             self.scheduler.swap.costs.observe_step(out.num_batched_tokens, seconds)
         stepped = self.scheduler.postprocess(out, sampled)
+        for seq in out.seqs:  # max_tokens=0 scores the prompt: done once it is computed
+            scored = seq.num_computed_tokens >= seq.num_prompt_tokens
+            if seq.params.max_tokens == 0 and scored and not seq.is_finished:
+                self._finish(self.requests[seq.request_id].samples[seq.index], "length")
+                stepped.append(seq)
         return outputs + self._process(stepped, sampled)
 
     def _run(self, out, slots: dict[int, int]) -> dict[int, list[int]]:

@@ -2,7 +2,8 @@
 
 Rows are ordered by adapter slot so each adapter's rows form one contiguous segment (the
 shape the SGMV ops want); rows without an adapter form segments with slot -1. Only the last
-row of each sequence that completes its tokens this step goes through the LM head.
+row of each sequence that completes its tokens this step goes through the LM head, and the
+prompt rows of requests that ask for prompt logprobs (engine/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from loraplex.engine import kv_cache
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
+from loraplex.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
@@ -32,6 +34,7 @@ class StepBatch:
     sample_rows: list[int]  # row of each sampling sequence's last token
     sample_seqs: list[Sequence]
     seqs: list[Sequence]  # all sequences, in row order
+    prompt_rows: PromptRows  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -96,6 +99,7 @@ class ModelRunner:
         qsl, seq_lens, tables = [0], [], []
         segments: list[tuple[int, int, int]] = []
         sample_rows, sample_seqs = [], []
+        prompt_rows = PromptRows()
         for i in order:
             seq, n = out.seqs[i], out.num_new_tokens[i]
             start, k = seq.num_computed_tokens, len(seq.spec_tokens)
@@ -113,7 +117,8 @@ class ModelRunner:
                 segments[-1] = (segments[-1][0], row0 + n, slot)
             else:
                 segments.append((row0, row0 + n, slot))
-            if out.samples(i):
+            prompt_rows.add(seq, row0, start, n)
+            if out.samples(i) and seq.params.max_tokens != 0:  # 0: score the prompt only
                 # k + 1 rows with proposals: the last real token's and each proposal's.
                 sample_rows += range(row0 + n - 1 - k, row0 + n)
                 sample_seqs += [seq] * (k + 1)
@@ -140,6 +145,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
             seqs=[out.seqs[i] for i in order],
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
@@ -158,6 +164,8 @@ class ModelRunner:
         A sequence with k speculative proposals appears k + 1 times in a row."""
         batch = self.prepare(out, slots)
         hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        if batch.prompt_rows.rows:
+            score_prompt_rows(self.model, hidden, batch.prompt_rows)
         if not batch.sample_seqs:
             return None
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [rows, vocab]

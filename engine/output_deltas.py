@@ -1,7 +1,8 @@
 """Engine -> server messages of the engine process: per request, only what changed.
 
 A step message carries, for each request the step advanced, the new token ids, the new text,
-the new logprobs entries and the finish; the prompt goes once, with a request's first output.
+the new logprobs entries and the finish; the prompt goes once, with a request's first output,
+and its prompt logprobs once, with the first output that has them (all positions scored).
 So its size stays flat however long a generation runs (sending whole outputs made a long
 generation cost O(n^2) bytes and JSON work on both sides).
 
@@ -19,7 +20,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 
 
 @dataclass
@@ -53,14 +54,20 @@ class OutputDelta:
     start: RequestStart | None = None
     error: str | None = None
     num_generated_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # sent once
 
     @classmethod
     def from_dict(cls, d: dict) -> OutputDelta:
         start, completions = d.pop("start"), d.pop("completions")
+        pl = d.pop("prompt_logprobs")
+        if pl is not None:  # JSON made the (token id, logprob) pairs lists
+            top = [None if t is None else [(i, v) for i, v in t] for t in pl["top"]]
+            pl = PromptLogprobs(pl["token_logprobs"], pl["ranks"], top)
         return cls(
             **d,
             completions=[CompletionDelta(**c) for c in completions],
             start=None if start is None else RequestStart(**start),
+            prompt_logprobs=pl,
         )
 
 
@@ -122,6 +129,7 @@ class OutputEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, list[_Sent]] = {}
+        self._scored: set[str] = set()  # requests whose prompt logprobs went out
 
     def encode(self, out: RequestOutput) -> OutputDelta:
         sent = self._sent.get(out.request_id)
@@ -154,8 +162,13 @@ class OutputEncoder:
             s.logprobs = 0 if c.logprobs is None else len(c.logprobs)
         # The decoder rebuilds delta_token_ids from the first completion's new ids.
         assert not completions or completions[0].token_ids == out.delta_token_ids
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and out.request_id not in self._scored:
+            prompt_logprobs = out.prompt_logprobs
+            self._scored.add(out.request_id)
         if out.finished:
             del self._sent[out.request_id]
+            self._scored.discard(out.request_id)
         return OutputDelta(
             request_id=out.request_id,
             finished=out.finished,
@@ -165,10 +178,12 @@ class OutputEncoder:
             start=start,
             error=out.error,
             num_generated_tokens=out.num_generated_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._scored.discard(request_id)
 
 
 @dataclass
@@ -177,6 +192,7 @@ class _Output:
     token_ids: list[list[int]] = field(default_factory=list)  # per completion
     text: list[str] = field(default_factory=list)
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputDecoder:
@@ -190,6 +206,8 @@ class OutputDecoder:
         if acc is None:
             assert d.start is not None, f"request {d.request_id}: first output without its start"
             acc = self._outputs[d.request_id] = _Output(d.start)
+        if d.prompt_logprobs is not None:
+            acc.prompt_logprobs = d.prompt_logprobs
         completions = []
         for i, c in enumerate(d.completions):
             if i == len(acc.token_ids):
@@ -228,6 +246,7 @@ class OutputDecoder:
             delta_token_ids=list(d.completions[0].token_ids) if d.completions else [],
             error=d.error,
             num_generated_tokens=d.num_generated_tokens,
+            prompt_logprobs=acc.prompt_logprobs,
         )
 
     def forget(self, request_id: str) -> None:

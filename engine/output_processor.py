@@ -101,6 +101,7 @@ class RequestState:
         if ranked:  # delivered once, whole
             delta_text, delta_ids = first.text, list(first.token_ids)
         seq = self.samples[0].seq
+        scored = seq.prompt_logprobs if seq.prompt_scored else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
@@ -112,6 +113,7 @@ class RequestState:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             num_generated_tokens=sum(len(s.seq.output_token_ids) for s in self.samples),
+            prompt_logprobs=scored,
         )
 
 

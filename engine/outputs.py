@@ -17,6 +17,33 @@ class CompletionOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """Per prompt position i: log p(prompt[i] | prompt[:i]) in float32 from the raw logits
+    (as completion logprobs), that token's rank (1: the most likely) and the `prompt_logprobs`
+    most likely tokens there. Position 0 has no context: None, as in OpenAI's and vLLM's."""
+
+    token_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    ranks: list[int | None] = field(default_factory=lambda: [None])
+    top: list[list[tuple[int, float]] | None] = field(default_factory=lambda: [None])
+
+    def __len__(self) -> int:  # positions scored so far (position 0 included)
+        return len(self.token_logprobs)
+
+    def entries(self, prompt_token_ids: list[int]) -> list[dict[int, float] | None]:
+        """vLLM's shape: per position {token id: logprob}, the prompt token first, then the
+        alternatives best first (as `CompletionOutput.logprobs`)."""
+        out: list[dict[int, float] | None] = []
+        for tok, lp, top in zip(prompt_token_ids, self.token_logprobs, self.top, strict=True):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {tok: lp}
+            entry.update((t, v) for t, v in top or [] if t != tok)
+            out.append(entry)
+        return out
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -31,3 +58,5 @@ class RequestOutput:
     error: str | None = None
     # tokens generated for the request, every sample (best_of also draws ones not returned)
     num_generated_tokens: int = 0
+    # SamplingParams.prompt_logprobs: set once every prompt position is scored
+    prompt_logprobs: PromptLogprobs | None = None

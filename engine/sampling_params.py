@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # per prompt position: the prompt token's logprob and this many alternatives (vLLM's);
+    # such a request computes its whole prompt (no prefix-cache hits before it is scored)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # token id -> bias added to its logit, clamped to [-100, 100] (OpenAI's logit_bias)
@@ -97,6 +100,7 @@ class SamplingParams:
             ("min_tokens", False),
             ("max_tokens", True),
             ("logprobs", True),
+            ("prompt_logprobs", True),
             ("seed", True),
         ):
             value = getattr(self, name)
@@ -193,11 +197,14 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}"
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
+        scoring = self.max_tokens == 0 and self.prompt_logprobs is not None
+        if self.max_tokens is not None and self.max_tokens < 1 and not scoring:
             raise ValueError(
-                f"max_tokens must be >= 1, or None to generate up to the context limit, "
-                f"got {self.max_tokens}"
+                f"max_tokens must be >= 1, or None to generate up to the context limit "
+                f"(0 only with prompt_logprobs: score the prompt), got {self.max_tokens}"
             )
+        if self.max_tokens == 0 and self.best_of not in (None, self.n):
+            raise ValueError("best_of ranks generated samples: it needs max_tokens >= 1")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -209,6 +216,11 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS} (0 returns only the chosen "
                 f"token's), got {self.logprobs}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (0 returns only each "
+                f"prompt token's), got {self.prompt_logprobs}"
             )
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")

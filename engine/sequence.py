@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.outputs import PromptLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 
 
@@ -71,6 +72,8 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)
     spec_proposed: int = 0  # proposals scored over the request's life
     spec_accepted: int = 0
+    # params.prompt_logprobs: filled as the prompt's rows are computed (the first sample only)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -91,6 +94,21 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Whether every prompt position's logprobs are in (True when none were asked)."""
+        pl = self.prompt_logprobs
+        return pl is None or len(pl) >= len(self.prompt_token_ids)
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Most leading tokens the prefix cache may serve: one is left to compute for the
+        logits to sample from, and a prompt still being scored needs every row not yet
+        scored (row p gives position p + 1's logprobs)."""
+        if not self.prompt_scored:
+            return len(self.prompt_logprobs) - 1
+        return self.num_tokens - 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) without building the whole prompt + output list."""

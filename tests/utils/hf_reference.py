@@ -75,3 +75,12 @@ def teacher_forced_logprobs(
     with active_adapter(peft, name):
         logits = peft(input_ids=torch.tensor([ids])).logits[0]  # [len(ids), vocab]
     return torch.log_softmax(logits[len(prompt) - 1 : len(ids) - 1].float(), dim=-1)
+
+
+@torch.no_grad()
+def prompt_log_softmax(peft: PeftModel, prompt: list[int], name: str | None) -> torch.Tensor:
+    """The float32 log-softmax of the prompt's own rows: row i is the distribution of
+    prompt[i + 1] given prompt[: i + 1]. Shape [len(prompt) - 1, vocab]."""
+    with active_adapter(peft, name):
+        logits = peft(input_ids=torch.tensor([prompt])).logits[0]  # [len(prompt), vocab]
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
