@@ -11,7 +11,8 @@ attention/MLP targets, alpha, rsLoRA) or none.
 
 Every row's tokens must be the greedy continuation under the reference (each token the
 argmax of the reference's distribution given the prompt and the tokens before it) and every
-reported logprob within 1e-4 of the reference's.
+reported logprob within 1e-4 of the reference's; so are the prompt logprobs of the rows that
+ask for them (every other row, in the cases that draw them).
 
 Profiles: 25 derandomized examples per family by default (CI); `LORAPLEX_DIFF_EXAMPLES=200`
 (per family) for a long run; `LORAPLEX_DIFF_SEED=<n>` explores a fresh random set (the same
@@ -32,7 +33,11 @@ from hypothesis import strategies as st
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from tests.utils.factories import EOS_ID, IM_END_ID, KINDS, make_adapter
-from tests.utils.hf_reference import peft_reference, teacher_forced_logprobs
+from tests.utils.hf_reference import (
+    peft_reference,
+    prompt_log_softmax,
+    teacher_forced_logprobs,
+)
 
 EXAMPLES = int(os.environ.get("LORAPLEX_DIFF_EXAMPLES", "25"))
 SEED = os.environ.get("LORAPLEX_DIFF_SEED")
@@ -92,6 +97,7 @@ class Case:
     preemption_mode: str = "auto"
     num_speculative_tokens: int = 0  # > 0: prompt-lookup proposals verified in the same pass
     kv_admission: bool = False  # admission by expected KV growth (engine/admission.py)
+    prompt_logprobs: int | None = None  # asked by the even rows of both batches
 
 
 ADAPTER_NAMES = ("qv4", "attn8", "mlp16", "all2", *EXTRA_ADAPTER_SPECS)
@@ -165,6 +171,7 @@ def cases(draw) -> Case:
         preemption_mode=draw(st.sampled_from(["auto", "swap"])),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 2, 4])),
         kv_admission=draw(st.booleans()),
+        prompt_logprobs=draw(st.sampled_from([None, None, 0, 3])),
     )
 
 
@@ -197,11 +204,19 @@ def adapters(tiny_models, tiny_adapters, tmp_path_factory) -> dict[str, dict]:
 SEEN: Counter[str] = Counter()
 
 
-def _generate(llm: LLM, folders: dict, requests: list[tuple[list[int], str | None, int, bool]]):
+def _generate(llm: LLM, folders: dict, requests, prompt_logprobs: int | None = None):
+    """requests: (prompt, adapter, max_tokens, ignore_eos); the even rows ask for
+    `prompt_logprobs`."""
     prompts = [p for p, _, _, _ in requests]
     params = [
-        SamplingParams(temperature=0, max_tokens=m, ignore_eos=ie, logprobs=3)
-        for _, _, m, ie in requests
+        SamplingParams(
+            temperature=0,
+            max_tokens=m,
+            ignore_eos=ie,
+            logprobs=3,
+            prompt_logprobs=None if i % 2 else prompt_logprobs,
+        )
+        for i, (_, _, m, ie) in enumerate(requests)
     ]
     loras = [
         None if a is None else LoRARequest(a, LORA_IDS[a], str(folders[a]))
@@ -228,11 +243,29 @@ def _generate(llm: LLM, folders: dict, requests: list[tuple[list[int], str | Non
     return outs
 
 
-def _check(peft, requests, outs, batch: str) -> None:
+def _check_prompt(peft, prompt, adapter, scored, k: int, where: str) -> None:
+    assert scored is not None and len(scored) == len(prompt), f"{where}: prompt logprobs"
+    if len(prompt) < 2:
+        return
+    ref = prompt_log_softmax(peft, prompt, adapter)  # [len(prompt) - 1, vocab]
+    for pos in range(1, len(prompt)):
+        want = float(ref[pos - 1, prompt[pos]])
+        got = scored.token_logprobs[pos]
+        assert abs(got - want) <= TOL, f"{where} prompt position {pos}: {got} vs {want}"
+        assert len(scored.top[pos]) == k
+        for t, lp in scored.top[pos]:
+            assert abs(lp - float(ref[pos - 1, t])) <= TOL, f"{where} position {pos} top {t}"
+
+
+def _check(peft, requests, outs, batch: str, prompt_logprobs: int | None = None) -> None:
     for i, ((prompt, adapter, max_tokens, ignore_eos), out) in enumerate(
         zip(requests, outs, strict=True)
     ):
         where = f"{batch} batch row {i} (adapter {adapter}, prompt of {len(prompt)})"
+        if prompt_logprobs is not None and i % 2 == 0:
+            _check_prompt(peft, prompt, adapter, out.prompt_logprobs, prompt_logprobs, where)
+        else:
+            assert out.prompt_logprobs is None, where
         c = out.outputs[0]
         tokens = c.token_ids
         if c.finish_reason == "length":
@@ -292,6 +325,8 @@ def _record(kind: str, case: Case, llm: LLM, first, second, outs2) -> None:
         seen.add("prefix-cache hit across generate calls")
     if llm.engine.adapters.counters.slot_writes > case.max_loras:
         seen.add("slot reuse")
+    if case.prompt_logprobs is not None and llm.engine.scheduler.num_preemptions:
+        seen.add("prompt logprobs beside preemption")
     for s in seen:
         event(s)
     SEEN.update(seen | {kind})
@@ -365,11 +400,12 @@ def test_engine_matches_hf_peft(kind, case, tiny_models, adapters):
     )
     try:
         first = [(list(r.prompt), r.adapter, r.max_tokens, r.ignore_eos) for r in case.first]
-        outs = _generate(llm, folders, first)
-        _check(peft, first, outs, "first")
+        asks = case.prompt_logprobs
+        outs = _generate(llm, folders, first, asks)
+        _check(peft, first, outs, "first", asks)
         second = _followups(case, first, outs)
-        outs2 = _generate(llm, folders, second) if second else []
-        _check(peft, second, outs2, "second")
+        outs2 = _generate(llm, folders, second, asks) if second else []
+        _check(peft, second, outs2, "second", asks)
         _record(kind, case, llm, first, second, outs2)
     finally:
         llm.engine.adapters.close()
@@ -388,5 +424,6 @@ def test_generated_examples_exercise_every_feature(tiny_models, adapters):
         "more adapters than slots in one batch",
         "prefix-cache hit across generate calls",
         "slot reuse",
+        "prompt logprobs beside preemption",
     } - set(SEEN)
     assert not missing, f"no generated example reached: {sorted(missing)} (seen {dict(SEEN)})"
