@@ -197,11 +197,11 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}"
             )
-        scoring = self.max_tokens == 0 and self.prompt_logprobs is not None
-        if self.max_tokens is not None and self.max_tokens < 1 and not scoring:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(
-                f"max_tokens must be >= 1, or None to generate up to the context limit "
-                f"(0 only with prompt_logprobs: score the prompt), got {self.max_tokens}"
+                f"max_tokens must be >= 1 (0: compute the prompt only, as for its "
+                f"prompt_logprobs), or None to generate up to the context limit, "
+                f"got {self.max_tokens}"
             )
         if self.max_tokens == 0 and self.best_of not in (None, self.n):
             raise ValueError("best_of ranks generated samples: it needs max_tokens >= 1")

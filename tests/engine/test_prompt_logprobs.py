@@ -131,6 +131,11 @@ def test_samples_share_one_scoring_and_max_tokens_zero_only_scores(tiny_models, 
     ended = [(c.token_ids, c.finish_reason, c.text) for c in only.outputs]
     assert ended == [([], "length", "")] * 2
     assert only.num_generated_tokens == 0
+    # Without prompt logprobs it computes the prompt only: the prefix cache holds it after.
+    (warm,) = llm.generate([prompt], SamplingParams(max_tokens=0))
+    assert warm.outputs[0].token_ids == [] and warm.prompt_logprobs is None
+    (hit,) = llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert hit.num_cached_tokens == 16
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -141,7 +146,6 @@ def test_samples_share_one_scoring_and_max_tokens_zero_only_scores(tiny_models, 
         (dict(prompt_logprobs=-1), "prompt_logprobs must be between 0 and 20"),
         (dict(prompt_logprobs=21), "prompt_logprobs must be between 0 and 20"),
         (dict(prompt_logprobs="2"), "prompt_logprobs must be an integer or None"),
-        (dict(max_tokens=0), "0 only with prompt_logprobs"),
         (dict(max_tokens=-1, prompt_logprobs=1), "max_tokens must be >= 1"),
         (dict(max_tokens=0, prompt_logprobs=1, n=1, best_of=2), "best_of ranks"),
     ],

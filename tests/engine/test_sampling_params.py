@@ -56,7 +56,7 @@ def test_off_values_are_accepted() -> None:
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"repetition_penalty": 0.0}, r"repetition_penalty must be > 0 \(1 turns it off\)"),
-        ({"max_tokens": 0}, r"max_tokens must be >= 1, or None"),
+        ({"max_tokens": -1}, r"max_tokens must be >= 1 \(0: compute the prompt only"),
         ({"min_tokens": -1}, r"min_tokens must be >= 0"),
         ({"min_tokens": 20, "max_tokens": 10}, r"min_tokens \(20\) must not exceed max_tokens"),
         ({"logprobs": 21}, r"logprobs must be between 0 and 20"),
