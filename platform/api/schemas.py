@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loraplex.engine.sampling_params import MAX_N, SamplingParams
+from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from loraplex.engine.structured_output import grammar_spec
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.structured import StructuredFields
@@ -74,6 +74,8 @@ class _Common(StructuredFields):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    # vLLM's: per prompt position, the prompt token's logprob and this many alternatives
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Accepted and ignored (see IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -104,9 +106,18 @@ class _Common(StructuredFields):
         return v
 
     def check_supported(self) -> None:
-        pass
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                400,
+                "prompt_logprobs cannot be used with stream (as in vLLM); send stream=false"
+                + (", or echo with logprobs" if isinstance(self, CompletionRequest) else ""),
+                "invalid_value",
+                "prompt_logprobs",
+            )
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         self.check_supported()
         grammar = self.grammar()
         try:
@@ -124,6 +135,7 @@ class _Common(StructuredFields):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 n=self.n,
                 best_of=getattr(self, "best_of", None),
                 logit_bias=self.logit_bias,
@@ -140,11 +152,22 @@ class _Common(StructuredFields):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0: no completion, only the prompt (with echo and logprobs: the prompt's logprobs)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine must score: echo with logprobs shows the prompt's logprobs, the
+        prompt_logprobs extension its own count (the larger serves both)."""
+        asked = [self.prompt_logprobs]
+        if self.echo:
+            asked.append(self.logprobs)
+        asked = [k for k in asked if k is not None]
+        return max(asked) if asked else None
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -165,14 +188,19 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise APIError(
                 400,
-                "echo with logprobs is not supported (it needs the prompt's logprobs); "
-                "send echo or logprobs",
-                "unsupported",
-                "echo",
+                "max_tokens must be >= 1; 0 generates nothing and only serves to score the "
+                "prompt: send it with echo (and logprobs) or prompt_logprobs",
+                "invalid_value",
+                "max_tokens",
             )
+        if self.max_tokens == 0 and self.best_of not in (None, 1, self.n):
+            raise APIError(
+                400, "best_of needs max_tokens >= 1: it ranks what is generated",
+                "invalid_value", "best_of",
+            )  # fmt: skip
         if self.suffix:
             raise APIError(400, "suffix is not supported", "unsupported", "suffix")
         if self.best_of is not None and self.best_of < self.n:

@@ -116,5 +116,11 @@ def test_echo_puts_the_prompt_before_each_choice(client, n):
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in echoed.choices}
     assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # echo is free
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        complete(client, echo=True, logprobs=1)
+    # With logprobs: each choice's cover the prompt (shared by the samples), then its own.
+    scored = complete(client, n=n, temperature=1.0, echo=True, logprobs=1)
+    assert [c.text for c in scored.choices] == [c.text for c in echoed.choices]
+    p = scored.usage.prompt_tokens
+    prompt_parts = {tuple(c.logprobs.token_logprobs[:p]) for c in scored.choices}
+    assert len(prompt_parts) == 1 and next(iter(prompt_parts))[0] is None
+    assert all(len(c.logprobs.tokens) == p + MAX for c in scored.choices)
+    assert scored.usage.completion_tokens == n * MAX

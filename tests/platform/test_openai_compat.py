@@ -107,7 +107,13 @@ def _check_model(r, ctx):
 
 def _check_max(r, ctx):
     assert r.usage.completion_tokens == 3, r.usage
-    return "3 sent: 3 tokens generated"
+    if not hasattr(r.choices[0], "text"):
+        return "3 sent: 3 tokens generated"
+    scored = ctx.send(max_tokens=0, echo=True, logprobs=0)
+    lp = scored.choices[0].logprobs
+    assert scored.usage.completion_tokens == 0 and _text(scored) == "The capital of France is"
+    assert len(lp.tokens) == scored.usage.prompt_tokens and lp.token_logprobs[0] is None
+    return "3 sent: 3 tokens generated; 0 with echo and logprobs: the prompt scored, no tokens"
 
 
 def _check_n(r, ctx):
@@ -183,15 +189,37 @@ def _check_best_of(r, ctx):
     return "2 sent: one choice returned, both samples billed"
 
 
+def _pieces(text: str, lp) -> list[str]:
+    """The text each token's text_offset starts, up to the next one's."""
+    offsets = lp.text_offset + [len(text)]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    return [text[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
+
+
 def _check_echo(r, ctx):
-    assert _text(r) == "The capital of France is" + _text(ctx.base)
-    return "the prompt before the answer"
+    text = _text(r)
+    assert text == "The capital of France is" + _text(ctx.base)
+    lp, p = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert len(lp.tokens) == p + MAX
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    tok = ctx.server.state.engine.tokenizer
+    specials = {tok.decode([t], skip_special_tokens=False) for t in tok.special_token_ids}
+    for piece, t in zip(_pieces(text, lp)[:p], lp.tokens[:p], strict=True):
+        assert piece == ("" if t in specials else t)  # a BOS is not in the text
+    return (
+        "the prompt before the answer; with logprobs (1 sent) the prompt's tokens come first, "
+        "the first without a logprob, and text_offset indexes the echoed text"
+    )
 
 
 def _check_completion_logprobs(r, ctx):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == MAX and all(len(t) == 2 for t in lp.top_logprobs)
-    return "2 sent: a logprob per token and 2 alternatives each"
+    # A byte of a multi-byte character has no text of its own: it comes with a later token.
+    pieces = _pieces(_text(r), lp)
+    assert all(p.endswith(t) for p, t in zip(pieces, lp.tokens, strict=True) if "\ufffd" not in t)
+    return "2 sent: a logprob per token and 2 alternatives each; text_offset into the text"
 
 
 def _check_prompt(r, ctx):
@@ -255,7 +283,7 @@ PROBES = {
         "model": Probe(None, _check_model),
         "prompt": Probe([5, 6, 7], _check_prompt),
         "best_of": Probe(2, _check_best_of, {"temperature": 1.0}),
-        "echo": Probe(True, _check_echo),
+        "echo": Probe(True, _check_echo, {"logprobs": 1}),
         "logprobs": Probe(2, _check_completion_logprobs),
         "logit_bias": Probe({"100": 100}, _check_logit_bias, {"logprobs": 0}),
         "suffix": Probe(" and that is all."),
@@ -332,6 +360,16 @@ def _check_json(r, ctx):
     return _check_response_format(r, ctx)
 
 
+def _check_prompt_logprobs(r, ctx):
+    # vLLM's shape: on each choice for completions, beside the choices for chat.
+    extra = r.choices[0].model_extra if hasattr(r.choices[0], "text") else r.model_extra
+    entries = extra["prompt_logprobs"]
+    assert len(entries) == r.usage.prompt_tokens and entries[0] is None
+    for e in entries[1:]:
+        assert len(e) in (2, 3) and {1, 2} <= {v["rank"] for v in e.values()}
+    return "2 sent: per prompt token its logprob and rank and the 2 most likely (vLLM's shape)"
+
+
 def _check_backend(r, ctx):
     _check_in_choice(r, ctx)
     return "xgrammar (or auto) with guided_choice: constrained; any other backend: 400"
@@ -353,6 +391,7 @@ EXTENSION_PROBES = {
         "xgrammar", _check_backend, {"max_tokens": 16}, {"guided_choice": CHOICE}
     ),
     "structured_outputs": Probe({"choice": CHOICE}, _check_in_choice, {"max_tokens": 16}),
+    "prompt_logprobs": Probe(2, _check_prompt_logprobs),
 }
 EXTENSION_PROBES_BY_ENDPOINT = {
     "completions": {

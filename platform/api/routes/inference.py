@@ -12,6 +12,12 @@ from fastapi import APIRouter, Request
 from loraplex.engine.outputs import RequestOutput
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError, error_body
+from loraplex.platform.api.logprobs import (
+    LegacyLogprobs,
+    joined,
+    token_text,
+    vllm_prompt_logprobs,
+)
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
@@ -71,26 +77,6 @@ def _usage(job: Job) -> dict:
     }
 
 
-def _token_text(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(
-    tok, out: RequestOutput, start: int, end: int, index: int = 0
-) -> dict | None:
-    lps = out.outputs[index].logprobs
-    if lps is None:
-        return None
-    ids = out.outputs[index].token_ids[start:end]
-    entries = lps[start:end]
-    return {
-        "tokens": [_token_text(tok, t) for t in ids],
-        "token_logprobs": [e.get(t) for t, e in zip(ids, entries, strict=True)],
-        "top_logprobs": [{_token_text(tok, k): v for k, v in e.items()} for e in entries],
-        "text_offset": [],
-    }
-
-
 def _chat_logprobs(
     tok, out: RequestOutput, start: int, end: int, top: int, index: int = 0
 ) -> dict | None:
@@ -99,7 +85,7 @@ def _chat_logprobs(
         return None
     content = []
     for t, e in zip(out.outputs[index].token_ids[start:end], lps[start:end], strict=True):
-        text = _token_text(tok, t)
+        text = token_text(tok, t)
         alts = sorted(e.items(), key=lambda kv: -kv[1])[:top]
         content.append(
             {
@@ -108,9 +94,9 @@ def _chat_logprobs(
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {
-                        "token": _token_text(tok, k),
+                        "token": token_text(tok, k),
                         "logprob": v,
-                        "bytes": list(_token_text(tok, k).encode()),
+                        "bytes": list(token_text(tok, k).encode()),
                     }
                     for k, v in alts
                 ],
@@ -200,8 +186,9 @@ def _envelope(job: Job, obj: str, created: int, model: str) -> dict:
     return {"id": job.request_id, "object": obj, "created": created, "model": model}
 
 
-async def _respond(service, job, request, body, render, obj: str, created: int, choice):
-    """A streamed (SSE) or whole answer, the same way for completions and chat."""
+async def _respond(service, job, request, body, render, obj: str, created: int, choice, extra=None):
+    """A streamed (SSE) or whole answer, the same way for completions and chat; `extra(last)`:
+    fields the whole answer carries beside its choices."""
     if body.stream:
         first, rest = await _start_stream(service, job)
         events = _sse(service, job, first, rest, render, body.include_usage)
@@ -215,6 +202,7 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
         **_envelope(job, obj, created, body.model),
         "choices": [choice(last, i) for i in range(len(last.outputs))],
         "usage": _usage(job),
+        **(extra(last) if extra else {}),
     }
 
 
@@ -251,7 +239,7 @@ async def completions(
     prompt_ids = service.encode_prompt(prompt)
     # echo: the prompt goes before each choice's text (its first chunk when streamed)
     echo = "" if not body.echo else prompt if isinstance(prompt, str) else None
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
     job = await service.start(
         caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
     )
@@ -261,12 +249,30 @@ async def completions(
     created = int(time.time())
     many = _Choices()
     echoed: set[int] = set()
+    streamed_logprobs: dict[int, LegacyLogprobs] = {}  # per choice, as it streams
 
     def echoing(i: int, text: str) -> str:
         if echo and i not in echoed:
             echoed.add(i)
             return echo + text
         return text
+
+    def logprobs(out: RequestOutput, i: int, start: int, end: int, built=None):
+        """Choice i's logprobs piece for its tokens [start, end) and the builder for its next
+        piece; a choice's first piece starts with the prompt's (echo)."""
+        c = out.outputs[i]
+        ids, entries = c.token_ids[start:end], (c.logprobs or [])[start:end]
+        if built is not None:
+            return built.generated(ids, entries), built
+        built = LegacyLogprobs(tok, prompt_ids, body.logprobs)
+        first = built.echoed(out.prompt_logprobs, echo) if body.echo else {}
+        return joined(first, built.generated(ids, entries)), built
+
+    def streamed(out: RequestOutput, i: int, start: int, end: int) -> dict | None:
+        if body.logprobs is None:
+            return None
+        piece, streamed_logprobs[i] = logprobs(out, i, start, end, streamed_logprobs.get(i))
+        return piece
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         base = _envelope(job, "text_completion", created, body.model)
@@ -275,7 +281,7 @@ async def completions(
         if body.n > 1:
             choices, total = [], 0
             for i, text, start, n, finish in many.deltas(out):
-                lps = _completion_logprobs(tok, out, start, start + n, i)
+                lps = streamed(out, i, start, start + n)
                 text = echoing(i, text)
                 choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
                 total += n
@@ -287,19 +293,25 @@ async def completions(
         choice = {
             "index": 0,
             "text": echoing(0, out.delta_text),
-            "logprobs": _completion_logprobs(tok, out, start, start + n),
+            "logprobs": streamed(out, 0, start, start + n),
             "finish_reason": out.outputs[0].finish_reason if out.finished else None,
         }
         return {**base, "choices": [choice]}, n
 
     def choice(last: RequestOutput, i: int) -> dict:
         out = last.outputs[i]
-        return {
+        lps = None if body.logprobs is None else logprobs(last, i, 0, len(out.token_ids))[0]
+        answer = {
             "index": i,
             "text": echo + out.text,
             "finish_reason": out.finish_reason,
-            "logprobs": _completion_logprobs(tok, last, 0, len(out.token_ids), i),
+            "logprobs": lps,
         }
+        if body.prompt_logprobs is not None:  # vLLM's extension, on each choice as vLLM's
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                tok, prompt_ids, last.prompt_logprobs, body.prompt_logprobs
+            )
+        return answer
 
     return await _respond(service, job, request, body, render, "text_completion", created, choice)
 
@@ -317,7 +329,7 @@ async def chat_completions(
     prompt_ids = service.encode_prompt(text, templated=True)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
-    params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs)
     if fallback:  # the plain format must not run on into the next turn
         params.stop = [*params.stop, FALLBACK_STOP]
     job = await service.start(
@@ -400,7 +412,15 @@ async def chat_completions(
             "finish_reason": reason,
         }
 
-    return await _respond(service, job, request, body, render, "chat.completion", created, choice)
+    def prompt_logprobs(last: RequestOutput) -> dict:
+        if body.prompt_logprobs is None:
+            return {}
+        k = body.prompt_logprobs  # vLLM's extension, beside the choices as vLLM's
+        return {"prompt_logprobs": vllm_prompt_logprobs(tok, prompt_ids, last.prompt_logprobs, k)}
+
+    return await _respond(
+        service, job, request, body, render, "chat.completion", created, choice, prompt_logprobs
+    )
 
 
 def _answer(text: str, reason: str | None, tools, mode: str) -> tuple[str | None, list, str]:
