@@ -3,8 +3,8 @@
 The model's row at position p is the distribution of the token at p + 1, so a prefill chunk
 of positions [start, end) scores prompt positions start + 1 .. end, except the prompt's last
 row, which is the first output token's distribution (the sampler's row). Only the requests
-that ask run their prompt rows through the LM head, a bounded number of rows at a time (a
-262k vocabulary makes each row's float32 logits 1 MiB).
+that ask run their prompt rows through the LM head, ROWS_PER_CHUNK rows at a time (a 262k
+vocabulary makes each row's float32 logits 1 MiB).
 
     prompt      t0    t1    t2    t3   | out0
     row p        0     1     2     3
@@ -24,7 +24,9 @@ import torch
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.sequence import Sequence
 
-ROWS_PER_CHUNK = 128  # LM-head rows per pass: bounds the [rows, vocab] float32 logits
+# LM-head rows per pass: bounds the float32 [rows, vocab] logits (and their log-softmax) to
+# 64 MiB each at Gemma's 262k vocabulary, however long the prompt.
+ROWS_PER_CHUNK = 64
 
 
 @dataclass

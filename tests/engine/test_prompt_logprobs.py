@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from loraplex.engine import prompt_logprobs as scoring
 from loraplex.engine.async_engine import AsyncLLMEngine
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
@@ -62,9 +63,11 @@ def _reference(base, adapters, prompts, names) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-@pytest.mark.parametrize("setup", ["whole", "chunked", "prefix_hit"])
-def test_prompt_logprobs_match_hf_peft(kind, setup, tiny_models, tiny_adapters):
+@pytest.mark.parametrize("setup", ["whole", "chunked", "prefix_hit", "lm_head_passes"])
+def test_prompt_logprobs_match_hf_peft(kind, setup, tiny_models, tiny_adapters, monkeypatch):
     adapters = tiny_adapters[kind]
+    if setup == "lm_head_passes":  # passes of 4 rows, some holding two requests' rows
+        monkeypatch.setattr(scoring, "ROWS_PER_CHUNK", 4)
     prompts, loras = _prompts(), _loras(adapters, ADAPTERS)
     chunk = {"max_num_batched_tokens": 7} if setup == "chunked" else {}
     llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=2, block_size=8, **chunk)
