@@ -3,8 +3,9 @@ tokens/s against the offline `LLM` doing the same work.
 
 One tiny random Llama (tests/utils/factories), `--concurrency` requests of `--tokens` greedy
 tokens each (ignore_eos). Prints the bytes the engine process sent the server per step
-(median of the step messages around token 100 and around token `--late`; a step message
-carries every running request's output, and now and then a stats snapshot, hence medians)
+(median around token 100 and around token `--late`; a step message carries every running
+request's output, and now and then a stats snapshot, hence medians; a message that covers k
+fast steps merged, engine_process.COALESCE_S, counts as k steps of 1/k of its bytes)
 and generated tokens/s through `EngineProcess` against the offline `LLM` doing the same work
 (`--repeats` alternates the two, ABBA, and takes each one's median: the machine is shared).
 
@@ -48,7 +49,7 @@ def _offline(model: str, n: int, tokens: int, threads: int) -> float:
     return n * tokens / seconds
 
 
-def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[int]]:
+def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[float], int]:
     from loraplex.engine import EngineConfig, SamplingParams
     from loraplex.engine.engine_process import EngineProcess
 
@@ -74,14 +75,17 @@ def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[
         counts = asyncio.run(run(tokens))
         seconds = time.perf_counter() - t0
         assert counts == [tokens] * n, counts
-        return n * tokens / seconds, list(engine.step_bytes)
+        # Bytes per step: a message covering k fast steps (engine_process.COALESCE_S) counts
+        # as k steps of 1/k of its bytes, so index k still holds step k's share.
+        sizes = [size / steps for size, steps in engine.step_bytes for _ in range(steps)]
+        return n * tokens / seconds, sizes, len(engine.step_bytes)
     finally:
         engine.shutdown()
 
 
-def _around(sizes: list[int], token: int, width: int = 10) -> float:
-    """Median bytes of the step messages that carried token `token` (+- width) of each request:
-    step message k carries token k + 1 (the prompt's prefill step yields the first token)."""
+def _around(sizes: list[float], token: int, width: int = 10) -> float:
+    """Median bytes per step around token `token` (+- width) of each request: step k carries
+    token k + 1 (the prompt's prefill step yields the first token)."""
     return statistics.median(sizes[max(0, token - 1 - width) : token + width])
 
 
@@ -109,7 +113,7 @@ def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int,
     for i in range(repeats):
         for which in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
             if which == "served":
-                rate, sizes = _served(model, n, tokens, threads)
+                rate, sizes, messages = _served(model, n, tokens, threads)
                 served_runs.append(rate)
             else:
                 offline_runs.append(_offline(model, n, tokens, threads))
@@ -120,7 +124,8 @@ def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int,
     print(f"engine -> server bytes per step at token {early}: {e:,.0f}")
     print(f"engine -> server bytes per step at token {late}: {la:,.0f}")
     print(f"  ratio late/early: {la / e:.2f}  (goal <= 1.2)")
-    print(f"  all step messages: {sum(sizes):,} bytes in {len(sizes)} messages")
+    print(f"  all step messages: {sum(sizes):,.0f} bytes in {messages} messages "
+          f"over {len(sizes)} steps")  # fmt: skip
     print(f"tokens/s through the engine process: {served:,.1f}")
     print(f"tokens/s through the offline LLM:    {offline:,.1f}")
     print(f"  ratio served/offline: {served / offline:.2f}  (goal >= 0.9)")

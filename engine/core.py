@@ -61,19 +61,62 @@ class CommandSource:
         raise NotImplementedError
 
 
+class _Coalescer:
+    """Holds a request's outputs back until `every_s` passed since the last hand-out, merging
+    them (the last output, its delta text and ids extended): a server process then wakes once
+    per few fast steps instead of every step. A request's first output, its last, errors,
+    stalls and stats go out at once, so time to first token and the end are never delayed."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.held: dict[str, RequestOutput | Exception] = {}
+        self.started: set[str] = set()  # requests whose first output went out
+        self.last = 0.0
+
+    def take(self, results: list[Result], force: bool) -> list[Result]:
+        """Add a step's results; what to hand out now (maybe nothing)."""
+        for rid, item in results:
+            old = self.held.get(rid)
+            if isinstance(item, RequestOutput) and isinstance(old, RequestOutput):
+                item.delta_text = old.delta_text + item.delta_text
+                item.delta_token_ids = old.delta_token_ids + item.delta_token_ids
+            self.held[rid] = item
+            if not isinstance(item, RequestOutput) or item.finished or rid not in self.started:
+                force = True
+        now = time.monotonic()
+        if not self.held or not (force or now - self.last >= self.every_s):
+            return []
+        out = list(self.held.items())
+        self.held.clear()
+        self.last = now
+        for rid, item in out:
+            if isinstance(item, RequestOutput) and not item.finished:
+                self.started.add(rid)
+            else:
+                self.started.discard(rid)
+        return out
+
+
 class EngineCore:
     """Steps one LLMEngine. `stats_every_s`: `run` hands the sink a stats snapshot at least
     this often, and at once whenever what a router reads changed (request counts, adapter
     residency) — so a queue that lasts a step is seen (None: never; a thread-mode caller
-    reads the engine directly)."""
+    reads the engine directly). `coalesce_s`: a running request's outputs of steps shorter
+    than this go to the sink merged, at most one batch per `coalesce_s` (0: every step)."""
 
     IDLE_WAIT_S = 0.05  # idle: block this long on the commands (keeps adapter loads moving)
 
-    def __init__(self, engine: LLMEngine, stats_every_s: float | None = None):
+    def __init__(
+        self, engine: LLMEngine, stats_every_s: float | None = None, coalesce_s: float = 0.0
+    ):
         self.engine = engine
         self.stats_every_s = stats_every_s
         self._last_stats = 0.0
         self._last_key: tuple | None = None
+        self._batch = _Coalescer(coalesce_s) if coalesce_s > 0 else None
+
+    def _out(self, results: list[Result], force: bool) -> list[Result]:
+        return results if self._batch is None else self._batch.take(results, force)
 
     def apply(self, cmd: Command) -> list[Result]:
         """Apply one command; what its caller gets at once (a bad request's error, an aborted
@@ -128,10 +171,12 @@ class EngineCore:
                     if isinstance(cmd, Stop):
                         self.abort_all(sink)
                         return
-                    if results := self.apply(cmd):
+                    if results := self._out(self.apply(cmd), force=True):
                         sink(results, None)
             results = self.step()
             snapshot = self._snapshot_due()
+            # A step that advanced nothing (waiting on an adapter, say) hands out what is held.
+            results = self._out(results, force=not results or snapshot is not None)
             if results or snapshot is not None:
                 sink(results, snapshot)
         self.abort_all(sink)
@@ -151,6 +196,6 @@ class EngineCore:
             out = self.engine.abort(rid)
             if out is not None:
                 results.append((rid, out))
-        if results:
+        if results := self._out(results, force=True):
             with contextlib.suppress(EOFError, OSError):  # nobody left to tell
                 sink(results, None)

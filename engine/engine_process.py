@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import deque
@@ -55,6 +56,11 @@ _ERRORS: dict[str, type[BaseException]] = {
     "AdapterUnavailable": AdapterUnavailable,
 }
 STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while busy
+# Outputs of steps faster than this go out merged, one message per COALESCE_S: each message
+# wakes the server's reader thread, and on a tiny model (1 ms steps) the wake-ups and the
+# JSON cost the engine 10-15 % of its speed (docs/cpu-path.md). A first token, a finish, an
+# error go out at once; a stream of a slower model (steps over COALESCE_S) is unaffected.
+COALESCE_S = float(os.environ.get("LORAPLEX_COALESCE_S", "0.004"))
 
 
 def _send(conn: Connection, msg: list) -> None:
@@ -108,7 +114,8 @@ def _child_main(
         outputs.send_bytes(msg.to_json())
 
     try:
-        EngineCore(engine, stats_every_s=STATS_EVERY_S).run(_PipeSource(commands), sink)
+        core = EngineCore(engine, stats_every_s=STATS_EVERY_S, coalesce_s=COALESCE_S)
+        core.run(_PipeSource(commands), sink)
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
     finally:
@@ -182,8 +189,9 @@ class EngineProcess(StreamingEngine):
         self._send_lock = threading.Lock()
         self._decoder = OutputDecoder()  # touched by the reader thread only
         self._stats: EngineStats | None = None
-        # Sizes of the step messages that carried outputs, newest last (benchmarks, tests).
-        self.step_bytes: deque[int] = deque(maxlen=1 << 16)
+        # Per message that carried outputs, newest last (benchmarks, tests): its bytes and
+        # the steps it covers (the most new tokens one request got: merged steps, see COALESCE_S).
+        self.step_bytes: deque[tuple[int, int]] = deque(maxlen=1 << 16)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.spec: ModelSpec = spec_from_config(
             json.loads((Path(config.model) / "config.json").read_text())
@@ -225,7 +233,9 @@ class EngineProcess(StreamingEngine):
                 for d in msg.outputs:
                     items.append((d.request_id, self._decoder.decode(d)))
                 if items:
-                    self.step_bytes.append(len(raw))
+                    steps = max((len(c.token_ids) for d in msg.outputs for c in d.completions),
+                                default=1)  # fmt: skip
+                    self.step_bytes.append((len(raw), max(steps, 1)))
                     self._deliver_all(items)
                 if msg.stats is not None:
                     self._stats = EngineStats(**msg.stats)
