@@ -5,9 +5,11 @@ One tiny random Llama (tests/utils/factories), `--concurrency` requests of `--to
 tokens each (ignore_eos). Prints the bytes the engine process sent the server per step
 (median around token 100 and around token `--late`; a step message carries every running
 request's output, and now and then a stats snapshot, hence medians; a message that covers k
-fast steps merged, engine_process.COALESCE_S, counts as k steps of 1/k of its bytes)
-and generated tokens/s through `EngineProcess` against the offline `LLM` doing the same work
-(`--repeats` alternates the two, ABBA, and takes each one's median: the machine is shared).
+fast steps merged counts as k steps of 1/k of its bytes), taken from a run with one message
+per step (engine_process.COALESCE_S off: the delta protocol's own size), and generated
+tokens/s through `EngineProcess` as `loraplex serve` runs it (steps under COALESCE_S merged)
+and with one message per step, against the offline `LLM` doing the same work (`--repeats`
+alternates the three, ABC CBA, and takes each one's median: the machine is shared).
 
     loraplex bench long                                   # 1 request x 4,096 tokens
     loraplex bench long --tokens 8192 --late 8000
@@ -49,14 +51,17 @@ def _offline(model: str, n: int, tokens: int, threads: int) -> float:
     return n * tokens / seconds
 
 
-def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[float], int]:
+def _served(
+    model: str, n: int, tokens: int, threads: int, coalesce_s: float | None = None
+) -> tuple[float, list[float], int]:
+    """(tokens/s, bytes per step, messages); coalesce_s: None as `loraplex serve` runs it."""
     from loraplex.engine import EngineConfig, SamplingParams
     from loraplex.engine.engine_process import EngineProcess
 
     config = EngineConfig(
         model, dtype="float32", num_threads=threads, max_model_len=_context(tokens)
     )
-    engine = EngineProcess(config)
+    engine = EngineProcess(config, **({} if coalesce_s is None else {"coalesce_s": coalesce_s}))
 
     async def one(max_tokens: int) -> int:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -75,8 +80,8 @@ def _served(model: str, n: int, tokens: int, threads: int) -> tuple[float, list[
         counts = asyncio.run(run(tokens))
         seconds = time.perf_counter() - t0
         assert counts == [tokens] * n, counts
-        # Bytes per step: a message covering k fast steps (engine_process.COALESCE_S) counts
-        # as k steps of 1/k of its bytes, so index k still holds step k's share.
+        # Bytes per step: a message covering k merged steps counts as k steps of 1/k of its
+        # bytes, so index k still holds step k's share.
         sizes = [size / steps for size, steps in engine.step_bytes for _ in range(steps)]
         return n * tokens / seconds, sizes, len(engine.step_bytes)
     finally:
@@ -109,35 +114,47 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int,
           threads: int) -> dict:  # fmt: skip
-    served_runs, offline_runs = [], []
+    from loraplex.engine.engine_process import COALESCE_S
+
+    runs: dict[str, list[float]] = {"served": [], "per_step": [], "offline": []}
     for i in range(repeats):
-        for which in ("served", "offline") if i % 2 == 0 else ("offline", "served"):
-            if which == "served":
-                rate, sizes, messages = _served(model, n, tokens, threads)
-                served_runs.append(rate)
-            else:
-                offline_runs.append(_offline(model, n, tokens, threads))
-    served, offline = statistics.median(served_runs), statistics.median(offline_runs)
+        order = ("served", "per_step", "offline")
+        for which in order if i % 2 == 0 else order[::-1]:
+            if which == "offline":
+                runs["offline"].append(_offline(model, n, tokens, threads))
+            elif which == "served":
+                rate, _, messages = _served(model, n, tokens, threads)
+                runs["served"].append(rate)
+            else:  # one message per step: the delta protocol's bytes per step
+                rate, sizes, _ = _served(model, n, tokens, threads, coalesce_s=0.0)
+                runs["per_step"].append(rate)
+    served, per_step, offline = (statistics.median(runs[k]) for k in runs)
     e, la = _around(sizes, early), _around(sizes, late)
     print(f"work: {n} request(s) x {tokens} tokens, tiny random llama, float32, greedy, "
           f"ignore_eos, {threads} engine thread(s)")  # fmt: skip
-    print(f"engine -> server bytes per step at token {early}: {e:,.0f}")
-    print(f"engine -> server bytes per step at token {late}: {la:,.0f}")
+    print("one message per step (coalescing off):")
+    print(f"  engine -> server bytes per step at token {early}: {e:,.0f}")
+    print(f"  engine -> server bytes per step at token {late}: {la:,.0f}")
     print(f"  ratio late/early: {la / e:.2f}  (goal <= 1.2)")
-    print(f"  all step messages: {sum(sizes):,.0f} bytes in {messages} messages "
-          f"over {len(sizes)} steps")  # fmt: skip
-    print(f"tokens/s through the engine process: {served:,.1f}")
+    print(f"  all step messages: {sum(sizes):,.0f} bytes in {len(sizes)} messages")
+    print(f"  tokens/s through the engine process: {per_step:,.1f}"
+          f"  (ratio to offline {per_step / offline:.2f})")  # fmt: skip
+    print(f"as `loraplex serve` runs it (steps under {COALESCE_S * 1e3:g} ms merged: "
+          f"{messages} messages for {tokens} steps):")  # fmt: skip
+    print(f"  tokens/s through the engine process: {served:,.1f}")
     print(f"tokens/s through the offline LLM:    {offline:,.1f}")
     print(f"  ratio served/offline: {served / offline:.2f}  (goal >= 0.9)")
     if repeats > 1:
-        print(f"  runs: served {[round(r, 1) for r in served_runs]}, "
-              f"offline {[round(r, 1) for r in offline_runs]}")  # fmt: skip
+        print("  runs: " + ", ".join(f"{k} {[round(r, 1) for r in v]}" for k, v in runs.items()))
     return {
         "requests": n, "tokens": tokens, "threads": threads,
         "early_token": early, "late_token": late,
         "bytes_early": e, "bytes_late": la, "bytes_ratio": la / e,
         "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": served / offline,
-        "served_runs": served_runs, "offline_runs": offline_runs,
+        "per_step_tok_s": per_step, "per_step_over_offline": per_step / offline,
+        "coalesce_s": COALESCE_S, "served_messages": messages,
+        "served_runs": runs["served"], "per_step_runs": runs["per_step"],
+        "offline_runs": runs["offline"],
     }  # fmt: skip
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from collections import deque
@@ -60,7 +59,7 @@ STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while b
 # wakes the server's reader thread, and on a tiny model (1 ms steps) the wake-ups and the
 # JSON cost the engine 10-15 % of its speed (docs/cpu-path.md). A first token, a finish, an
 # error go out at once; a stream of a slower model (steps over COALESCE_S) is unaffected.
-COALESCE_S = float(os.environ.get("LORAPLEX_COALESCE_S", "0.004"))
+COALESCE_S = 0.004
 
 
 def _send(conn: Connection, msg: list) -> None:
@@ -80,7 +79,12 @@ def _error_from(e: RequestError) -> BaseException:
 
 
 def _child_main(
-    config: dict, commands: Connection, outputs: Connection, progress: bool, log_level: int
+    config: dict,
+    commands: Connection,
+    outputs: Connection,
+    progress: bool,
+    log_level: int,
+    coalesce_s: float,
 ) -> None:
     from loraplex.engine.host_malloc import keep_freed_memory
 
@@ -114,7 +118,7 @@ def _child_main(
         outputs.send_bytes(msg.to_json())
 
     try:
-        core = EngineCore(engine, stats_every_s=STATS_EVERY_S, coalesce_s=COALESCE_S)
+        core = EngineCore(engine, stats_every_s=STATS_EVERY_S, coalesce_s=coalesce_s)
         core.run(_PipeSource(commands), sink)
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
@@ -171,7 +175,13 @@ class EngineProcess(StreamingEngine):
     config), with the engine in a spawned child process. The constructor blocks until the
     model is loaded (the child shows the loading progress) and raises if loading failed."""
 
-    def __init__(self, config: EngineConfig, progress: bool = False, start_timeout: float = 3600):
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: bool = False,
+        start_timeout: float = 3600,
+        coalesce_s: float = COALESCE_S,
+    ):
         super().__init__()
         ctx = mp.get_context("spawn")  # never fork a process that holds threads and torch
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
@@ -179,7 +189,7 @@ class EngineProcess(StreamingEngine):
         fields = dataclasses.asdict(config)
         self._proc = ctx.Process(
             target=_child_main,
-            args=(fields, cmd_recv, out_send, progress, log.getEffectiveLevel()),
+            args=(fields, cmd_recv, out_send, progress, log.getEffectiveLevel(), coalesce_s),
             name="loraplex-engine",
             daemon=True,
         )
