@@ -91,7 +91,6 @@ def _child_main(
     keep_freed_memory()  # before torch allocates: this process only runs the engine
     from loraplex.engine.core import EngineCore  # torch & co. load here, in the child
     from loraplex.engine.llm_engine import LLMEngine
-    from loraplex.engine.quantization import resident_weight_bytes
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
 
@@ -101,8 +100,7 @@ def _child_main(
         _send(outputs, ["failed", " ".join(f"{type(e).__name__}: {e}".split())])
         return
     cfg = dataclasses.asdict(engine.config)
-    memory = dataclasses.asdict(engine.memory)
-    _send(outputs, ["ready", cfg, resident_weight_bytes(engine.model), memory])
+    _send(outputs, ["ready", cfg, dataclasses.asdict(engine.memory)])
     encoder = OutputEncoder()  # how much of each running request's output has gone out
 
     def sink(results, stats) -> None:
@@ -218,10 +216,13 @@ class EngineProcess(StreamingEngine):
             self._proc.join(10)
             raise RuntimeError(f"the engine process could not start: {msg[1]}")
         self.config = EngineConfig(**msg[1])
-        self.weight_bytes: int = msg[2]
-        self.memory = MemoryReport(**msg[3])  # what the engine logged at start
+        self.memory = MemoryReport(**msg[2])  # what the engine logged at start
         self._reader = threading.Thread(target=self._read, name="loraplex-engine-io", daemon=True)
         self._reader.start()
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.memory.weight_bytes
 
     def _submit(self, command: Command) -> None:
         try:

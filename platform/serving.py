@@ -206,7 +206,8 @@ class InferenceService:
     # ---------------------------------------------------------------- running
     async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
         """Engine outputs for the job. The caller reports delivery via `job.sent_tokens` and
-        must call `finish(job)` in a `finally`."""
+        must call `finish(job)` in a `finally`: the job stays in `state.inflight` (what a
+        shutdown's drain waits for) until its usage record is written."""
         engine = self._engine()
         self.state.inflight.add(job.request_id)
         try:
@@ -241,8 +242,6 @@ class InferenceService:
             word = str(e).split(" ", 1)[0]
             param = word if word in _ENGINE_CHECKED_FIELDS else None
             raise APIError(400, str(e), "invalid_value", param) from None
-        finally:
-            self.state.inflight.discard(job.request_id)
 
     async def finish(self, job: Job, status: str | None = None) -> None:
         """Record usage once and give back the unused part of the quota reservation."""
@@ -294,5 +293,8 @@ class InferenceService:
             "request finished",
             extra={**record, "route": job.route, "latency_ms": round(record["latency_ms"], 1)},
         )
-        # Shielded: a cancelled request (client gone) must still be billed.
-        await asyncio.shield(asyncio.to_thread(write))
+        # Shielded: a cancelled request (client gone) must still be billed. In flight until the
+        # write is done, whether or not this task is cancelled meanwhile.
+        written = asyncio.ensure_future(asyncio.to_thread(write))
+        written.add_done_callback(lambda _: self.state.inflight.discard(job.request_id))
+        await asyncio.shield(written)

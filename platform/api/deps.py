@@ -13,7 +13,7 @@ from loraplex.platform.admin_session import SESSION_COOKIE, check_session_reques
 from loraplex.platform.db import crud
 from loraplex.platform.errors import APIError
 from loraplex.platform.security import constant_time_equals
-from loraplex.platform.state import AppState, Caller  # noqa: F401 (routes import them here)
+from loraplex.platform.state import AppState, Caller
 
 log = logging.getLogger("loraplex.platform")
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from loraplex.platform.errors import _TYPES, APIError, error_body  # noqa: F401
+from loraplex.platform.errors import APIError, error_body
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 

@@ -18,7 +18,7 @@ holds for uvicorn on asyncio's default loop, which is what `loraplex serve` runs
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -50,16 +50,19 @@ class MeteredEventStream(Response):
 
     `delivered(tokens)` is called for each event that reached an open connection; an empty text
     carries its tokens over to the next event. The generator is closed (running its `finally`)
-    when the stream ends, fails, or the client goes away, also while it waits for the engine.
+    when the stream ends, fails, or the client goes away, also while it waits for the engine;
+    then `closed()` runs, also for a generator that never started (a client gone before the
+    first event), whose `finally` never runs.
     """
 
     def __init__(
         self,
         events: AsyncGenerator[tuple[str, int], None],
         delivered: Callable[[int], None],
+        closed: Callable[[], Awaitable[None]] | None = None,
     ):
         super().__init__(media_type="text/event-stream")  # FastAPI passes a Response through
-        self.events, self.delivered = events, delivered
+        self.events, self.delivered, self.closed = events, delivered, closed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(receive, send))
@@ -90,7 +93,11 @@ class MeteredEventStream(Response):
                 pending = 0
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await self.events.aclose()
+            try:
+                await self.events.aclose()
+            finally:
+                if self.closed is not None:
+                    await self.closed()
 
     @staticmethod
     async def _until_disconnect(receive: Receive) -> None:

@@ -196,7 +196,11 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
         def delivered(n: int) -> None:
             job.sent_tokens += n
 
-        return MeteredEventStream(events, delivered)
+        async def closed() -> None:  # no-ops once the events' own `finally` has run
+            await rest.aclose()
+            await service.finish(job, "aborted")
+
+        return MeteredEventStream(events, delivered, closed)
     last = await _run_to_end(service, job, request)
     return {
         **_envelope(job, obj, created, body.model),

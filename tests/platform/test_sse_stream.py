@@ -1,0 +1,49 @@
+"""MeteredEventStream as an ASGI app, driven by hand: the events' generator is closed and the
+request ended (`closed`) however the stream stops — also when the client is gone before the
+generator ever ran, where its own `finally` (which bills the request) never runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from loraplex.platform.api.sse import MeteredEventStream
+
+
+def _run(send_delay: float, disconnect_at_once: bool) -> tuple[list, list, list]:
+    ran, closed, sent = [], [], []
+
+    async def events():
+        ran.append("started")
+        try:
+            for i in range(3):
+                yield f"data: {i}\n\n", 1
+        finally:
+            ran.append("finally")
+
+    async def on_closed() -> None:
+        closed.append(True)
+
+    async def send(message) -> None:
+        await asyncio.sleep(send_delay)  # a transport that makes the writer wait
+        sent.append(message["type"])
+
+    async def receive():
+        if not disconnect_at_once:
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    stream = MeteredEventStream(events(), lambda n: None, on_closed)
+    asyncio.run(stream({"type": "http"}, receive, send))
+    return ran, closed, sent
+
+
+def test_a_client_gone_before_the_first_event_still_ends_the_request():
+    ran, closed, sent = _run(send_delay=0.05, disconnect_at_once=True)
+    assert ran == []  # the generator never ran: its `finally` could not bill anything
+    assert closed == [True]  # but `closed` did, once
+
+
+def test_a_whole_stream_ends_the_request_once():
+    ran, closed, sent = _run(send_delay=0.0, disconnect_at_once=False)
+    assert ran == ["started", "finally"] and closed == [True]
+    assert sent == ["http.response.start"] + ["http.response.body"] * 4
