@@ -16,8 +16,9 @@ it: finish_reason "length").
 Streamed: a forced call's `delta.tool_calls` come as it is written, as OpenAI sends them (the
 call's index, id, type and name once its name is complete, then its arguments piece by
 piece; `ForcedCallStream`); a call cut by max_tokens has streamed partial arguments and ends
-with finish_reason "length". With `auto` the text is parsed once complete: the calls come in
-the last delta.
+with finish_reason "length". With `auto` the content streams as it is written and each call
+comes once its text parses (`ToolCallStream`, platform/tool_stream.py), so a stream adds up to
+the unstreamed answer, a call cut by max_tokens included (text, in both).
 """
 
 from __future__ import annotations
@@ -191,8 +192,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- parsing
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_MISTRAL = "[TOOL_CALLS]"
+HERMES_OPEN, HERMES_CLOSE, MISTRAL = "<tool_call>", "</tool_call>", "[TOOL_CALLS]"
 
 
 def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
@@ -209,7 +209,12 @@ def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _calls_from(value: Any, names: set[str]) -> list[ToolCall] | None:
+def calls_in(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls `text` holds as one JSON value (a call or a list of calls), or None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_from(v, names) for v in items]
     if not calls or any(c is None for c in calls):
@@ -218,37 +223,42 @@ def _calls_from(value: Any, names: set[str]) -> list[ToolCall] | None:
 
 
 def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
-    """(content outside the calls or None, the calls) from a model's answer in any of the
-    formats above; no calls when none parses (the text is then plain content)."""
+    """(content outside the calls or None, the calls) from a model's whole answer.
+
+    - The answer (stripped) is one JSON call or list of calls: Llama 3's format.
+    - Else the first marker decides. `<tool_call>` (Hermes / Qwen): each `<tool_call>body
+      </tool_call>` (the last may be unclosed) whose body is a call or list of calls is one;
+      from the first body that is not, the text is content (so a call cut by max_tokens is
+      text, and the calls before it stand). `[TOOL_CALLS]` (Mistral): all that follows it
+      must be a list of calls.
+    - Without calls the content is the text as written; with calls it is the text outside
+      them, trailing whitespace stripped (None when empty).
+
+    Every rule is decided by a prefix of the answer and what follows it, never by text
+    before it: `ToolCallStream` (platform/tool_stream.py) streams the same result.
+    """
     names = {t.function.name for t in tools}
     stripped = text.strip()
-    if "<tool_call>" in text:
-        calls = []
-        for body in _HERMES.findall(text):
-            try:
-                found = _calls_from(json.loads(body), names)
-            except json.JSONDecodeError:
-                found = None
-            if found is None:
-                return text, []
-            calls += found
-        content = _HERMES.sub("", text).strip()
-        return content or None, calls
-    if _MISTRAL in text:
-        head, _, rest = text.partition(_MISTRAL)
-        try:
-            found = _calls_from(json.loads(rest.strip()), names)
-        except json.JSONDecodeError:
-            found = None
-        return (head.strip() or None, found) if found else (text, [])
-    if stripped.startswith(("{", "[")):
-        try:
-            found = _calls_from(json.loads(stripped), names)
-        except json.JSONDecodeError:
-            found = None
-        if found:
-            return None, found
-    return text, []
+    if stripped.startswith(("{", "[")) and (found := calls_in(stripped, names)):
+        return None, found
+    hermes, mistral = text.find(HERMES_OPEN), text.find(MISTRAL)
+    if mistral >= 0 and not 0 <= hermes < mistral:
+        found = calls_in(text[mistral + len(MISTRAL) :].strip(), names)
+        return (text[:mistral].rstrip() or None, found) if found else (text, [])
+    outside, calls, pos = [], [], 0
+    while (start := text.find(HERMES_OPEN, pos)) >= 0:
+        body = start + len(HERMES_OPEN)
+        end = text.find(HERMES_CLOSE, body)
+        found = calls_in(text[body : end if end >= 0 else len(text)].strip(), names)
+        if found is None:
+            break
+        outside.append(text[pos:start])
+        calls += found
+        pos = len(text) if end < 0 else end + len(HERMES_CLOSE)
+    if not calls:
+        return text, []
+    outside.append(text[pos:])
+    return "".join(outside).rstrip() or None, calls
 
 
 _FORCED_HEAD = re.compile(r'\{"name":\s*"([A-Za-z0-9_-]+)",\s*"arguments":\s*')
