@@ -291,3 +291,97 @@ def test_forced_call_scanner_streams_every_call_of_an_array_in_pieces():
     for cut in range(len(full)):
         for (_, args, _), want in zip(scan_forced_calls(full[:cut]), joined, strict=False):
             assert want.startswith(args)
+
+
+CALL_TIME = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+CALL_WEATHER = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
+AUTO_ANSWERS = {  # what the model is made to write (guided_choice), by case
+    "text-then-call": f"Let me check the time first.\n<tool_call>{CALL_TIME}</tool_call>",
+    "call-only": f"<tool_call>\n{CALL_WEATHER}\n</tool_call>",
+    "several-calls": f"<tool_call>{CALL_TIME}</tool_call>\n<tool_call>{CALL_WEATHER}</tool_call>",
+    "mistral": f"[TOOL_CALLS] [{CALL_TIME}, {CALL_WEATHER}]",
+    "llama-json": CALL_WEATHER,
+    "not-a-marker": "The <tools> are [TOOL] tags, <tool_cal and all.",
+}
+
+
+# Short tool specs: the tiny model's 512 positions hold the prompt and the answer.
+AUTO_TOOLS = [{"type": "function", "function": {"name": n}} for n in SCHEMAS]
+
+
+def _auto(client, server, answer: str, stream: bool, max_tokens: int = 300):
+    return client.chat.completions.create(
+        model=server.state.model_name,
+        messages=ASK,
+        tools=AUTO_TOOLS,  # tool_choice: auto (the default with tools)
+        temperature=1.0,
+        seed=7,
+        max_completion_tokens=max_tokens,
+        stream=stream,
+        extra_body={"guided_choice": [answer]},
+    )
+
+
+def _collect(stream) -> tuple[str, list[tuple[str, str]], str, list[str]]:
+    """(content, calls, finish_reason, kind of each chunk) of a stream, checking its calls'
+    chunks are as OpenAI's: the first of a call has index, id, type, name; then arguments."""
+    content, calls, reason, kinds = "", {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta, reason = chunk.choices[0].delta, chunk.choices[0].finish_reason or reason
+        if delta.content:
+            content += delta.content
+            kinds.append("content")
+        for d in delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.index == len(calls) and d.id.startswith("call_") and d.type == "function"
+                assert d.function.name and d.function.arguments == ""
+                calls[d.index] = [d.function.name, ""]
+            else:
+                assert d.id is None and d.function.name is None
+                calls[d.index][1] += d.function.arguments
+            kinds.append("call")
+    return content, [tuple(c) for c in calls.values()], reason, kinds
+
+
+@pytest.mark.parametrize("case", AUTO_ANSWERS)
+def test_auto_streamed_equals_the_whole_answer(server, client, case):
+    whole = _auto(client, server, AUTO_ANSWERS[case], stream=False).choices[0]
+    content, calls, reason, kinds = _collect(_auto(client, server, AUTO_ANSWERS[case], True))
+    assert reason == whole.finish_reason
+    assert content == (whole.message.content or "")
+    want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert calls == want  # argument text for argument text
+    assert bool(calls) == (case != "not-a-marker")
+    assert reason == ("tool_calls" if calls else "stop")
+    if case == "text-then-call":
+        # The words came token by token before the call, not in one piece at the end.
+        assert kinds.count("content") > 3 and kinds.index("call") > kinds.index("content")
+        assert content == "Let me check the time first."
+    if case == "not-a-marker":
+        assert content == AUTO_ANSWERS[case] and kinds.count("content") > 3
+
+
+def test_auto_call_cut_by_max_tokens_streams_as_the_whole_answer(server, client):
+    answer = f"Let me check.<tool_call>{CALL_TIME}</tool_call><tool_call>{CALL_WEATHER}"
+    r = _auto(client, server, answer, stream=False)
+    full = r.usage.completion_tokens
+    assert r.choices[0].finish_reason == "tool_calls"
+    seen = set()
+    for max_tokens in range(2, full, 3):  # same seed: the same tokens, cut anywhere
+        whole = _auto(client, server, answer, False, max_tokens).choices[0]
+        content, calls, reason, _ = _collect(_auto(client, server, answer, True, max_tokens))
+        assert whole.finish_reason == reason == "length"
+        assert content == (whole.message.content or "")
+        want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        assert calls == want, max_tokens
+        names = tuple(name for name, _ in calls)
+        # A cut call is text (as the unstreamed answer has it); the calls before it stand.
+        if names:
+            assert names == ("get_time",) and content.startswith("Let me check.")
+            assert f"<tool_call>{CALL_WEATHER}".startswith(content.removeprefix("Let me check."))
+        else:
+            assert answer.startswith(content)
+        seen.add((names, "<tool_call>" in content))
+    assert {((), True), (("get_time",), True)} <= seen  # each call was cut at least once

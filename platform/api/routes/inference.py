@@ -29,6 +29,7 @@ from loraplex.platform.tool_calls import (
     parse_tool_calls,
     scan_forced_calls,
 )
+from loraplex.platform.tool_stream import ToolCallStream
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=API_ERRORS)
 # JSON, or server-sent events with "stream": true.
@@ -149,8 +150,10 @@ async def _sse(
         outs = [first] if first is not None else []
         while True:
             for out in outs:
-                chunk, n = render(out)
-                yield (f"data: {json.dumps(chunk)}\n\n" if chunk is not None else ""), n
+                chunk, n = render(out)  # a chunk, None, or a list of chunks
+                for part in chunk if isinstance(chunk, list) else [chunk]:
+                    yield (f"data: {json.dumps(part)}\n\n" if part is not None else ""), n
+                    n = 0
             if outs and outs[-1].finished:
                 break
             try:
@@ -343,8 +346,8 @@ async def chat_completions(
     created = int(time.time())
     sent_role = False
     many = _Choices()
-    held: list[str] = []  # with tools in play the text is parsed once it is complete
     forced = ForcedCallStream() if tools and tool_mode != "auto" else None
+    auto = ToolCallStream(tools) if tools and tool_mode == "auto" else None
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         nonlocal sent_role
@@ -375,18 +378,23 @@ async def chat_completions(
                 reason = "tool_calls"
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             return {**base, "choices": [choice]}, n
-        if tools:
-            held.append(out.delta_text)
-            if not out.finished:
-                return None, n
-            content, calls, reason = _answer(
-                "".join(held), out.outputs[0].finish_reason, tools, tool_mode
-            )
-            delta = {"role": "assistant", "content": content}
-            if calls:
-                delta["tool_calls"] = [c.public(i) for i, c in enumerate(calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {**base, "choices": [choice]}, n
+        if auto is not None:  # content as it is written, each call once it is decided
+            content, calls = auto.feed(out.delta_text, final=out.finished)
+            reason = out.outputs[0].finish_reason if out.finished else None
+            if reason == "stop" and auto.calls:
+                reason = "tool_calls"
+            deltas = [{"content": content}] if content or not sent_role else []
+            deltas += [{"tool_calls": [call]} for call in calls]  # a chunk each, as OpenAI's
+            if not sent_role:
+                deltas[0]["role"], sent_role = "assistant", True
+            if reason is not None and not deltas:
+                deltas = [{}]
+            choices = [
+                {"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas
+            ]
+            if choices:
+                choices[-1]["finish_reason"] = reason
+            return [{**base, "choices": [c]} for c in choices] or None, n
         delta = {"content": out.delta_text}
         if not sent_role:
             delta["role"], sent_role = "assistant", True
