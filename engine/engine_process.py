@@ -244,9 +244,8 @@ class EngineProcess(StreamingEngine):
                 for d in msg.outputs:
                     items.append((d.request_id, self._decoder.decode(d)))
                 if items:
-                    steps = max((len(c.token_ids) for d in msg.outputs for c in d.completions),
-                                default=1)  # fmt: skip
-                    self.step_bytes.append((len(raw), max(steps, 1)))
+                    new = [len(c.token_ids) for d in msg.outputs for c in d.completions]
+                    self.step_bytes.append((len(raw), max(new, default=0) or 1))
                     self._deliver_all(items)
                 if msg.stats is not None:
                     self._stats = EngineStats(**msg.stats)

@@ -29,19 +29,6 @@ class PromptLogprobs:
     def __len__(self) -> int:  # positions scored so far (position 0 included)
         return len(self.token_logprobs)
 
-    def entries(self, prompt_token_ids: list[int]) -> list[dict[int, float] | None]:
-        """vLLM's shape: per position {token id: logprob}, the prompt token first, then the
-        alternatives best first (as `CompletionOutput.logprobs`)."""
-        out: list[dict[int, float] | None] = []
-        for tok, lp, top in zip(prompt_token_ids, self.token_logprobs, self.top, strict=True):
-            if lp is None:
-                out.append(None)
-                continue
-            entry = {tok: lp}
-            entry.update((t, v) for t, v in top or [] if t != tok)
-            out.append(entry)
-        return out
-
 
 @dataclass
 class RequestOutput:
