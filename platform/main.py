@@ -153,6 +153,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             await asyncio.sleep(0.1)
         if state.engine is not None:
             state.engine.shutdown()
+        state.cache.close()
         db.dispose()
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)

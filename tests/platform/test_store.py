@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -279,7 +280,7 @@ def test_cache_refuses_a_corrupt_object(s3_endpoint, bucket, tmp_path):
         cache.get(key, key)
     assert not cache.cached(key)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [".partial"]
-    assert list((tmp_path / "cache" / ".partial").iterdir()) == []
+    assert list(cache._partial.iterdir()) == []  # our in-flight folder, left empty
 
 
 def test_cache_evicts_least_recently_used_but_not_pinned(tmp_path):
@@ -302,3 +303,88 @@ def test_cache_evicts_least_recently_used_but_not_pinned(tmp_path):
         assert folder.is_dir() and same_files(tmp_path / "src0", folder)
     assert [cache.cached(k) for k in keys] == [True, False, False, True]
     assert cache.stats.evictions == 2 and store.fetches == 4
+
+
+# --- one cache folder shared by several processes -------------------------------------------
+
+
+def _cache_in_child(store_root: str, cache_dir: str, key: str, conn) -> None:
+    cache = AdapterCache(LocalStore(Path(store_root)), cache_dir, max_bytes=10 * MiB)
+    conn.send(str(cache.get(key, key)))
+    conn.send(cache._partial.name)
+    conn.recv()  # stay alive (holding the owner lock) until told to go
+
+
+def _spawn_cache(ctx, store_root, cache_dir, key):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_cache_in_child, args=(str(store_root), str(cache_dir), key, child))
+    proc.start()
+    return proc, parent
+
+
+def test_processes_sharing_a_cache_keep_each_others_work(tmp_path):
+    """A starting process removes only dead owners' in-flight files; a folder a neighbour
+    published is adopted (checked), not downloaded again."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    store = CountingStore(tmp_path / "store")
+    src = fake_adapter(tmp_path / "src")
+    key = store.put(src, adapter_digest(src))
+    cache_dir = tmp_path / "cache"
+    proc, conn = _spawn_cache(ctx, tmp_path / "store", cache_dir, key)
+    try:
+        folder, owner = Path(conn.recv()), conn.recv()
+        live = cache_dir / ".partial" / owner
+        (live / "download-in-flight").mkdir()  # stands for a download the neighbour is doing
+        dead = cache_dir / ".partial" / "12345-dead"
+        (dead / "half").mkdir(parents=True)
+        (cache_dir / ".partial" / "12345-dead.lock").touch()  # its owner is gone: lock free
+        ours = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
+        assert (live / "download-in-flight").is_dir(), "a live neighbour's download was removed"
+        assert not dead.exists() and not (cache_dir / ".partial" / "12345-dead.lock").exists()
+        assert ours.get(key, key) == folder and same_files(src, folder)
+        assert store.fetches == 0 and ours.stats.adopted == 1
+        conn.send("go")
+        proc.join(30)
+        # Its lock is free now: the next start takes its leftovers.
+        AdapterCache(store, cache_dir, max_bytes=10 * MiB)
+        assert not live.exists()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_a_damaged_folder_is_replaced_whole_and_an_evicted_one_fetched_again(tmp_path):
+    """The CI failure this guards: a process killed while it removed a published folder in
+    place left one without its weights, which neighbours then served (422) forever."""
+    store = CountingStore(tmp_path / "store")
+    src = fake_adapter(tmp_path / "src")
+    key = store.put(src, adapter_digest(src))
+    cache_dir = tmp_path / "cache"
+    half = cache_dir / key
+    half.mkdir(parents=True)
+    (half / CONFIG_FILE).write_text((src / CONFIG_FILE).read_text())  # weights missing
+    cache = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
+    assert cache.cached(key)  # listed at start, checked before first use
+    folder = cache.get(key, key)
+    assert folder == half and same_files(src, folder) and store.fetches == 1
+    # A neighbour sharing the folder evicts it: the next use fetches it again, whole.
+    shutil.rmtree(folder)
+    assert same_files(src, cache.get(key, key)) and store.fetches == 2
+    # Two caches racing to publish the same digest: both end up with one whole folder.
+    other = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
+    shutil.rmtree(folder)
+    results = []
+    threads = [
+        threading.Thread(target=lambda c=c: results.append(c.get(key, key))) for c in (cache, other)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [folder, folder] and same_files(src, folder)
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([".partial", key])
+    for c in (cache, other):
+        c.close()
+    assert list((cache_dir / ".partial").iterdir()) == []
