@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -232,6 +233,13 @@ class InferenceService:
             raise APIError(503, msg, "engine_unavailable") from None
         except AdapterError as e:
             job.status = "error"
+            if job.lora is not None and not os.path.isdir(job.lora.lora_path):
+                # Its cached copy went between lookup and load (evicted by another process
+                # sharing the cache folder): the adapter is fine, and the next try fetches it.
+                msg = f"adapter '{job.model}' was removed from the disk cache meanwhile; retry"
+                raise APIError(
+                    503, msg, "adapter_unavailable", headers={"Retry-After": "1"}
+                ) from None
             raise APIError(
                 422, f"adapter '{job.model}' cannot be served: {e}", "invalid_adapter"
             ) from None

@@ -141,3 +141,41 @@ def test_store_outage_fails_only_requests_that_need_the_store(tiny_models, tiny_
     finally:
         if moto is not None:
             moto.__exit__(None, None, None)
+
+
+def test_a_cached_copy_removed_behind_the_servers_back(moto, tiny_models, tiny_adapters, tmp_path):
+    """Another process sharing the disk cache may evict a folder this server listed: the next
+    request fetches it again; one caught between lookup and load gets a 503 to retry, not a 422
+    blaming the adapter."""
+    llama = tiny_adapters["llama"]
+    with run_server(tiny_models["llama"], tmp_path, **_s3_settings(moto)) as srv:
+        _, key = srv.new_tenant("shared-cache")
+        for name, adapter in (("a", "attn8"), ("b", "mlp16")):
+            assert upload(srv.url, key, name, folder_parts(llama[adapter])).status_code == 201
+        cache = srv.state.cache
+        first = complete(srv.url, key, "a")
+        assert first.status_code == 200, first.text
+        loads = cache.stats.loads
+        shutil.rmtree(tmp_path / "adapter-cache" / adapter_digest(llama["attn8"]))
+        again = complete(srv.url, key, "a")
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert cache.stats.loads == loads + 1  # the lookup noticed and fetched it back
+
+        # "b" is removed after the lookup handed its folder over, before the engine read it.
+        real_get = cache.get
+
+        def get_then_lose(key_, digest):
+            folder = real_get(key_, digest)
+            shutil.rmtree(folder)
+            return folder
+
+        cache.get = get_then_lose
+        lost = complete(srv.url, key, "b")
+        assert lost.status_code == 503, lost.text
+        assert lost.json()["error"]["code"] == "adapter_unavailable"
+        assert lost.headers["retry-after"] == "1"
+        cache.get = real_get
+        retried = complete(srv.url, key, "b")
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
