@@ -35,6 +35,7 @@ from loraplex.bench.assets import (
     tiny_llama,
 )
 from loraplex.bench.fleet_router import POLICIES, ReplicaView, Router
+from loraplex.bench.fleet_store import FleetStore, open_store
 from loraplex.bench.metrics import percentile
 from loraplex.bench.sysinfo import machine
 from loraplex.bench.trace import LengthDist, TraceConfig, TraceRequest, make_trace
@@ -62,6 +63,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="affinity: extra queued requests worth one point of affinity")  # fmt: skip
     p.add_argument("--host-weight", type=float, default=2.0,
                    help="affinity-host: score of holding the adapter in the host tier")  # fmt: skip
+    p.add_argument(
+        "--store",
+        default="local",
+        help="local (engines read the adapter folders), moto (a local S3 server), "
+        "or s3://bucket/prefix: replicas fetch adapters into their own disk "
+        "cache on the request's path, as `serve` does (bench/fleet_store.py)",
+    )
+    p.add_argument("--s3-endpoint", default=None, help="for --store s3://...")
+    p.add_argument(
+        "--disk-cache-mb",
+        type=int,
+        default=8192,
+        help="each replica's adapter disk cache with --store (serve's default)",
+    )
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--repeats", type=int, default=1, help="runs per policy (order alternates)")
     p.add_argument("--seed", type=int, default=0)
@@ -95,8 +110,9 @@ def build_engines(model: Path, args):
 
 
 async def drive(engines, router: Router, loras: list, trace: list[TraceRequest], args,
-                tag: str) -> list[dict]:  # fmt: skip
-    """Send `trace` at its arrival times through `router`; one record per request."""
+                tag: str, store: FleetStore | None = None) -> list[dict]:  # fmt: skip
+    """Send `trace` at its arrival times through `router`; one record per request. With a
+    store, a replica finds the adapter in its disk cache (or fetches it) first."""
     from loraplex.engine.sampling_params import SamplingParams
 
     in_flight: list[dict[str, int]] = [{} for _ in engines]
@@ -105,6 +121,12 @@ async def drive(engines, router: Router, loras: list, trace: list[TraceRequest],
 
     async def one(i: int, req: TraceRequest, name: str) -> None:
         lora = None if req.adapter is None else loras[req.adapter]
+        fetch_s = 0.0
+        if lora is not None and store is not None:
+            start = time.monotonic()
+            folder = await asyncio.to_thread(store.folder, i, req.adapter)
+            fetch_s = time.monotonic() - start
+            lora = replace(lora, lora_path=folder)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
         first = last = None
         async for out in engines[i].generate(req.prompt, params, lora, f"{tag}-{req.index}"):
@@ -114,7 +136,7 @@ async def drive(engines, router: Router, loras: list, trace: list[TraceRequest],
         in_flight[i][name] -= 1
         records.append({"index": req.index, "replica": i, "adapter": req.adapter,
                         "arrival_s": req.arrival_s, "ttft_s": first - req.arrival_s,
-                        "end_s": time.monotonic() - t0,
+                        "end_s": time.monotonic() - t0, "fetch_s": fetch_s,
                         "tokens": len(last.outputs[0].token_ids),
                         "finish_reason": last.outputs[0].finish_reason})  # fmt: skip
 
@@ -140,7 +162,8 @@ def _counters(engines) -> list[dict]:
             for s in stats]  # fmt: skip
 
 
-def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> tuple:
+def run_policy(policy: str, model: Path, adapters: list[Path], traces, args,
+               store: FleetStore | None = None) -> tuple:  # fmt: skip
     """One run on fresh engines: (row, {"warm", "run"}: per-request records, per-replica
     counters after the warm-up and at the end, and each adapter manager's own load count)."""
     from loraplex.engine.sequence import LoRARequest
@@ -149,12 +172,17 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
     router = Router(policy, args.replicas, seed=args.seed, queue_tolerance=args.queue_tolerance,
                     host_weight=args.host_weight)  # fmt: skip
     engines = build_engines(model, args)
+    if store is not None:
+        store.fresh_caches(args.replicas)
     try:
         warm, measured = traces
-        warm_records = asyncio.run(drive(engines, router, loras, warm, args, "warm"))
+        warm_records = asyncio.run(drive(engines, router, loras, warm, args, "warm", store))
         before = _counters(engines)
-        records = asyncio.run(drive(engines, router, loras, measured, args, "run"))
+        fetched, fetch_times = (store.fetches(), len(store.cold_s)) if store else (0, 0)
+        records = asyncio.run(drive(engines, router, loras, measured, args, "run", store))
         after = _counters(engines)
+        fetched = store.fetches() - fetched if store else 0
+        cold_s = store.cold_s[fetch_times:] if store else []
         host = sum(len(e.engine.adapters.host) for e in engines)
         managers = [e.engine.adapters.counters.loads for e in engines]
     finally:
@@ -172,6 +200,8 @@ def run_policy(policy: str, model: Path, adapters: list[Path], traces, args) -> 
         "cold_loads": delta["loads"], "cold_loads_total": sum(managers),
         "load_waits": delta["misses"], "slot_writes": delta["slot_writes"],
         "load_ms_mean": delta["load_s"] * 1e3 / max(delta["loads"], 1),
+        "store_fetches": fetched,
+        "fetch_ms_mean": statistics.fmean(cold_s) * 1e3 if cold_s else 0.0,
         "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "output_tok_s": tokens / span, "output_tokens": tokens, "span_s": span,
         "replica_share": share, "host_adapters_end": host,
@@ -203,15 +233,17 @@ def run_fleet(args: argparse.Namespace) -> dict:
           f"{args.max_cpu_loras}); warm-up {warm.num_requests} x 1 token; {cfg.describe()}",
           flush=True)  # fmt: skip
     runs = []
-    for rep in range(args.repeats):
-        for policy in args.policies if rep % 2 == 0 else args.policies[::-1]:
-            row, _, _ = run_policy(policy, model, adapters, traces, args)
-            runs.append({**row, "repeat": rep})
-            print(json.dumps(runs[-1]), flush=True)
+    with open_store(args, adapters) as store:
+        for rep in range(args.repeats):
+            for policy in args.policies if rep % 2 == 0 else args.policies[::-1]:
+                row, _, _ = run_policy(policy, model, adapters, traces, args, store)
+                runs.append({**row, "repeat": rep})
+                print(json.dumps(runs[-1]), flush=True)
     doc = {"kind": "fleet", "model": args.model, "replicas": args.replicas,
            "adapters": args.adapters, "max_loras": args.max_loras,
            "max_cpu_loras": args.max_cpu_loras, "max_num_seqs": args.max_num_seqs,
            "queue_tolerance": args.queue_tolerance, "host_weight": args.host_weight,
+           "store": args.store, "disk_cache_mb": args.disk_cache_mb,
            "trace": cfg.describe(),
            "warmup": warm.num_requests, "unseen_in_warmup": len(unseen),
            "repeats": args.repeats, "machine": machine(),
@@ -237,6 +269,8 @@ def medians(runs: list[dict], policies: list[str]) -> list[dict]:
         if mine:
             rows.append({"policy": p, **{m: statistics.median(r[m] for r in mine)
                                          for m in METRICS}})  # fmt: skip
+            if "store_fetches" in mine[0]:
+                rows[-1]["store_fetches"] = statistics.median(r["store_fetches"] for r in mine)
             rows[-1]["max_replica_share"] = statistics.median(max(r["replica_share"])
                                                               for r in mine)  # fmt: skip
     return rows
@@ -268,19 +302,33 @@ def goal_lines(doc: dict) -> str:
 
 
 def table(doc: dict) -> str:
-    lines = ["| policy | cold loads | requests that waited for a load | slot writes | "
-             "TTFT p50 (ms) | TTFT p99 (ms), runs' range | output tok/s | "
-             "busiest replica's share | finished |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    fetches = doc.get("store", "local") != "local"  # a column only where replicas fetch
+    head = [
+        "policy",
+        "cold loads",
+        *(["store fetches (mean ms)"] if fetches else []),
+        "requests that waited for a load",
+        "slot writes",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms), runs' range",
+        "output tok/s",
+        "busiest replica's share",
+        "finished",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in doc["rows"]:
-        p99 = sorted(x["ttft_p99_ms"] for x in doc["runs"] if x["policy"] == r["policy"])
+        mine = [x for x in doc["runs"] if x["policy"] == r["policy"]]
+        p99 = sorted(x["ttft_p99_ms"] for x in mine)
         spread = f" ({p99[0]:.0f}–{p99[-1]:.0f})" if len(p99) > 1 else ""
-        lines.append(
-            f"| {r['policy']} | {r['cold_loads']:.0f} | {r['load_waits']:.0f} | "
-            f"{r['slot_writes']:.0f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f}{spread} | "
-            f"{r['output_tok_s']:.0f} | {r['max_replica_share']:.0%} | "
-            f"{r['finished']:.0f}/{r['requests']:.0f} |"
-        )
+        cells = [r["policy"], f"{r['cold_loads']:.0f}"]
+        if fetches:
+            ms = statistics.median(x["fetch_ms_mean"] for x in mine)
+            cells.append(f"{r['store_fetches']:.0f} ({ms:.0f})")
+        cells += [f"{r['load_waits']:.0f}", f"{r['slot_writes']:.0f}",
+                  f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}{spread}",
+                  f"{r['output_tok_s']:.0f}", f"{r['max_replica_share']:.0%}",
+                  f"{r['finished']:.0f}/{r['requests']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -94,3 +94,28 @@ def test_cold_loads_match_the_adapter_managers(policy, tiny_models, tmp_path):
         assert len(pairs) == 32  # both replicas served every adapter
     else:
         assert len(pairs) < 32  # second requests of pairs followed their adapter
+
+
+def test_replicas_fetch_from_a_real_s3_server_once_per_adapter(tiny_models, tmp_path):
+    """--store moto: each replica fetches an adapter into its own disk cache the first time it
+    serves it (a real moto S3 server over HTTP), and its engine reads that copy."""
+    from loraplex.bench.fleet_store import open_store
+
+    args = _args(tiny_models["llama"], tmp_path, "--max-cpu-loras", "16", "--store", "moto")
+    fleet.apply_quick(args, keep=frozenset({"max_cpu_loras"}))
+    model = tiny_models["llama"]
+    adapters = fleet.make_adapters(model, model.name, 16, cache=args.cache)
+    trace = _paired_trace(16, 2, 0.05)
+    with open_store(args, adapters) as store:
+        row, records, counts = fleet.run_policy(
+            "round-robin", model, adapters, ([], trace), args, store
+        )
+        on_disk = [sorted(p.name for p in c.dir.iterdir() if p.name != ".partial")
+                   for c in store.caches]  # fmt: skip
+    run = records["run"]
+    assert all(r["tokens"] == 4 and r["finish_reason"] == "length" for r in run)
+    pairs = {(r["replica"], r["adapter"]) for r in run}
+    assert len(pairs) == 32 and row["store_fetches"] == 32 == row["cold_loads"]
+    assert row["fetch_ms_mean"] > 0
+    assert [len(d) for d in on_disk] == [16, 16]
+    assert all(r["fetch_s"] > 0 for r in run)  # every request went through its cache
