@@ -129,7 +129,9 @@ class OutputProcessor:
         samples = [
             SampleState(
                 seq=seq,
-                detok=self.tokenizer.detokenizer(seq.prompt_token_ids, p.skip_special_tokens),
+                detok=self.tokenizer.detokenizer(
+                    seq.prompt_token_ids, p.skip_special_tokens, p.kept_special_tokens
+                ),
                 stop_holdback=holdback,
             )
             for seq in seqs

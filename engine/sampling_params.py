@@ -51,6 +51,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # special tokens (by text) left in the text although skip_special_tokens: e.g. the tool-call
+    # marker a Mistral tokenizer marks special (`[TOOL_CALLS]`), which the tools parser reads
+    kept_special_tokens: list[str] | None = None
     # token id -> bias added to its logit, clamped to [-100, 100] (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     # specs of registered logits processors, `{"kind": ..., ...}` (engine/logits_processors.py)
@@ -140,6 +143,12 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         self.stop_token_ids = ids
+        kept = self.kept_special_tokens
+        if kept is not None and (
+            not isinstance(kept, list | tuple) or not all(isinstance(t, str) and t for t in kept)
+        ):
+            raise ValueError(f"kept_special_tokens must be a list of token texts, got {kept!r}")
+        self.kept_special_tokens = list(kept) if kept else None
 
     def _normalise_processors(self) -> None:
         bias = self.logit_bias

@@ -193,9 +193,13 @@ class Tokenizer:
             raise ValueError(f"chat template failed: {exc}") from exc
 
     def detokenizer(
-        self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+        self,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+        kept: list[str] | None = None,
     ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+        keep = frozenset(self.special_token_ids & {self._tok.token_to_id(t) for t in kept or ()})
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, keep)
 
 
 def _chat_env() -> ImmutableSandboxedEnvironment:
@@ -233,12 +237,14 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
         # Skipped specials never enter the window: decode drops them before its decoder runs, and
-        # a window opening on one would let a leading-space Strip decoder eat real text.
-        self._dropped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        # a window opening on one would let a leading-space Strip decoder eat real text. Kept
+        # ones (`keep`) do enter it, so the window is decoded with its specials as written.
+        self._dropped = tokenizer.special_token_ids - keep if skip_special_tokens else frozenset()
+        self._skip = skip_special_tokens and not keep
         context = [i for i in prompt_ids or () if i not in self._dropped]
         context = context[-_PROMPT_CONTEXT_TOKENS:]
         self._context_len = len(context)

@@ -8,10 +8,11 @@ and results are written as Hermes-style text (`<tool_call>{...}</tool_call>`,
 
 Out: with `auto` the model's text is parsed by the formats of the common families (Hermes /
 Qwen `<tool_call>{json}</tool_call>`, Mistral `[TOOL_CALLS][{...}]`, Llama 3's bare JSON
-`{"name": ..., "parameters": {...}}`). With `required` or a named function the grammar
-forces a JSON array of calls, `[{"name": ..., "arguments": {...}}]`, valid against each
-function's parameter schema, so the answer is always a parseable call (unless max_tokens cuts
-it: finish_reason "length").
+`{"name": ..., "parameters": {...}}`, also after Llama 3.1's `<|python_tag|>`). The markers
+stay in the text although some tokenizers mark them special (`kept_special_tokens`). With
+`required` or a named function the grammar forces a JSON array of calls,
+`[{"name": ..., "arguments": {...}}]`, valid against each function's parameter schema, so the
+answer is always a parseable call (unless max_tokens cuts it: finish_reason "length").
 
 Streamed: a forced call's `delta.tool_calls` come as it is written, as OpenAI sends them (the
 call's index, id, type and name once its name is complete, then its arguments piece by
@@ -193,6 +194,15 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------- parsing
 HERMES_OPEN, HERMES_CLOSE, MISTRAL = "<tool_call>", "</tool_call>", "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1+: a JSON call (or a list) follows, nothing else
+TAIL_MARKERS = (MISTRAL, PYTHON_TAG)  # all that follows one must be the calls
+TOOL_MARKERS = (HERMES_OPEN, HERMES_CLOSE, *TAIL_MARKERS)
+
+
+def find_tail_marker(text: str, start: int = 0) -> tuple[int, int]:
+    """(position, length) of the first of TAIL_MARKERS in text[start:]; (-1, 0) if none."""
+    found = [(i, len(m)) for m in TAIL_MARKERS if (i := text.find(m, start)) >= 0]
+    return min(found) if found else (-1, 0)
 
 
 def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
@@ -229,8 +239,8 @@ def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[Too
     - Else the first marker decides. `<tool_call>` (Hermes / Qwen): each `<tool_call>body
       </tool_call>` (the last may be unclosed) whose body is a call or list of calls is one;
       from the first body that is not, the text is content (so a call cut by max_tokens is
-      text, and the calls before it stand). `[TOOL_CALLS]` (Mistral): all that follows it
-      must be a list of calls.
+      text, and the calls before it stand). `[TOOL_CALLS]` (Mistral) or `<|python_tag|>`
+      (Llama 3.1): all that follows it must be a call or a list of calls.
     - Without calls the content is the text as written; with calls it is the text outside
       them, trailing whitespace stripped (None when empty).
 
@@ -241,10 +251,10 @@ def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[Too
     stripped = text.strip()
     if stripped.startswith(("{", "[")) and (found := calls_in(stripped, names)):
         return None, found
-    hermes, mistral = text.find(HERMES_OPEN), text.find(MISTRAL)
-    if mistral >= 0 and not 0 <= hermes < mistral:
-        found = calls_in(text[mistral + len(MISTRAL) :].strip(), names)
-        return (text[:mistral].rstrip() or None, found) if found else (text, [])
+    hermes, (tail, length) = text.find(HERMES_OPEN), find_tail_marker(text)
+    if tail >= 0 and not 0 <= hermes < tail:
+        found = calls_in(text[tail + length :].strip(), names)
+        return (text[:tail].rstrip() or None, found) if found else (text, [])
     outside, calls, pos = [], [], 0
     while (start := text.find(HERMES_OPEN, pos)) >= 0:
         body = start + len(HERMES_OPEN)

@@ -16,13 +16,14 @@ from __future__ import annotations
 from loraplex.platform.tool_calls import (
     HERMES_CLOSE,
     HERMES_OPEN,
-    MISTRAL,
+    TAIL_MARKERS,
     Tool,
     ToolCall,
     calls_in,
+    find_tail_marker,
 )
 
-_MARKERS = (HERMES_OPEN, MISTRAL)
+_MARKERS = (HERMES_OPEN, *TAIL_MARKERS)
 
 
 class _JSONEnd:
@@ -87,7 +88,8 @@ class ToolCallStream:
         self.text = ""
         self.calls: list[ToolCall] = []
         # start (leading space, or JSON that may be a bare call) | text (outside calls) |
-        # body (of a Hermes call) | mistral (after its marker) | content (rest is text) | done
+        # body (of a Hermes call) | mistral (after a tail marker: Mistral's, Llama's python tag) |
+        # content (rest is text) | done
         self.mode = "start"
         self.pos = 0  # text[:pos] is decided
         self.marker = 0  # where the call being read began
@@ -135,9 +137,9 @@ class ToolCallStream:
                 self.mode = "text"  # text after the JSON: not a bare call
             elif self.mode == "text":
                 hermes = text.find(HERMES_OPEN, self.pos)
-                mistral = -1 if self.calls else text.find(MISTRAL, self.pos)
-                if mistral >= 0 and not 0 <= hermes < mistral:
-                    self._enter("mistral", mistral, len(MISTRAL))
+                tail, length = (-1, 0) if self.calls else find_tail_marker(text, self.pos)
+                if tail >= 0 and not 0 <= hermes < tail:
+                    self._enter("mistral", tail, length)
                 elif hermes >= 0:
                     self._enter("body", hermes, len(HERMES_OPEN))
                 else:

@@ -10,7 +10,13 @@ from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from loraplex.engine.structured_output import grammar_spec
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.structured import StructuredFields
-from loraplex.platform.tool_calls import Tool, ToolChoice, forced_calls_schema, resolve_choice
+from loraplex.platform.tool_calls import (
+    TOOL_MARKERS,
+    Tool,
+    ToolChoice,
+    forced_calls_schema,
+    resolve_choice,
+)
 
 # Request bodies are strict, as OpenAI's API is: a wrong JSON type ("max_tokens": "2") is a 400
 # naming the field, never coerced, and an unknown field is a 400 too. Fields that OpenAI
@@ -140,10 +146,15 @@ class _Common(StructuredFields):
                 best_of=getattr(self, "best_of", None),
                 logit_bias=self.logit_bias,
                 logits_processors=[grammar] if grammar else None,
+                kept_special_tokens=self.kept_special_tokens(),
             )
         except ValueError as e:
             param = "logit_bias" if str(e).startswith("logit_bias") else None
             raise APIError(400, str(e), "invalid_value", param) from None
+
+    def kept_special_tokens(self) -> list[str] | None:
+        """Special tokens the answer's text keeps (skip_special_tokens drops the rest)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -278,6 +289,11 @@ class ChatCompletionRequest(_Common):
     def tool_mode(self) -> str | None:
         """'auto', 'required', a function name, or None: see platform/tool_calls.py."""
         return resolve_choice(self.tools, self.tool_choice)
+
+    def kept_special_tokens(self) -> list[str] | None:
+        # The tools parser reads the call markers; some tokenizers mark them special (Mistral's
+        # `[TOOL_CALLS]`), and a dropped marker would turn a call into plain text.
+        return list(TOOL_MARKERS) if self.tool_mode == "auto" else None
 
     def grammar(self) -> dict | None:
         spec = super().grammar()

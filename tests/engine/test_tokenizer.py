@@ -291,3 +291,42 @@ def test_bad_adapters(tiny_llama, tmp_path):
     cfg = json.loads((bad["huge_rank"] / "adapter_config.json").read_text())
     assert cfg["r"] == HUGE_RANK
     assert all(HUGE_RANK in v.shape for v in weights("huge_rank").values())
+
+
+def with_special_marker(src: Path, dst: Path, marker: str = "[TOOL_CALLS]") -> int:
+    """A copy of a model or tokenizer folder whose last BPE merge's token becomes `marker`, a
+    special token (as Mistral's tokenizers mark their tool-call marker), the vocabulary keeping
+    its size so the model still fits."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    last = max(vocab, key=vocab.get)  # made by the last merge, which nothing builds on
+    spec["model"]["merges"].pop()
+    marker_id = vocab.pop(last)
+    vocab[marker] = marker_id
+    spec["added_tokens"].append(dict(id=marker_id, content=marker, single_word=False,
+                                     lstrip=False, rstrip=False, normalized=False,
+                                     special=True))  # fmt: skip
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return marker_id
+
+
+def test_kept_special_tokens_stay_in_the_text_and_no_others(tok_dir, tmp_path):
+    marker_id = with_special_marker(tok_dir, tmp_path / "tok")
+    tok = Tokenizer.from_dir(tmp_path / "tok")
+    assert marker_id in tok.special_token_ids
+    call = tok.encode(' [{"name": "f", "arguments": {}}]', add_special_tokens=False)
+    ids = tok.encode("Sure.", add_special_tokens=False) + [marker_id, *call, EOS_ID]
+    _, dropped = stream(tok, ids)
+    assert dropped == tok.decode(ids) and "[TOOL_CALLS]" not in dropped
+    deltas, kept = stream(tok, ids, kept=["[TOOL_CALLS]", "<not a token>"])
+    assert "".join(deltas) == kept
+    assert kept == tok.decode(ids[:-1], skip_special_tokens=False)  # </s> still dropped
+    assert kept.startswith("Sure.") and "[TOOL_CALLS]" in kept and kept.endswith("}]")
+    # A prompt that ends in the marker: the continuation is the text after it.
+    deltas, _ = stream(tok, call, prompt_ids=[BOS_ID, marker_id], kept=["[TOOL_CALLS]"])
+    both = tok.decode([marker_id, *call], skip_special_tokens=False)
+    assert "".join(deltas) == both[len("[TOOL_CALLS]") :]

@@ -44,6 +44,13 @@ TEXTS = [
     f"[TOOL_CALLS][{TIME}] and more",
     f"[TOOL_CALLS] not json <tool_call>{TIME}</tool_call>",
     f"<tool_call>{TIME}</tool_call>[TOOL_CALLS][{WEATHER}]",
+    # Llama 3.1's python tag, first or after Mistral's marker, and one that is no call
+    f"<|python_tag|>{TIME}",
+    f"Let me see. <|python_tag|> [{TIME}, {WEATHER}]",
+    f"<|python_tag|>{TIME}; {WEATHER}",
+    f"<|python_tag|>brave_search.call(query='x') [TOOL_CALLS][{TIME}]",
+    f"[TOOL_CALLS] <|python_tag|>{TIME}",
+    "<|python_ta",
     # Llama 3 bare JSON (a call or a list), and JSON that is not a call
     f"  {WEATHER}\n",
     f"[{TIME}, {WEATHER}]",
@@ -95,6 +102,7 @@ def test_any_split_streams_the_whole_parse(text):
 
 FRAGMENTS = st.sampled_from(
     ["Hi", " ", "\n", "<tool_call>", "</tool_call>", "<tool", "[TOOL_CALLS]", "[TOOL", TIME,
+     "<|python_tag|>", "<|pyth",
      WEATHER, f"[{TIME}]", "{", "}", "[", "]", '"', '{"name": "get_time"', "x"]
 )  # fmt: skip
 

@@ -241,6 +241,13 @@ TOOL_OBJS = [Tool.model_validate(t) for t in TOOLS]
         # Mistral
         ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "CET"}}]', None,
          [("get_time", {"zone": "CET"})]),
+        # Llama 3.1's python tag before its JSON call (one, or a list)
+        ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', None,
+         [("get_time", {"zone": "UTC"})]),
+        ('On it.<|python_tag|> [{"name": "get_time", "parameters": {"zone": "UTC"}}]', "On it.",
+         [("get_time", {"zone": "UTC"})]),
+        ("<|python_tag|>brave_search.call(query='x')", "<|python_tag|>brave_search.call(query='x')",
+         []),
         # Llama 3.x JSON, with "parameters"
         ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None,
          [("get_time", {"zone": "UTC"})]),
@@ -385,3 +392,31 @@ def test_auto_call_cut_by_max_tokens_streams_as_the_whole_answer(server, client)
             assert answer.startswith(content)
         seen.add((names, "<tool_call>" in content))
     assert {((), True), (("get_time",), True)} <= seen  # each call was cut at least once
+
+
+def test_a_marker_the_tokenizer_calls_special_reaches_the_parser(tiny_models, tmp_path):
+    """Mistral's tokenizers mark `[TOOL_CALLS]` special, and special tokens are left out of
+    the text: with tools (auto) the tool-call markers are kept, so the parser sees them."""
+    from tests.engine.test_tokenizer import with_special_marker
+
+    model = tmp_path / "model"
+    marker = with_special_marker(tiny_models["llama"], model)
+    with run_server(model, tmp_path / "data", max_model_len=512) as srv:
+        _, key = srv.new_tenant("marker")
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0)
+
+        def ask(**kw):
+            return client.chat.completions.create(
+                model=srv.state.model_name, messages=ASK, max_completion_tokens=1,
+                logit_bias={str(marker): 100}, **kw,
+            ).choices[0]  # fmt: skip
+
+        # The marker with nothing after it is no call: the answer is its text, as written.
+        assert ask(tools=AUTO_TOOLS).message.content == "[TOOL_CALLS]"
+        assert ask().message.content == ""  # without tools it is dropped as before
+        assert ask(tools=AUTO_TOOLS, tool_choice="none").message.content == ""
+        streamed = client.chat.completions.create(
+            model=srv.state.model_name, messages=ASK, max_completion_tokens=1,
+            logit_bias={str(marker): 100}, tools=AUTO_TOOLS, stream=True,
+        )  # fmt: skip
+        assert _collect(streamed)[0] == "[TOOL_CALLS]"
