@@ -44,6 +44,8 @@ loraplex bench cliff --concurrency 8 --kv-fraction 0.5 --cap-s 240 \\
 loraplex bench fleet --warmup 1500 --repeats 2 --out bench/results/fleet-tiny-llama.json
 loraplex bench fleet --policies round-robin affinity-host --repeats 3 \\
     --out bench/results/fleet-tiny-llama-warm2500.json
+loraplex bench fleet --policies round-robin least-queue affinity-host --repeats 2 \\
+    --store moto --out bench/results/fleet-tiny-llama-s3.json
 python -m bench.kv_int8 --model DATA_DIR/models/gemma-3-270m --out bench/results/kv-int8-demo.json
 python -m bench.speculative --model DATA_DIR/models/gemma-3-270m \\
     --out bench/results/speculative-demo.json
@@ -346,6 +348,15 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
     if "unseen_in_warmup" in doc:
         unseen = (f" ({doc['unseen_in_warmup']} adapters of the measured trace never appear in "
                   "the warm-up: cold for every policy)")  # fmt: skip
+    store = ""
+    if doc.get("store", "local") != "local":
+        where = doc["store"]
+        if where == "moto":
+            where = "a moto S3 server over HTTP on this machine"
+        store = (f" Adapters live in a store ({where}); each replica fetches one into its own "
+                 f"disk cache ({doc['disk_cache_mb']} MB, empty at each run's start) on the "
+                 "request's path, as `serve` does, so a fetch counts in that request's TTFT; "
+                 "store fetches: during the measured trace.")  # fmt: skip
     text = (
         f"### `{path.name}`: {doc['replicas']} replicas of {Path(doc['model']).name}, "
         f"{doc['adapters']} adapters\n\n"
@@ -360,7 +371,7 @@ def fleet_section(doc: dict, path: Path, out: Path) -> str:
         "bench/fleet_router.py (affinity = the endpoint picker's LoRA-affinity + KV + queue "
         "scoring on what /metrics shows; affinity-host also sees the host tier, weight "
         f"{doc.get('host_weight', '-')}); a queued request costs 1/{doc['queue_tolerance']:g} "
-        "point of affinity.\n\n"
+        f"point of affinity.{store}\n\n"
     )
     return text + table(doc) + "\n\n" + goal_lines(doc) + "\n" + _image(path, out)
 
