@@ -12,7 +12,8 @@ Qwen `<tool_call>{json}</tool_call>`, Mistral `[TOOL_CALLS][{...}]`, Llama 3's b
 stay in the text although some tokenizers mark them special (`kept_special_tokens`). With
 `required` or a named function the grammar forces a JSON array of calls,
 `[{"name": ..., "arguments": {...}}]`, valid against each function's parameter schema, so the
-answer is always a parseable call (unless max_tokens cuts it: finish_reason "length").
+answer is always a parseable call, unless max_tokens cuts it: then finish_reason is "length"
+and the cut call has the partial arguments written so far, streamed or not.
 
 Streamed: a forced call's `delta.tool_calls` come as it is written, as OpenAI sends them (the
 call's index, id, type and name once its name is complete, then its arguments piece by

@@ -84,7 +84,8 @@ def test_required_always_yields_a_valid_call(server, client, model, seed):
 
 
 def test_parallel_calls_are_valid_or_cut_by_length(server, client):
-    # A random model may keep adding calls: a cut answer reports "length" and no calls.
+    # A random model may keep adding calls: a cut answer reports "length", and its last call
+    # has partial arguments (as OpenAI's API answers); the others are whole.
     for seed in range(3):
         r = client.chat.completions.create(
             model=server.state.model_name,
@@ -97,7 +98,11 @@ def test_parallel_calls_are_valid_or_cut_by_length(server, client):
         )
         choice = r.choices[0]
         if choice.finish_reason == "length":
-            assert choice.message.tool_calls is None
+            assert choice.message.content is None
+            for call in (choice.message.tool_calls or [])[:-1]:
+                jsonschema.validate(
+                    json.loads(call.function.arguments), SCHEMAS[call.function.name]
+                )
         else:
             assert choice.finish_reason == "tool_calls"
             _check_calls(choice.message.tool_calls)
@@ -136,6 +141,30 @@ def test_forced_calls_stream_piecewise_and_match_the_unstreamed_answer(server, c
     assert got == want  # same seed: the same calls, argument text for argument text
     for name, arguments in got:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("max_tokens", [14, 40, 52])
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_or_not(server, client, max_tokens):
+    kw = dict(model=server.state.model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+              parallel_tool_calls=False, temperature=1.0, seed=4,
+              max_completion_tokens=max_tokens)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    streamed: dict[int, list[str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            assert not choice.delta.content
+            for d in choice.delta.tool_calls or []:
+                streamed.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments
+    assert reason == "length"
+    assert [tuple(v) for v in streamed.values()] == want
+    assert bool(want) == (max_tokens > 14)  # 14 tokens do not reach the function's name
+    for _, arguments in want:  # the arguments written before the cut
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(arguments)
 
 
 def test_named_function_streamed(server, client):

@@ -439,10 +439,9 @@ def _answer(text: str, reason: str | None, tools, mode: str) -> tuple[str | None
     """(content, tool calls, finish_reason) of a finished answer to a request with tools."""
     if mode == "auto":
         content, calls = parse_tool_calls(text, tools)
-    elif reason == "length":  # a forced call cut short: no call to return, as OpenAI does
-        return text, [], reason
     else:
+        # The calls as the grammar wrote them, as they were streamed: one cut by max_tokens
+        # keeps its partial arguments, with finish_reason "length" (OpenAI's API does so too).
         content = None
-        # The arguments as the grammar wrote them, as they were streamed.
         calls = [ToolCall(name, args) for name, args, _ in scan_forced_calls(text)]
     return content, calls, ("tool_calls" if calls and reason == "stop" else reason)
