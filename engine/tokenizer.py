@@ -243,7 +243,8 @@ class IncrementalDetokenizer:
         # Skipped specials never enter the window: decode drops them before its decoder runs, and
         # a window opening on one would let a leading-space Strip decoder eat real text. Kept
         # ones (`keep`) do enter it, so the window is decoded with its specials as written.
-        self._dropped = tokenizer.special_token_ids - keep if skip_special_tokens else frozenset()
+        dropped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._dropped = dropped - keep if keep else dropped  # (no copy per request without)
         self._skip = skip_special_tokens and not keep
         context = [i for i in prompt_ids or () if i not in self._dropped]
         context = context[-_PROMPT_CONTEXT_TOKENS:]
