@@ -15,47 +15,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-MOTO_KEYS = dict(access_key="testing", secret_key="testing", region="us-east-1")
+from loraplex.bench.moto_server import ACCESS_KEY, REGION, SECRET_KEY, moto_server
+
 BUCKET = "loraplex-bench"
-
-
-@contextmanager
-def _moto_server(timeout: float = 30.0) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                msg = "--store moto: no moto server; pip install 'moto[server]' (test extra)"
-                raise SystemExit(msg)
-            try:
-                direct.open(f"{url}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 class FleetStore:
@@ -106,15 +74,11 @@ def open_store(args, adapters: list[Path]) -> Iterator[FleetStore | None]:
         return
     from loraplex.platform.store import adapter_digest, make_store
 
-    with _moto_server() if args.store == "moto" else _nothing() as moto_url:
+    with moto_server() if args.store == "moto" else nullcontext() as moto_url:
         if moto_url is not None:
-            import boto3
-
-            boto3.client("s3", endpoint_url=moto_url, region_name=MOTO_KEYS["region"],
-                         aws_access_key_id=MOTO_KEYS["access_key"],
-                         aws_secret_access_key=MOTO_KEYS["secret_key"],
-                         ).create_bucket(Bucket=BUCKET)  # fmt: skip
-            store = make_store(f"s3://{BUCKET}/fleet", endpoint_url=moto_url, **MOTO_KEYS)
+            creds = dict(access_key=ACCESS_KEY, secret_key=SECRET_KEY, region=REGION)
+            store = make_store(f"s3://{BUCKET}/fleet", endpoint_url=moto_url, **creds)
+            store.client.create_bucket(Bucket=BUCKET)
         else:
             store = make_store(args.store, endpoint_url=args.s3_endpoint,
                                region=os.environ.get("AWS_REGION"))  # fmt: skip
@@ -128,8 +92,3 @@ def open_store(args, adapters: list[Path]) -> Iterator[FleetStore | None]:
             yield fleet
         finally:
             fleet.close()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
