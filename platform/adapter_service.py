@@ -5,7 +5,6 @@ at all, and an object removed once no adapter shares it."""
 from __future__ import annotations
 
 import logging
-import re
 
 from loraplex.platform import quotas
 from loraplex.platform.db import crud
@@ -14,7 +13,6 @@ from loraplex.platform.errors import APIError
 from loraplex.platform.store import StoreError
 
 log = logging.getLogger("loraplex.platform")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # an adapter's name
 
 
 def store_and_register(state, tenant_id: int, name: str, folder, info):

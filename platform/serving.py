@@ -113,8 +113,11 @@ class InferenceService:
         try:
             path = self.state.cache.get(key, digest)
         except Exception as e:  # store down or object gone: this request fails, not the server
-            msg = f"adapter '{model}' could not be fetched: {e}"
-            raise APIError(503, msg, "adapter_unavailable") from None
+            # The cause names store paths, buckets and endpoints: the operator's log gets it,
+            # the tenant a message that says what to do.
+            log.warning("adapter %s (tenant %s) could not be fetched: %s", key, caller.tenant.id, e)
+            msg = f"adapter '{model}' could not be fetched from the adapter store; retry later"
+            raise APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"}) from None
         lora = LoRARequest(f"{caller.tenant.id}/{model}", engine_adapter_id(digest), str(path))
         return lora, model
 

@@ -13,10 +13,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, StringConstraints
 
 from loraplex.platform.db.models import AdapterStatus, TenantStatus
+from loraplex.platform.names import AdapterName
 
 # Names travel in URLs and in the OpenAI `model` field: no slashes, spaces or leading dots.
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
-AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 # Plain notation in JSON: a zero read back from Numeric(18, 9) would print as "0E-9".
 Price = Annotated[
     Decimal,

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
 
-from loraplex.platform.adapter_service import NAME, remove_adapter, store_and_register
+from loraplex.platform.adapter_service import remove_adapter, store_and_register
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.db import crud
+from loraplex.platform.names import ADAPTER_NAME_RULE, is_adapter_name
 from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import (
     UploadError,
@@ -78,11 +79,10 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     body = Request(request.scope, _capped(request.receive, limit))
     form = await body.form(max_files=4, max_fields=4)
     name = form.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not is_adapter_name(name):
         raise APIError(
             400,
-            "form field 'name' is required: 1-64 letters, digits, '.', '_' or "
-            "'-', starting with a letter or digit",
+            f"form field 'name' is required: {ADAPTER_NAME_RULE}",
             "invalid_name",
             "name",
         )

@@ -23,10 +23,11 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.platform.adapter_service import NAME, remove_adapter, store_and_register
+from loraplex.platform.adapter_service import remove_adapter, store_and_register
 from loraplex.platform.api.deps import AdminDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.db import crud
+from loraplex.platform.names import AdapterName
 from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import UploadError, receive_files, upload_workspace
 from loraplex.platform.uploads import validate_adapter as validate
@@ -40,7 +41,7 @@ _TEXT = {200: {"content": {"text/plain": {}}, "description": "Success: ..."}}
 
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(pattern=NAME.pattern, description="the name tenants serve it under")
+    lora_name: AdapterName = Field(description="the name tenants serve it under")
     lora_path: str = Field(description="a folder inside an adapter import root")
     tenant: str | None = Field(None, description=f"owner (loraplex); default {OPERATOR_TENANT!r}")
 
