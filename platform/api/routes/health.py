@@ -1,6 +1,10 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics; vLLM's probe routes (`/health`, `/ping`,
+`/version`) for clients written against vLLM (load generators, routers, SageMaker)."""
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +45,46 @@ def readyz(state: StateDep):
         reason = "shutting down" if not state.accepting else "loading model"
         return JSONResponse({"status": reason}, status_code=503)
     return {"status": "ready", "model": state.model_name}
+
+
+def _serving(state) -> bool:
+    return state.check_engine() is None and state.engine is not None and state.accepting
+
+
+# vLLM answers /health with 200 and an empty body, 503 once its engine is dead. Its HTTP
+# server only listens once the model is loaded; ours answers while loading and while draining,
+# so both are 503 here too: a client that waits for 200 then sends requests that are served.
+_VLLM_PROBE = {
+    "response_class": Response,
+    "responses": {200: {"description": "serving (empty body)"}, 503: {"description": "not"}},
+}
+
+
+@router.get("/health", **_VLLM_PROBE)
+def health(state: StateDep):
+    """vLLM's health check: 200 (empty body) when requests can be served, else 503."""
+    return Response(status_code=200 if _serving(state) else 503)
+
+
+@router.get("/ping", **_VLLM_PROBE)
+def ping(state: StateDep):
+    """vLLM's /ping (SageMaker's health contract): as /health."""
+    return health(state)
+
+
+@router.post("/ping", **_VLLM_PROBE)
+def ping_post(state: StateDep):
+    """vLLM's /ping by POST, as SageMaker sends it: as /health."""
+    return health(state)
+
+
+@router.get("/version")
+def version():
+    """The server's version, in vLLM's shape: {"version": ...}."""
+    try:
+        return {"version": package_version("loraplex")}
+    except PackageNotFoundError:  # run from a checkout without an install
+        return {"version": "unknown"}
 
 
 @router.get(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -38,35 +39,35 @@ _STREAMABLE = {200: {"content": {"application/json": {}, "text/event-stream": {}
 
 @router.get("/models")
 def list_models(state: StateDep, caller: CallerDep):
-    """The base model and the caller's ready adapters, with vLLM's lineage fields: the base
-    has `root` = its name (never its folder: a server path) and `parent` null; an adapter has
+    """The base model and the caller's ready adapters as vLLM's model cards: the base has
+    `root` = its name (never its folder: a server path) and `parent` null; an adapter has
     `parent` = the base and `root` = "sha256:<digest>", the content it was stored as."""
     created = int(time.time())
     base = state.model_name
-    data = [
-        {
-            "id": base,
-            "object": "model",
-            "created": created,
-            "owned_by": "loraplex",
-            "root": base,
-            "parent": None,
-        }
-    ]
+    limit = state.engine.config.max_model_len if state.engine is not None else None
+
+    def card(id_: str, created: int, owned_by: str, root: str, parent: str | None) -> dict:
+        return {"id": id_, "object": "model", "created": created, "owned_by": owned_by,
+                "root": root, "parent": parent, "max_model_len": limit,
+                "permission": [_permission(created)]}  # fmt: skip
+
+    data = [card(base, created, "loraplex", base, None)]
     with state.sessions() as session:
         for a in crud.list_adapters(session, tenant_id=caller.tenant.id):
             if a.status == AdapterStatus.ready:
-                data.append(
-                    {
-                        "id": a.name,
-                        "object": "model",
-                        "created": int(a.created_at.timestamp()),
-                        "owned_by": caller.tenant.name,
-                        "parent": base,
-                        "root": f"sha256:{a.sha256}",
-                    }
-                )
+                at = int(a.created_at.timestamp())
+                data.append(card(a.name, at, caller.tenant.name, f"sha256:{a.sha256}", base))
     return {"object": "list", "data": data}
+
+
+def _permission(created: int) -> dict:
+    """vLLM's `ModelPermission`, which clients written against it may read: what a tenant's key
+    may do with the model (sample and read logprobs; no fine-tuning through this API)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+            "created": created, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}  # fmt: skip
 
 
 def _usage(job: Job) -> dict:
