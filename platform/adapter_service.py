@@ -1,10 +1,21 @@
 """Adapters in the registry and the store, for every route that changes them (a tenant's upload
 and delete, the admin's, vLLM's load/unload endpoints): stored and registered together or not
-at all, and an object removed once no adapter shares it."""
+at all, and each adapter's object removed with it.
+
+Why no interleaving loses an object: every upload stores its files under a key of its own
+(`store.put` makes a fresh key each time, see platform/store/base.py), so an object is named by
+at most one row, ever. Deleting a row and then its object cannot touch anything another row
+uses, whatever runs at the same time, in this process or on another replica. What a crash can
+leave is an object no row names (stored, then the process died before its row was written, or
+after the row went and before the object did); `collect_unreferenced` removes those once they
+are older than a grace period, which covers the moment between an upload's put and its row.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 from loraplex.platform import quotas
 from loraplex.platform.db import crud
@@ -45,28 +56,65 @@ def store_and_register(state, tenant_id: int, name: str, folder, info):
             )
         except Exception as e:
             session.rollback()
-            # Nothing half-written: the object goes unless another adapter shares it.
-            release_object(state, session, info.digest, key)
+            # Nothing half-written: the object is ours alone, so it goes at once.
+            release_object(state, session, key)
             if isinstance(e, crud.Conflict):
                 raise APIError(409, str(e), "adapter_exists", "name") from None
             raise
 
 
-def release_object(state, session, digest: str, key: str) -> None:
-    """Delete a stored object once no adapter row (of any tenant) shares its content."""
-    if crud.count_adapters_with_sha256(session, sha256=digest) == 0:
+def release_object(state, session, key: str) -> None:
+    """Delete a stored object unless a row still names it (only rows registered before keys
+    were made per put share one; their count can only fall)."""
+    if crud.count_adapters_with_storage_key(session, storage_key=key) == 0:
         try:
             state.store.delete(key)
-        except StoreError as e:  # the adapter is gone from the registry; only bytes are left
+        except StoreError as e:  # the adapter is gone from the registry; the collector retries
             log.warning("stored object %s could not be removed: %s", key, e)
 
 
 def remove_adapter(state, session, *, tenant_id: int, name: str) -> bool:
     """Delete the tenant's adapter row and its object; False when it has no such adapter."""
-    row = crud.get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
-    if row is None:
+    try:
+        row = crud.delete_adapter(session, tenant_id=tenant_id, name=name)
+    except crud.NotFound:
         return False
-    digest, key = row.sha256, row.storage_key
-    crud.delete_adapter(session, tenant_id=tenant_id, name=name)
-    release_object(state, session, digest, key)
+    release_object(state, session, row.storage_key)
     return True
+
+
+@dataclass
+class Collected:
+    removed: list[str] = field(default_factory=list)  # keys of the objects deleted
+    kept_young: int = 0  # unreferenced, but younger than the grace period
+    referenced: int = 0
+
+
+def collect_unreferenced(state, *, grace_s: float, now: float | None = None) -> Collected:
+    """Delete stored objects that no adapter row names and that are older than `grace_s`.
+
+    Safe beside uploads, deletes and other collectors on any replica: a key is never named by
+    a row again once it is not, except for an upload between its put and its row, which the
+    grace period protects (the object is listed before the rows are read, so a row written
+    after the read belongs to an object that was fresh when listed).
+    """
+    report = Collected()
+    objects = list(state.store.list_objects())
+    with state.sessions() as session:
+        named = crud.storage_keys(session)
+    now = time.time() if now is None else now
+    for obj in objects:
+        if obj.key in named:
+            report.referenced += 1
+        elif now - obj.modified < grace_s:
+            report.kept_young += 1
+        else:
+            try:
+                state.store.delete(obj.key)
+            except StoreError as e:
+                log.warning("unreferenced object %s could not be removed: %s", obj.key, e)
+                continue
+            report.removed.append(obj.key)
+    if report.removed:
+        log.info("removed %d stored objects no adapter names", len(report.removed))
+    return report

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import NamedTuple
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -316,18 +316,31 @@ def mark_adapter_deleted(session: Session, *, tenant_id: int, name: str) -> Adap
 
 
 def delete_adapter(session: Session, *, tenant_id: int, name: str) -> Adapter:
-    """Remove the row (frees the name); returns it so the caller can clean up the store."""
+    """Remove the row (frees the name); returns it so the caller can clean up the store.
+
+    Two deletes racing for one row: one removes it, the other gets NotFound (not a stale-row
+    error from the ORM), on SQLite and PostgreSQL alike.
+    """
     adapter = get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
     if adapter is None:
         raise NotFound(f"no adapter named {name!r}")
-    session.delete(adapter)
+    session.expunge(adapter)  # stays readable for the caller after the row is gone
+    gone = session.execute(delete(Adapter).where(Adapter.id == adapter.id))
     session.commit()
+    if gone.rowcount != 1:
+        raise NotFound(f"no adapter named {name!r}")
     return adapter
 
 
-def count_adapters_with_sha256(session: Session, *, sha256: str) -> int:
-    """Rows (any tenant) that share a content-addressed object: delete it only at zero."""
-    return session.scalar(select(func.count()).where(Adapter.sha256 == sha256)) or 0
+def count_adapters_with_storage_key(session: Session, *, storage_key: str) -> int:
+    """Rows naming a stored object. Keys are made afresh by every put, so once this reaches 0
+    it stays 0 (only rows from before per-put keys share one)."""
+    return session.scalar(select(func.count()).where(Adapter.storage_key == storage_key)) or 0
+
+
+def storage_keys(session: Session) -> set[str]:
+    """Every stored object some adapter row names, for the collector."""
+    return set(session.scalars(select(Adapter.storage_key)))
 
 
 def adapter_totals(session: Session, *, tenant_id: int) -> AdapterTotals:

@@ -1,17 +1,29 @@
 """The adapter store interface, the content digest, and `make_store` for a store URL.
 
 An adapter is stored as exactly two files, `adapter_config.json` and
-`adapter_model.safetensors`, under a key derived from the sha256 of both (`adapter_digest`).
+`adapter_model.safetensors`. Every `put` files them under a key of their own,
+`<digest>-<16 random hex>`, where the digest is the sha256 of both files (`adapter_digest`):
+objects are never shared between adapters, even when two uploads (of one tenant or of two)
+hold the same bytes. So an object has exactly one registry row for its whole life, deleting an
+adapter can remove its object at once without asking who else uses it, and no interleaving of
+uploads and deletes (threads, replicas on one database) can remove an object a row still
+names. The price is one copy per upload instead of one per content; the gain besides safety is
+that one tenant's uploads and deletes are not observable by another through shared objects.
+Keys of stores written before this scheme are the bare digest, and stay valid.
+
 Keys are opaque and relative to the store's root, so moving a bucket prefix or a data folder
-is a settings change, not a registry migration; today both stores use the digest itself.
+is a settings change, not a registry migration.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -21,7 +33,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 MiB = 1024 * 1024
 _CHUNK = MiB
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_KEY = re.compile(r"[0-9a-f]{64}(-[0-9a-f]{16})?")  # a digest, then the put's own suffix
 
 
 class StoreError(RuntimeError):
@@ -34,9 +47,27 @@ class AdapterNotFound(StoreError):
 
 def check_digest(digest: str) -> str:
     # Digests become folder names and object keys: only 64 lowercase hex characters get there.
-    if not isinstance(digest, str) or not _DIGEST.match(digest):
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise ValueError(f"not a sha256 hex digest: {digest!r}")
     return digest
+
+
+def check_key(key: str) -> str:
+    # Keys become folder names and object keys: nothing but what `new_key` makes gets there.
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"not an adapter store key: {key!r}")
+    return key
+
+
+def new_key(digest: str) -> str:
+    """A key no other put has used (64 random bits: a collision is not a practical concern)."""
+    return f"{check_digest(digest)}-{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    modified: float  # seconds since the epoch, when its last file was written
 
 
 def adapter_digest(folder: str | Path) -> str:
@@ -74,7 +105,8 @@ class AdapterStore(ABC):
 
     @abstractmethod
     def put(self, folder: Path, digest: str) -> str:
-        """Store `folder`'s two adapter files as `digest`; returns the key. Idempotent."""
+        """Store `folder`'s two adapter files (whose digest is `digest`) under a new key of
+        their own (`new_key`); returns the key. Two puts of the same bytes make two objects."""
 
     @abstractmethod
     def fetch(self, key: str, dest: Path) -> Path:
@@ -87,6 +119,11 @@ class AdapterStore(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool:
         """True when a complete adapter is stored under `key`."""
+
+    @abstractmethod
+    def list_objects(self) -> Iterator[StoredObject]:
+        """Every object under the store's root, complete or not (a crashed put's leftovers
+        included), for the collector of unreferenced objects."""
 
     @abstractmethod
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""A folder as the adapter store: `<root>/<digest[:2]>/<digest>/{adapter_config.json, ...}`.
+"""A folder as the adapter store: `<root>/<key[:2]>/<key>/{adapter_config.json, ...}`.
 
 Writers build each adapter in `<root>/.tmp/` (same filesystem) and `os.replace` it into
 place; deleters move it out before removing it. A reader therefore sees a complete adapter
@@ -6,7 +6,7 @@ folder or none, also across processes sharing the folder.
 
     root/
       .tmp/put-…/          being written (stale ones older than a day are swept at start)
-      3f/3f9a…e1/          adapter_config.json, adapter_model.safetensors
+      3f/3f9a…e1-07c2…9b/  adapter_config.json, adapter_model.safetensors (key: digest-suffix)
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from loraplex.platform.store.base import (
     ADAPTER_FILES,
-    CONFIG_FILE,
     AdapterNotFound,
     AdapterStore,
+    StoredObject,
     StoreError,
-    check_digest,
+    check_key,
+    new_key,
     verify_digest,
 )
 
@@ -66,13 +68,12 @@ class LocalStore(AdapterStore):
                 pass
 
     def _folder(self, key: str) -> Path:
-        check_digest(key)
+        check_key(key)
         return self.root / key[:2] / key
 
     def put(self, folder: Path, digest: str) -> str:
-        final = self._folder(digest)
-        if (final / CONFIG_FILE).is_file():
-            return digest  # content-addressed: same digest, same bytes
+        key = new_key(digest)
+        final = self._folder(key)
         folder = Path(folder)
         tmp = Path(tempfile.mkdtemp(prefix="put-", dir=self._tmp))
         try:
@@ -81,17 +82,12 @@ class LocalStore(AdapterStore):
             # Hash what landed on our disk, not the source: that is what readers will get.
             verify_digest(tmp, digest)
             final.parent.mkdir(exist_ok=True)
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                if not (final / CONFIG_FILE).is_file():
-                    raise
-                # A concurrent put of the same digest won the rename; its copy is identical.
+            os.rename(tmp, final)  # a fresh key: nothing is there to replace
         except OSError as e:
             raise StoreError(f"cannot write adapter {digest} into {self.root}: {e}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return digest
+        return key
 
     def fetch(self, key: str, dest: Path) -> Path:
         src = self._folder(key)
@@ -120,6 +116,17 @@ class LocalStore(AdapterStore):
 
     def exists(self, key: str) -> bool:
         return all((self._folder(key) / name).is_file() for name in ADAPTER_FILES)
+
+    def list_objects(self) -> Iterator[StoredObject]:
+        for shard in self.root.iterdir():
+            if len(shard.name) != 2 or not shard.is_dir():  # .tmp and anything not ours
+                continue
+            for folder in shard.iterdir():
+                try:
+                    key = check_key(folder.name)
+                    yield StoredObject(key, folder.stat().st_mtime)
+                except (ValueError, FileNotFoundError):  # not a key; or deleted meanwhile
+                    continue
 
     def check(self) -> None:
         try:

@@ -1,9 +1,10 @@
-"""S3 (or any S3-compatible endpoint) as the adapter store: `<prefix>/<digest>/<file>`.
+"""S3 (or any S3-compatible endpoint) as the adapter store: `<prefix>/<key>/<file>`.
 
 `put` uploads the weights first and the config last: a config object marks a complete
-adapter, so a crashed put leaves an object `exists`/`fetch` never report as an adapter and
-that a later put of the same digest overwrites. Files above `multipart_threshold` go up in
-parts (S3 refuses single PUTs over 5 GiB, and parts retry independently).
+adapter, so a crashed put leaves an object `exists`/`fetch` never report as an adapter, which
+the collector of unreferenced objects removes (`list_objects` lists it). Files above
+`multipart_threshold` go up in parts (S3 refuses single PUTs over 5 GiB, and parts retry
+independently).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -31,8 +33,10 @@ from loraplex.platform.store.base import (
     AdapterNotFound,
     AdapterStore,
     MiB,
+    StoredObject,
     StoreError,
-    check_digest,
+    check_key,
+    new_key,
     verify_digest,
 )
 
@@ -98,7 +102,7 @@ class S3Store(AdapterStore):
         return f"{url} at {self.endpoint_url}" if self.endpoint_url else url
 
     def _object(self, key: str, name: str) -> str:
-        check_digest(key)
+        check_key(key)
         return f"{self.prefix}/{key}/{name}" if self.prefix else f"{key}/{name}"
 
     def _error(self, e: BaseException, doing: str) -> StoreError:
@@ -165,20 +169,19 @@ class S3Store(AdapterStore):
 
     def put(self, folder: Path, digest: str) -> str:
         folder = Path(folder)
-        if self.exists(digest):
-            return digest  # content-addressed: same digest, same bytes
         verify_digest(folder, digest)
+        key = new_key(digest)
         try:
             for name in (WEIGHTS_FILE, CONFIG_FILE):  # config last: it marks completeness
                 self.client.upload_file(
                     str(folder / name),
                     self.bucket,
-                    self._object(digest, name),
+                    self._object(key, name),
                     Config=self.transfer,
                 )
         except (ClientError, BotoCoreError, Boto3Error) as e:
             raise self._error(e, f"uploading adapter {digest}") from None
-        return digest
+        return key
 
     def fetch(self, key: str, dest: Path) -> Path:
         if not self.exists(key):
@@ -208,6 +211,28 @@ class S3Store(AdapterStore):
                 self.client.delete_object(Bucket=self.bucket, Key=self._object(key, name))
         except (ClientError, BotoCoreError) as e:
             raise self._error(e, f"deleting adapter {key}") from None
+
+    def list_objects(self) -> Iterator[StoredObject]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        newest: dict[str, float] = {}  # key -> its newest file's time
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    key, _, name = obj["Key"][len(base) :].partition("/")
+                    try:
+                        check_key(key)
+                    except ValueError:
+                        continue  # not ours: other tools may share the bucket
+                    if name:
+                        t = obj["LastModified"].timestamp()
+                        newest[key] = max(newest.get(key, t), t)
+        except (ClientError, BotoCoreError) as e:
+            raise self._error(e, "listing the adapter store") from None
+        for key, modified in newest.items():
+            yield StoredObject(key, modified)
 
     def check(self) -> None:
         try:

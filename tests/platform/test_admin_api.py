@@ -174,7 +174,7 @@ def test_adapters_across_tenants_and_delete_cleans_the_store(server, admin, tiny
     a_id, a_key = _tenant(admin, "owner-a")
     b_id, b_key = _tenant(admin, "owner-b")
     _upload(server, a_key, "shared", tiny_adapters["llama"]["qv4"])
-    _upload(server, b_key, "shared", tiny_adapters["llama"]["qv4"])  # same bytes, one object
+    _upload(server, b_key, "shared", tiny_adapters["llama"]["qv4"])  # same bytes, objects of their own
     _upload(server, a_key, "mine", tiny_adapters["llama"]["attn8"])
 
     everyone = admin.get("/adapters").json()["data"]
@@ -186,14 +186,16 @@ def test_adapters_across_tenants_and_delete_cleans_the_store(server, admin, tiny
     assert _error(admin.get("/adapters", params={"tenant_id": 999999}), 404)
 
     with server.sessions() as session:
-        key = crud.get_adapter(session, tenant_id=a_id, name="shared").storage_key
+        key_a = crud.get_adapter(session, tenant_id=a_id, name="shared").storage_key
+        key_b = crud.get_adapter(session, tenant_id=b_id, name="shared").storage_key
+    assert key_a != key_b  # one tenant's delete can never touch what another's uses
     store = server.state.store
     assert admin.delete(f"/tenants/{a_id}/adapters/shared").json()["deleted"] is True
-    assert store.exists(key)  # owner-b's adapter still needs the object
+    assert not store.exists(key_a) and store.exists(key_b)
     assert "shared" not in [m.id for m in _client(server, a_key).models.list().data]
     assert "shared" in [m.id for m in _client(server, b_key).models.list().data]
     admin.delete(f"/tenants/{b_id}/adapters/shared")
-    assert not store.exists(key)
+    assert not store.exists(key_b)
     assert (
         _error(admin.delete(f"/tenants/{b_id}/adapters/shared"), 404)["code"] == "adapter_not_found"
     )

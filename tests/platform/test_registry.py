@@ -164,9 +164,12 @@ def test_adapters_are_invisible_across_tenants(session, tenant):
 
 def test_adapter_lifecycle_and_totals(session, tenant):
     _adapter(session, tenant.id, name="a", bytes=100)
-    _adapter(session, tenant.id, name="b", bytes=50, sha256="cd" * 32)
+    _adapter(session, tenant.id, name="b", bytes=50, sha256="cd" * 32,
+             storage_key=f"adapters/{'cd' * 32}")  # fmt: skip
     assert crud.adapter_totals(session, tenant_id=tenant.id) == (2, 150)
-    assert crud.count_adapters_with_sha256(session, sha256=SHA) == 1
+    key = f"adapters/{SHA}"
+    assert crud.count_adapters_with_storage_key(session, storage_key=key) == 1
+    assert crud.storage_keys(session) == {key, f"adapters/{'cd' * 32}"}
 
     crud.mark_adapter_deleted(session, tenant_id=tenant.id, name="a")
     assert crud.get_adapter(session, tenant_id=tenant.id, name="a") is None
@@ -175,7 +178,9 @@ def test_adapter_lifecycle_and_totals(session, tenant):
 
     removed = crud.delete_adapter(session, tenant_id=tenant.id, name="a")
     assert removed.storage_key == f"adapters/{SHA}"  # what the caller must clean up
-    assert crud.count_adapters_with_sha256(session, sha256=SHA) == 0
+    assert crud.count_adapters_with_storage_key(session, storage_key=key) == 0
+    with pytest.raises(crud.NotFound):  # a second delete (a racing one) finds nothing
+        crud.delete_adapter(session, tenant_id=tenant.id, name="a")
     _adapter(session, tenant.id, name="a")  # the name is free again
 
 

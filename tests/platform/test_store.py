@@ -81,10 +81,11 @@ def test_local_round_trip_and_layout(tmp_path):
     src = fake_adapter(tmp_path / "src")
     digest = adapter_digest(src)
     key = store.put(src, digest)
-    assert store.exists(key)
-    assert sorted(p.name for p in (tmp_path / "store" / digest[:2] / digest).iterdir()) == sorted(
+    assert store.exists(key) and key.startswith(f"{digest}-")
+    assert sorted(p.name for p in (tmp_path / "store" / digest[:2] / key).iterdir()) == sorted(
         ADAPTER_FILES
     )
+    assert [o.key for o in store.list_objects()] == [key]
     out = store.fetch(key, tmp_path / "out" / "adapter")
     assert out == tmp_path / "out" / "adapter" and same_files(src, out)
     assert list((tmp_path / "out").iterdir()) == [out]  # no temp folder left beside it
@@ -93,21 +94,23 @@ def test_local_round_trip_and_layout(tmp_path):
         store.fetch(key, out)
 
 
-def test_local_put_is_idempotent_and_checks_the_digest(tmp_path):
+def test_local_puts_of_the_same_bytes_are_objects_of_their_own(tmp_path):
+    """No object is shared: deleting one adapter's object never touches another's."""
     store = LocalStore(tmp_path / "store")
     src = fake_adapter(tmp_path / "src")
     digest = adapter_digest(src)
-    stored = tmp_path / "store" / digest[:2] / digest / WEIGHTS_FILE
-    assert store.put(src, digest) == digest
-    before = stored.stat().st_mtime_ns
-    assert store.put(src, digest) == digest
-    assert stored.stat().st_mtime_ns == before  # not rewritten
+    a, b = store.put(src, digest), store.put(src, digest)
+    assert a != b and store.exists(a) and store.exists(b)
+    store.delete(a)
+    assert not store.exists(a) and store.exists(b)
+    assert same_files(src, store.fetch(b, tmp_path / "out"))
     other = fake_adapter(tmp_path / "other", seed=2)
     with pytest.raises(ValueError, match="not the"):
         store.put(other, "0" * 64)
-    assert not store.exists("0" * 64)
-    with pytest.raises(ValueError, match="not a sha256"):
-        store.exists("../../etc")
+    assert [o.key for o in store.list_objects()] == [b]  # the refused put left nothing
+    for bad in ("../../etc", digest + "\n", digest + "-../x", digest.upper()):
+        with pytest.raises(ValueError, match="not an adapter store key"):
+            store.exists(bad)
 
 
 def test_local_delete(tmp_path):
@@ -167,9 +170,10 @@ def test_s3_round_trip(s3_endpoint, bucket, tmp_path, prefix):
     digest = adapter_digest(src)
     assert not store.exists(digest)
     key = store.put(src, digest)
-    assert store.exists(key) and store.put(src, digest) == key
+    assert store.exists(key) and key.startswith(f"{digest}-")
+    assert [o.key for o in store.list_objects()] == [key]
     listed = s3_client(s3_endpoint).list_objects_v2(Bucket=bucket)["Contents"]
-    base = f"{prefix}/{digest}" if prefix else digest
+    base = f"{prefix}/{key}" if prefix else key
     assert sorted(o["Key"] for o in listed) == sorted(f"{base}/{n}" for n in ADAPTER_FILES)
     out = store.fetch(key, tmp_path / "out" / "a")
     assert same_files(src, out) and list((tmp_path / "out").iterdir()) == [out]
@@ -192,7 +196,8 @@ def test_s3_large_file_goes_multipart(s3_endpoint, bucket, tmp_path):
 
 
 def test_s3_config_marks_a_complete_adapter(s3_endpoint, bucket, tmp_path):
-    """A put that died after the weights leaves nothing that looks like an adapter."""
+    """A put that died after the weights leaves nothing that looks like an adapter, but an
+    object the collector can see."""
     store = s3_store(s3_endpoint, f"s3://{bucket}")
     src = fake_adapter(tmp_path / "src")
     digest = adapter_digest(src)
@@ -200,8 +205,11 @@ def test_s3_config_marks_a_complete_adapter(s3_endpoint, bucket, tmp_path):
     assert not store.exists(digest)
     with pytest.raises(AdapterNotFound):
         store.fetch(digest, tmp_path / "out")
-    store.put(src, digest)
-    assert same_files(src, store.fetch(digest, tmp_path / "out"))
+    assert [o.key for o in store.list_objects()] == [digest]
+    key = store.put(src, digest)
+    assert same_files(src, store.fetch(key, tmp_path / "out"))
+    store.delete(digest)
+    assert [o.key for o in store.list_objects()] == [key]
 
 
 def test_s3_missing_bucket_says_so(s3_endpoint, tmp_path):
@@ -256,7 +264,7 @@ def test_cache_downloads_once_under_concurrency(tmp_path):
     cache = AdapterCache(store, tmp_path / "cache", max_bytes=10 * MiB)
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(cache.get(key, key))) for _ in range(8)
+        threading.Thread(target=lambda: results.append(cache.get(key, key[:64]))) for _ in range(8)
     ]
     for t in threads:
         t.start()
@@ -267,7 +275,7 @@ def test_cache_downloads_once_under_concurrency(tmp_path):
     assert (cache.stats.loads, cache.stats.hits) == (1, 7)
     # A new process finds the folder on disk and does not download again.
     again = AdapterCache(store, tmp_path / "cache", max_bytes=10 * MiB)
-    assert again.get(key, key) == results[0] and store.fetches == 1
+    assert again.get(key, key[:64]) == results[0] and store.fetches == 1
 
 
 def test_cache_refuses_a_corrupt_object(s3_endpoint, bucket, tmp_path):
@@ -277,8 +285,8 @@ def test_cache_refuses_a_corrupt_object(s3_endpoint, bucket, tmp_path):
     s3_client(s3_endpoint).put_object(Bucket=bucket, Key=f"c/{key}/{WEIGHTS_FILE}", Body=b"evil")
     cache = AdapterCache(store, tmp_path / "cache", max_bytes=10 * MiB)
     with pytest.raises(StoreError, match="corrupt"):
-        cache.get(key, key)
-    assert not cache.cached(key)
+        cache.get(key, key[:64])
+    assert not cache.cached(key[:64])
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [".partial"]
     assert list(cache._partial.iterdir()) == []  # our in-flight folder, left empty
 
@@ -292,16 +300,16 @@ def test_cache_evicts_least_recently_used_but_not_pinned(tmp_path):
     a, b, c, d = keys
     size = sum((tmp_path / "src0" / n).stat().st_size for n in ADAPTER_FILES)
     cache = AdapterCache(store, tmp_path / "cache", max_bytes=2 * size + 10)  # room for two
-    cache.get(a, a)
-    cache.get(b, b)
-    cache.get(a, a)  # a is now the most recent
-    cache.get(c, c)  # evicts b
-    assert [cache.cached(k) for k in keys] == [True, False, True, False]
+    cache.get(a, a[:64])
+    cache.get(b, b[:64])
+    cache.get(a, a[:64])  # a is now the most recent
+    cache.get(c, c[:64])  # evicts b
+    assert [cache.cached(k[:64]) for k in keys] == [True, False, True, False]
     assert not (tmp_path / "cache" / b).exists() and cache.total_bytes <= 2 * size + 10
-    with cache.use(a, a) as folder:  # a is the LRU entry now, but in use
-        cache.get(d, d)
+    with cache.use(a, a[:64]) as folder:  # a is the LRU entry now, but in use
+        cache.get(d, d[:64])
         assert folder.is_dir() and same_files(tmp_path / "src0", folder)
-    assert [cache.cached(k) for k in keys] == [True, False, False, True]
+    assert [cache.cached(k[:64]) for k in keys] == [True, False, False, True]
     assert cache.stats.evictions == 2 and store.fetches == 4
 
 
@@ -310,7 +318,7 @@ def test_cache_evicts_least_recently_used_but_not_pinned(tmp_path):
 
 def _cache_in_child(store_root: str, cache_dir: str, key: str, conn) -> None:
     cache = AdapterCache(LocalStore(Path(store_root)), cache_dir, max_bytes=10 * MiB)
-    conn.send(str(cache.get(key, key)))
+    conn.send(str(cache.get(key, key[:64])))
     conn.send(cache._partial.name)
     conn.recv()  # stay alive (holding the owner lock) until told to go
 
@@ -343,7 +351,7 @@ def test_processes_sharing_a_cache_keep_each_others_work(tmp_path):
         ours = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
         assert (live / "download-in-flight").is_dir(), "a live neighbour's download was removed"
         assert not dead.exists() and not (cache_dir / ".partial" / "12345-dead.lock").exists()
-        assert ours.get(key, key) == folder and same_files(src, folder)
+        assert ours.get(key, key[:64]) == folder and same_files(src, folder)
         assert store.fetches == 0 and ours.stats.adopted == 1
         conn.send("go")
         proc.join(30)
@@ -360,31 +368,33 @@ def test_a_damaged_folder_is_replaced_whole_and_an_evicted_one_fetched_again(tmp
     place left one without its weights, which neighbours then served (422) forever."""
     store = CountingStore(tmp_path / "store")
     src = fake_adapter(tmp_path / "src")
-    key = store.put(src, adapter_digest(src))
+    digest = adapter_digest(src)
+    key = store.put(src, digest)
     cache_dir = tmp_path / "cache"
-    half = cache_dir / key
+    half = cache_dir / digest  # the cache is keyed by content
     half.mkdir(parents=True)
     (half / CONFIG_FILE).write_text((src / CONFIG_FILE).read_text())  # weights missing
     cache = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
-    assert cache.cached(key)  # listed at start, checked before first use
-    folder = cache.get(key, key)
+    assert cache.cached(digest)  # listed at start, checked before first use
+    folder = cache.get(key, digest)
     assert folder == half and same_files(src, folder) and store.fetches == 1
     # A neighbour sharing the folder evicts it: the next use fetches it again, whole.
     shutil.rmtree(folder)
-    assert same_files(src, cache.get(key, key)) and store.fetches == 2
+    assert same_files(src, cache.get(key, digest)) and store.fetches == 2
     # Two caches racing to publish the same digest: both end up with one whole folder.
     other = AdapterCache(store, cache_dir, max_bytes=10 * MiB)
     shutil.rmtree(folder)
     results = []
     threads = [
-        threading.Thread(target=lambda c=c: results.append(c.get(key, key))) for c in (cache, other)
+        threading.Thread(target=lambda c=c: results.append(c.get(key, digest)))
+        for c in (cache, other)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert results == [folder, folder] and same_files(src, folder)
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([".partial", key])
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([".partial", digest])
     for c in (cache, other):
         c.close()
     assert list((cache_dir / ".partial").iterdir()) == []
