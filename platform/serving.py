@@ -309,3 +309,17 @@ class InferenceService:
         written = asyncio.ensure_future(asyncio.to_thread(write))
         written.add_done_callback(lambda _: self.state.inflight.discard(job.request_id))
         await asyncio.shield(written)
+
+    async def release(self, job: Job) -> None:
+        """Give back a started job's token reservation, with no usage record: for a job that
+        never ran because another prompt of its request was refused before any ran."""
+        if job.recorded:
+            return
+        job.recorded = True
+
+        def write():
+            with self.state.sessions() as session:
+                charged = datetime.fromtimestamp(job.charged_at, UTC)
+                quotas.adjust_tokens(session, job.caller.tenant.id, -job.estimate, now=charged)
+
+        await asyncio.to_thread(write)

@@ -47,14 +47,19 @@ UNSUPPORTED_FIELDS = {
     "prompt_cache_options": "the prefix cache is managed by the server",
     "prompt_cache_retention": "the prefix cache is managed by the server",
 }
+# Prompts in one /v1/completions request (each is its own engine request, started together).
+MAX_PROMPTS = 256
 # Message fields the openai client keeps when a previous answer is sent back in `messages`.
 IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    # Left out: false, as OpenAI's; but with continuous_usage_stats, true, as vLLM's.
+    include_usage: bool | None = None
     include_obfuscation: bool | None = None  # ignored: nothing here is obfuscated
+    # vLLM's: usage as of each chunk in every chunk (load generators count tokens with it)
+    continuous_usage_stats: bool = False
 
 
 class _Common(StructuredFields):
@@ -158,7 +163,13 @@ class _Common(StructuredFields):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        o = self.stream_options
+        return bool(o and (o.include_usage or (o.include_usage is None and self.continuous_usage)))
+
+    @property
+    def continuous_usage(self) -> bool:
+        o = self.stream_options
+        return bool(o and o.continuous_usage_stats and o.include_usage is not False)
 
 
 class CompletionRequest(_Common):
@@ -180,22 +191,23 @@ class CompletionRequest(_Common):
         asked = [k for k in asked if k is not None]
         return max(asked) if asked else None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts sent: one (a string or token ids), or a list of either, each answered
+        with its own n choices as OpenAI's API and vLLM do."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]
-        if isinstance(p, str):
-            if not p:
-                raise APIError(400, "prompt must not be empty", "invalid_value", "prompt")
-            return p
-        if p and all(isinstance(t, int) for t in p):
-            return list(p)
-        raise APIError(
-            400,
-            "send one prompt per request (a string or a list of token ids)",
-            "unsupported",
-            "prompt",
-        )
+        many = isinstance(p, list) and bool(p) and isinstance(p[0], str | list)
+        items = list(p) if many else [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", "invalid_value", "prompt")
+        if len(items) > MAX_PROMPTS:
+            raise APIError(
+                400, f"at most {MAX_PROMPTS} prompts per request; {len(items)} were sent",
+                "invalid_value", "prompt",
+            )  # fmt: skip
+        for i, item in enumerate(items):
+            if not item:
+                raise APIError(400, f"prompt {i} is empty", "invalid_value", "prompt")
+        return [x if isinstance(x, str) else list(x) for x in items]
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -19,6 +19,7 @@ from loraplex.platform.api.logprobs import (
     token_text,
     vllm_prompt_logprobs,
 )
+from loraplex.platform.api.prompt_batch import JobGroup, Tagged, run_all, start_jobs
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
@@ -117,14 +118,15 @@ async def _run_to_end(service: InferenceService, job: Job, request: Request) -> 
         return last
 
     task = asyncio.create_task(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            break
     try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                break
         last = await task
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # the client went, or this was cancelled (a sibling failed)
+        task.cancel()
         await service.finish(job, "aborted")
         raise
     except BaseException:
@@ -236,6 +238,99 @@ class _Choices:
             yield c.index, text, toks, new, finish
 
 
+class _CompletionChoices:
+    """One prompt's choices of a /v1/completions answer, whole or as they stream. With a list
+    of prompts, prompt p's choices are numbered from p * n, as OpenAI's API and vLLM do."""
+
+    def __init__(self, tok, body: CompletionRequest, prompt, prompt_ids, first: int) -> None:
+        self.tok, self.body, self.prompt_ids, self.first = tok, body, prompt_ids, first
+        # echo: the prompt goes before each choice's text (its first chunk when streamed)
+        self.echo = "" if not body.echo else prompt if isinstance(prompt, str) else None
+        if self.echo is None:
+            self.echo = tok.decode(prompt_ids, skip_special_tokens=True)
+        self.many = _Choices()
+        self.echoed: set[int] = set()
+        self.streamed_logprobs: dict[int, LegacyLogprobs] = {}  # per choice, as it streams
+
+    def _echoing(self, i: int, text: str) -> str:
+        if self.echo and i not in self.echoed:
+            self.echoed.add(i)
+            return self.echo + text
+        return text
+
+    def _logprobs(self, out: RequestOutput, i: int, start: int, end: int, built=None):
+        """Choice i's logprobs piece for its tokens [start, end) and the builder for its next
+        piece; a choice's first piece starts with the prompt's (echo)."""
+        c = out.outputs[i]
+        ids, entries = c.token_ids[start:end], (c.logprobs or [])[start:end]
+        if built is not None:
+            return built.generated(ids, entries), built
+        built = LegacyLogprobs(self.tok, self.prompt_ids, self.body.logprobs)
+        first = built.echoed(out.prompt_logprobs, self.echo) if self.body.echo else {}
+        return joined(first, built.generated(ids, entries)), built
+
+    def _streamed(self, out: RequestOutput, i: int, start: int, end: int) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        piece, self.streamed_logprobs[i] = self._logprobs(
+            out, i, start, end, self.streamed_logprobs.get(i)
+        )
+        return piece
+
+    def chunk(self, out: RequestOutput) -> tuple[list[dict], int]:
+        """The streamed choices `out` brings (none if nothing new) and the tokens they carry."""
+        if self.body.n > 1:
+            choices, total = [], 0
+            for i, text, start, n, finish in self.many.deltas(out):
+                lps = self._streamed(out, i, start, start + n)
+                choices.append({"index": self.first + i, "text": self._echoing(i, text),
+                                "logprobs": lps, "finish_reason": finish})  # fmt: skip
+                total += n
+            return choices, total
+        n = len(out.delta_token_ids)
+        start = len(out.outputs[0].token_ids) - n
+        if not n and not out.finished and not out.delta_text:
+            return [], 0
+        choice = {
+            "index": self.first,
+            "text": self._echoing(0, out.delta_text),
+            "logprobs": self._streamed(out, 0, start, start + n),
+            "finish_reason": out.outputs[0].finish_reason if out.finished else None,
+        }
+        return [choice], n
+
+    def whole(self, last: RequestOutput, i: int) -> dict:
+        out = last.outputs[i]
+        lps = None
+        if self.body.logprobs is not None:
+            lps = self._logprobs(last, i, 0, len(out.token_ids))[0]
+        answer = {
+            "index": self.first + i,
+            "text": self.echo + out.text,
+            "finish_reason": out.finish_reason,
+            "logprobs": lps,
+        }
+        if self.body.prompt_logprobs is not None:  # vLLM's extension, on each choice as vLLM's
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tok, self.prompt_ids, last.prompt_logprobs, self.body.prompt_logprobs
+            )
+        return answer
+
+
+class _RunningUsage:
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk's usage, as of that chunk."""
+
+    def __init__(self, job) -> None:
+        self.job, self.completion = job, 0
+
+    def add(self, chunk: dict | list | None, tokens: int) -> None:
+        self.completion += tokens
+        prompt = len(self.job.prompt_ids)
+        for part in chunk if isinstance(chunk, list) else [chunk] if chunk else []:
+            part["usage"] = {"prompt_tokens": prompt, "completion_tokens": self.completion,
+                             "total_tokens": prompt + self.completion}  # fmt: skip
+
+
 @router.post("/completions", responses=_STREAMABLE)
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, caller: CallerDep
@@ -243,85 +338,86 @@ async def completions(
     service = InferenceService(state)
     body.check_supported()
     lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
-    prompt = body.single_prompt()
-    prompt_ids = service.encode_prompt(prompt)
-    # echo: the prompt goes before each choice's text (its first chunk when streamed)
-    echo = "" if not body.echo else prompt if isinstance(prompt, str) else None
+    prompts = body.prompts()
+    if len(prompts) > 1:
+        return await _completions_of_list(service, state, body, request, caller, prompts, lora,
+                                          adapter)  # fmt: skip
+    prompt_ids = service.encode_prompt(prompts[0])
     params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
     job = await service.start(
         caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
     )
-    tok = state.engine.tokenizer
-    if echo is None:
-        echo = tok.decode(prompt_ids, skip_special_tokens=True)
+    choices = _CompletionChoices(state.engine.tokenizer, body, prompts[0], prompt_ids, 0)
     created = int(time.time())
-    many = _Choices()
-    echoed: set[int] = set()
-    streamed_logprobs: dict[int, LegacyLogprobs] = {}  # per choice, as it streams
-
-    def echoing(i: int, text: str) -> str:
-        if echo and i not in echoed:
-            echoed.add(i)
-            return echo + text
-        return text
-
-    def logprobs(out: RequestOutput, i: int, start: int, end: int, built=None):
-        """Choice i's logprobs piece for its tokens [start, end) and the builder for its next
-        piece; a choice's first piece starts with the prompt's (echo)."""
-        c = out.outputs[i]
-        ids, entries = c.token_ids[start:end], (c.logprobs or [])[start:end]
-        if built is not None:
-            return built.generated(ids, entries), built
-        built = LegacyLogprobs(tok, prompt_ids, body.logprobs)
-        first = built.echoed(out.prompt_logprobs, echo) if body.echo else {}
-        return joined(first, built.generated(ids, entries)), built
-
-    def streamed(out: RequestOutput, i: int, start: int, end: int) -> dict | None:
-        if body.logprobs is None:
-            return None
-        piece, streamed_logprobs[i] = logprobs(out, i, start, end, streamed_logprobs.get(i))
-        return piece
+    running = _RunningUsage(job) if body.continuous_usage else None
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         base = _envelope(job, "text_completion", created, body.model)
         if out is None:
             return {**base, "choices": [], "usage": usage}, 0
-        if body.n > 1:
-            choices, total = [], 0
-            for i, text, start, n, finish in many.deltas(out):
-                lps = streamed(out, i, start, start + n)
-                text = echoing(i, text)
-                choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
-                total += n
-            return ({**base, "choices": choices} if choices else None), total
-        n = len(out.delta_token_ids)
-        start = len(out.outputs[0].token_ids) - n
-        if not n and not out.finished and not out.delta_text:
-            return None, 0
-        choice = {
-            "index": 0,
-            "text": echoing(0, out.delta_text),
-            "logprobs": streamed(out, 0, start, start + n),
-            "finish_reason": out.outputs[0].finish_reason if out.finished else None,
-        }
-        return {**base, "choices": [choice]}, n
+        parts, n = choices.chunk(out)
+        chunk = {**base, "choices": parts} if parts else None
+        if running is not None:
+            running.add(chunk, n)
+        return chunk, n
 
-    def choice(last: RequestOutput, i: int) -> dict:
-        out = last.outputs[i]
-        lps = None if body.logprobs is None else logprobs(last, i, 0, len(out.token_ids))[0]
-        answer = {
-            "index": i,
-            "text": echo + out.text,
-            "finish_reason": out.finish_reason,
-            "logprobs": lps,
-        }
-        if body.prompt_logprobs is not None:  # vLLM's extension, on each choice as vLLM's
-            answer["prompt_logprobs"] = vllm_prompt_logprobs(
-                tok, prompt_ids, last.prompt_logprobs, body.prompt_logprobs
-            )
-        return answer
+    return await _respond(
+        service, job, request, body, render, "text_completion", created, choices.whole
+    )
 
-    return await _respond(service, job, request, body, render, "text_completion", created, choice)
+
+async def _completions_of_list(service, state, body, request, caller, prompts, lora, adapter):
+    """A list of prompts: an engine request and a usage record per prompt, started together;
+    the answer's choices are prompt 0's n, then prompt 1's..., and its usage their sum."""
+    ids = [service.encode_prompt(p) for p in prompts]
+    # Checked once for all (a bad value is the request's fault, not one prompt's).
+    body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
+
+    def start(prompt_ids: list[int]):  # params each: a request's logits processors are its own
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
+        return service.start(
+            caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
+        )
+
+    jobs = await start_jobs(service, ids, start)
+    group = JobGroup(service, jobs, jobs[0].request_id)
+    for p, job in enumerate(jobs):  # the usage records name the answer's id and the prompt
+        job.request_id = f"{group.request_id}-{p}"
+    tok = state.engine.tokenizer
+    renders = [
+        _CompletionChoices(tok, body, prompt, prompt_ids, p * body.n)
+        for p, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True))
+    ]
+    created = int(time.time())
+    if not body.stream:
+        lasts = await run_all(service, jobs, request, _run_to_end)
+        usages = [_usage(job) for job in jobs]
+        usage = {key: sum(u[key] for u in usages)
+                 for key in ("prompt_tokens", "completion_tokens", "total_tokens")}  # fmt: skip
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(j.cached_tokens for j in jobs)}
+        return {
+            **_envelope(group, "text_completion", created, body.model),
+            "choices": [
+                r.whole(last, i)
+                for r, last in zip(renders, lasts, strict=True)
+                for i in range(len(last.outputs))
+            ],  # fmt: skip
+            "usage": usage,
+        }
+    running = _RunningUsage(group) if body.continuous_usage else None
+
+    def render(item: Tagged | None, usage: dict | None = None):
+        base = _envelope(group, "text_completion", created, body.model)
+        if item is None:
+            return {**base, "choices": [], "usage": usage}, 0
+        parts, n = renders[item.prompt].chunk(item.out)
+        group.rendered(item.prompt, n)
+        chunk = {**base, "choices": parts} if parts else None
+        if running is not None:
+            running.add(chunk, n)
+        return chunk, n
+
+    return await _respond(group, group, request, body, render, "text_completion", created, None)
 
 
 @router.post("/chat/completions", responses=_STREAMABLE)
@@ -350,7 +446,7 @@ async def chat_completions(
     forced = ForcedCallStream() if tools and tool_mode != "auto" else None
     auto = ToolCallStream(tools) if tools and tool_mode == "auto" else None
 
-    def render(out: RequestOutput | None, usage: dict | None = None):
+    def render_chunk(out: RequestOutput | None, usage: dict | None = None):
         nonlocal sent_role
         base = _envelope(job, "chat.completion.chunk", created, body.model)
         if out is None:
@@ -408,6 +504,14 @@ async def chat_completions(
             "finish_reason": out.outputs[0].finish_reason if out.finished else None,
         }
         return {**base, "choices": [choice]}, n
+
+    running = _RunningUsage(job) if body.continuous_usage else None
+
+    def render(out: RequestOutput | None, usage: dict | None = None):
+        chunk, n = render_chunk(out, usage)
+        if running is not None and out is not None:
+            running.add(chunk, n)
+        return chunk, n
 
     def choice(last: RequestOutput, i: int) -> dict:
         out = last.outputs[i]
