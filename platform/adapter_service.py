@@ -13,6 +13,7 @@ are older than a grace period, which covers the moment between an upload's put a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,9 +22,21 @@ from loraplex.platform import quotas
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.errors import APIError
-from loraplex.platform.store import StoreError
+from loraplex.platform.store import AdapterStore, StoreError, make_store
 
 log = logging.getLogger("loraplex.platform")
+
+
+def store_for(settings) -> AdapterStore:
+    """The adapter store the settings name (the server's and the CLI's)."""
+    secret = settings.aws_secret_access_key
+    return make_store(
+        settings.store_url,
+        endpoint_url=settings.s3_endpoint_url,
+        region=settings.s3_region,
+        access_key=settings.aws_access_key_id,
+        secret_key=secret.get_secret_value() if secret else None,
+    )
 
 
 def store_and_register(state, tenant_id: int, name: str, folder, info):
@@ -118,3 +131,14 @@ def collect_unreferenced(state, *, grace_s: float, now: float | None = None) -> 
     if report.removed:
         log.info("removed %d stored objects no adapter names", len(report.removed))
     return report
+
+
+async def collect_periodically(state, *, interval_s: float, grace_s: float) -> None:
+    """The server's collector: at start, then every `interval_s` (each replica runs one; they
+    may overlap, as deleting an object twice is not an error)."""
+    while True:
+        try:
+            await asyncio.to_thread(collect_unreferenced, state, grace_s=grace_s)
+        except Exception as e:  # a store outage must not stop the server, nor this loop
+            log.warning("collecting unreferenced adapter objects failed: %s", e)
+        await asyncio.sleep(interval_s)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from pydantic import BaseModel
 
 from loraplex.platform import usage
+from loraplex.platform.adapter_service import collect_unreferenced, store_for
 from loraplex.platform.cli_admin import (
     columns,
     emit,
@@ -24,7 +27,9 @@ from loraplex.platform.cli_admin import (
 )
 from loraplex.platform.db import crud
 from loraplex.platform.db.schemas import AdapterPublic
+from loraplex.platform.db.session import make_sessionmaker
 from loraplex.platform.periods import last_day, period
+from loraplex.platform.settings import Settings
 
 ADAPTER_COLUMNS = columns(
     "tenant", "name", "rank", "alpha", "targets", "bytes", "status", "sha256", "created_at=CREATED"
@@ -58,6 +63,19 @@ def adapters_list(args: argparse.Namespace) -> int:
             for a in crud.list_adapters(session, tenant_id=tenant_id)
         ]
     emit(args, rows, ADAPTER_COLUMNS, _short_sha)
+    return 0
+
+
+def adapters_gc(args: argparse.Namespace) -> int:
+    with registry_session() as session:  # checks the schema first
+        sessions = make_sessionmaker(session.get_bind())
+        state = SimpleNamespace(store=store_for(Settings()), sessions=sessions)
+        report = collect_unreferenced(state, grace_s=args.grace_s)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    else:
+        print(f"removed {len(report.removed)} unreferenced object(s); kept {report.kept_young} "
+              f"younger than {args.grace_s:g}s; {report.referenced} in use")  # fmt: skip
     return 0
 
 
@@ -97,6 +115,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p = asub.add_parser("list", parents=[out], help="list adapters")
     p.add_argument("--tenant", help="only this tenant's (name or id)")
     p.set_defaults(func=adapters_list)
+    p = asub.add_parser(
+        "gc",
+        parents=[out],
+        help="remove stored objects no adapter names (what a crash mid-upload or mid-delete "
+        "leaves; servers also do it every store_gc_interval_s)",
+    )
+    p.add_argument("--grace-s", type=float, default=Settings().store_gc_grace_s,
+                   help="keep unnamed objects younger than this (uploads in flight)")  # fmt: skip
+    p.set_defaults(func=adapters_gc)
 
     u = sub.add_parser("usage", help="usage reports and billing exports")
     usub = u.add_subparsers(dest="subcommand", required=True)

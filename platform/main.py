@@ -16,6 +16,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.host_malloc import keep_freed_memory
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.platform.adapter_service import collect_periodically, store_for
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import (
     adapters,
@@ -30,7 +31,7 @@ from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
 from loraplex.platform.settings import Settings
 from loraplex.platform.state import AppState
-from loraplex.platform.store import AdapterCache, make_store
+from loraplex.platform.store import AdapterCache
 
 log = logging.getLogger("loraplex.platform")
 
@@ -112,17 +113,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     """An app over `settings`. The model loads in the background; /readyz says when."""
     db = make_engine(settings.database_url)
     ensure_at_head(db)  # refuses to start on an old schema, saying what to run
-    store = make_store(
-        settings.store_url,
-        endpoint_url=settings.s3_endpoint_url,
-        region=settings.s3_region,
-        access_key=settings.aws_access_key_id,
-        secret_key=(
-            settings.aws_secret_access_key.get_secret_value()
-            if settings.aws_secret_access_key
-            else None
-        ),
-    )
+    store = store_for(settings)
     store.check()
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else new_admin_key()
     state = AppState(
@@ -140,12 +131,23 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         watcher = asyncio.create_task(watch_engine(state))
+        collector = None
+        if settings.store_gc_interval_s > 0:
+            collector = asyncio.create_task(
+                collect_periodically(
+                    state,
+                    interval_s=settings.store_gc_interval_s,
+                    grace_s=settings.store_gc_grace_s,
+                )
+            )
         if load_model:
             threading.Thread(
                 target=load_engine_or_fail, args=(state, model_dir), daemon=True
             ).start()
         yield
         watcher.cancel()
+        if collector is not None:
+            collector.cancel()
         # Graceful shutdown: refuse new work, let in-flight requests finish for a while.
         state.accepting = False
         deadline = asyncio.get_running_loop().time() + settings.shutdown_grace_s

@@ -115,6 +115,18 @@ class Settings(BaseSettings):
         description="'auto': swap or recompute each preempted request by the measured costs; "
         "'swap' / 'recompute': always that (swap needs swap_space_gib)",
     )
+    store_gc_interval_s: float = Field(
+        3600.0,
+        ge=0,
+        description="how often each server removes stored adapter objects that no adapter "
+        "names (a crash's leftovers); 0 = never (run `loraplex adapters gc` instead)",
+    )
+    store_gc_grace_s: float = Field(
+        3600.0,
+        ge=60,
+        description="an unnamed object younger than this is kept: it may belong to an upload "
+        "whose registry row is being written",
+    )
     shutdown_grace_s: float = Field(
         25.0,  # under Kubernetes' default terminationGracePeriodSeconds (30)
         ge=0,

@@ -1,0 +1,253 @@
+"""The registry and the store stay consistent under any interleaving of uploads and deletes.
+
+A hypothesis state machine drives `adapter_service` (what every upload and delete route calls)
+over a real database (SQLite and PostgreSQL) and a real store (a folder and moto's S3 server).
+Rules upload and delete — the same or different bytes, names and tenants — one at a time or two
+at once, and for two at once hypothesis also draws who moves next at every store call
+(tests/utils/interleave.py). After each step:
+
+- the outcome is linearizable: the two operations' answers and the registry equal those of
+  running them one after the other in some order (a model of the registry says what that gives);
+- every registered adapter's object is in the store and holds the bytes last uploaded under
+  its name (what serving fetches);
+- once the collector has run, no object is left that no adapter names.
+
+On the code before per-put keys this finds the lost-adapter race (tenant X deletes while
+tenant Y uploads the same bytes: Y's row names an object X's delete removed) within a few
+dozen examples; `LORAPLEX_RACE_EXAMPLES=2000 pytest tests/platform/test_adapter_races.py` is
+the long run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import boto3
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from loraplex.platform import adapter_service
+from loraplex.platform.adapter_service import store_for
+from loraplex.platform.cli import main
+from loraplex.platform.db import crud
+from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+from loraplex.platform.errors import APIError
+from loraplex.platform.settings import Settings
+from loraplex.platform.store import AdapterNotFound, LocalStore, adapter_digest, make_store
+from tests.platform.conftest import _empty_pg_schema
+from tests.platform.test_store import fake_adapter
+from tests.utils.interleave import GatedStore, Interleaver
+from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, moto_server
+
+EXAMPLES = int(os.environ.get("LORAPLEX_RACE_EXAMPLES", "25"))
+TENANTS = ("x", "y")
+NAMES = ("d", "e")
+CONTENTS = 2  # distinct adapters: few, so that rows with the same bytes are common
+
+
+@pytest.fixture(scope="module")
+def s3_url():
+    with moto_server() as url:
+        yield url
+
+
+def _registry_and_store(db: str, store_kind: str, work: Path, pg_url, s3_url):
+    if db == "sqlite":
+        url = f"sqlite:///{work / 'registry.db'}"
+    else:
+        _empty_pg_schema(pg_url)
+        url = pg_url
+    upgrade(url)
+    if store_kind == "local":
+        store = LocalStore(work / "store")
+    else:
+        bucket = f"races-{secrets.token_hex(4)}"
+        boto3.client("s3", endpoint_url=s3_url, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                     aws_secret_access_key=SECRET_KEY).create_bucket(Bucket=bucket)  # fmt: skip
+        store = make_store(f"s3://{bucket}/a", endpoint_url=s3_url, region=REGION,
+                           access_key=ACCESS_KEY, secret_key=SECRET_KEY)  # fmt: skip
+    return url, store
+
+
+def _info(folder: Path):
+    return SimpleNamespace(rank=4, alpha=8.0, targets=("q_proj",), nbytes=100,
+                           digest=adapter_digest(folder))  # fmt: skip
+
+
+def _apply(model: dict, op: tuple):
+    """What one operation does to the model registry, run alone; returns (outcome, model)."""
+    kind, tenant, name, *rest = op
+    model = dict(model)
+    if kind == "upload":
+        if (tenant, name) in model:
+            return "conflict", model
+        model[(tenant, name)] = rest[0]
+        return "created", model
+    return (model.pop((tenant, name), None) is not None), model
+
+
+class AdapterRaces(RuleBasedStateMachine):
+    """`case` (db, store) and the fixtures' values are set by the test that runs it."""
+
+    case: tuple[str, str]
+    pg_url: str | None = None
+    s3_url: str | None = None
+
+    @initialize()
+    def setup(self):
+        self.work = Path(tempfile.mkdtemp(prefix="races-"))
+        url, store = _registry_and_store(*self.case, self.work, self.pg_url, self.s3_url)
+        self.db = make_engine(url)
+        self.interleaver: Interleaver | None = None
+        self.state = SimpleNamespace(
+            sessions=make_sessionmaker(self.db),
+            store=GatedStore(store, lambda: self.interleaver),
+            model_name="base",
+        )
+        self.folders = [fake_adapter(self.work / f"src{i}", seed=i) for i in range(CONTENTS)]
+        self.digests = [adapter_digest(f) for f in self.folders]
+        with self.state.sessions() as session:
+            self.tenant_ids = {t: crud.create_tenant(session, name=t).id for t in TENANTS}
+        self.model: dict[tuple[str, str], int] = {}  # (tenant, name) -> content index
+
+    def teardown(self):
+        self.db.dispose()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    # --- operations, as the routes call them -----------------------------------------------
+
+    def _run(self, op: tuple):
+        kind, tenant, name, *rest = op
+        tid = self.tenant_ids[tenant]
+        if kind == "upload":
+            folder = self.folders[rest[0]]
+            try:
+                adapter_service.store_and_register(self.state, tid, name, folder, _info(folder))
+            except APIError as e:
+                assert e.status == 409, e
+                return "conflict"
+            return "created"
+        with self.state.sessions() as session:
+            return adapter_service.remove_adapter(self.state, session, tenant_id=tid, name=name)
+
+    ops = st.one_of(
+        st.tuples(st.just("upload"), st.sampled_from(TENANTS), st.sampled_from(NAMES),
+                  st.integers(0, CONTENTS - 1)),
+        st.tuples(st.just("delete"), st.sampled_from(TENANTS), st.sampled_from(NAMES)),
+    )  # fmt: skip
+
+    @rule(op=ops)
+    def alone(self, op):
+        outcome, self.model = _apply(self.model, op)
+        assert self._run(op) == outcome
+
+    @rule(a=ops, b=ops, schedule=st.lists(st.integers(0, 1), max_size=12))
+    def together(self, a, b, schedule):
+        self.interleaver = Interleaver(schedule)
+        try:
+            got = self.interleaver.run([lambda: self._run(a), lambda: self._run(b)])
+        finally:
+            trace, self.interleaver = self.interleaver.trace, None
+        for r in got:
+            if isinstance(r, BaseException):
+                raise AssertionError(f"{a} with {b} raised (store calls {trace})") from r
+        rows = {(t, n): digest for t, n, _, digest in self._rows_full()}
+        orders = []
+        for first, second, i, j in ((a, b, 0, 1), (b, a, 1, 0)):
+            o1, m = _apply(self.model, first)
+            o2, m = _apply(m, second)
+            if (o1, o2) == (got[i], got[j]) and {k: self.digests[c] for k, c in m.items()} == rows:
+                orders.append(m)
+        assert orders, f"{a} with {b} answered {got}: no order explains it (store calls {trace})"
+        self.model = orders[0]
+
+    @rule()
+    def collect(self):
+        adapter_service.collect_unreferenced(self.state, grace_s=0)
+        named = {key for _, _, key, _ in self._rows_full()}
+        assert {o.key for o in self.state.store.list_objects()} == named
+
+    # --- invariants ------------------------------------------------------------------------
+
+    def _rows_full(self):
+        names = {v: k for k, v in self.tenant_ids.items()}
+        with self.state.sessions() as session:
+            rows = crud.list_adapters(session, tenant_id=None, include_deleted=True)
+            return [(names[r.tenant_id], r.name, r.storage_key, r.sha256) for r in rows]
+
+    @invariant()
+    def every_adapter_serves_its_own_latest_bytes(self):
+        if not hasattr(self, "model"):
+            return
+        rows = self._rows_full()
+        assert {(t, n) for t, n, _, _ in rows} == set(self.model)
+        for tenant, name, key, digest in rows:
+            assert digest == self.digests[self.model[(tenant, name)]]
+            dest = self.work / "fetched" / secrets.token_hex(4)
+            try:
+                self.state.store.fetch(key, dest)
+            except AdapterNotFound:
+                raise AssertionError(f"{tenant}'s adapter {name!r} lost its object") from None
+            assert adapter_digest(dest) == digest
+            shutil.rmtree(dest)
+
+
+@pytest.mark.parametrize(
+    "case", [("sqlite", "local"), ("postgresql", "s3")], ids=["sqlite-local", "postgresql-s3"]
+)
+def test_no_interleaving_loses_an_adapter(case, request):
+    machine = type("Machine", (AdapterRaces,), {"case": case})
+    if case[0] == "postgresql":
+        machine.pg_url = request.getfixturevalue("pg_database_url")
+        machine.s3_url = request.getfixturevalue("s3_url")
+    limits = settings(
+        max_examples=EXAMPLES if case[0] == "sqlite" else max(EXAMPLES // 3, 5),
+        stateful_step_count=8,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    run_state_machine_as_test(machine, settings=limits)
+
+
+def test_the_collector_removes_only_what_a_crash_left(tmp_path, monkeypatch, capsys):
+    """A put whose row was never written, and an object whose row went before it did, are
+    removed by `loraplex adapters gc` once past the grace period; a live adapter never is."""
+    for var in [v for v in os.environ if v.startswith("LORAPLEX_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    settings = Settings()
+    upgrade(settings.database_url)
+    db = make_engine(settings.database_url)
+    state = SimpleNamespace(sessions=make_sessionmaker(db), store=store_for(settings),
+                            model_name="base")  # fmt: skip
+    with state.sessions() as session:
+        tid = crud.create_tenant(session, name="acme").id
+    live, gone, crashed = (fake_adapter(tmp_path / f"src{i}", seed=i) for i in range(3))
+    row = adapter_service.store_and_register(state, tid, "live", live, _info(live))
+    adapter_service.store_and_register(state, tid, "gone", gone, _info(gone))
+    with state.sessions() as session:  # the row went, then the process died
+        gone_key = crud.delete_adapter(session, tenant_id=tid, name="gone").storage_key
+    crashed_key = state.store.put(crashed, adapter_digest(crashed))  # died before its row
+    db.dispose()
+
+    young = adapter_service.collect_unreferenced(state, grace_s=3600)
+    assert (young.removed, young.kept_young, young.referenced) == ([], 2, 1)
+    assert main(["adapters", "gc", "--grace-s", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(report["removed"]) == sorted([gone_key, crashed_key])
+    assert [o.key for o in state.store.list_objects()] == [row.storage_key]
+    assert adapter_digest(state.store.fetch(row.storage_key, tmp_path / "out")) == row.sha256
