@@ -104,3 +104,15 @@ def tenant(session: Session) -> Tenant:
     return crud.create_tenant(
         session, name="acme", price_prompt_per_1k="0.0015", price_completion_per_1k="0.002"
     )
+
+
+@pytest.fixture(scope="package")
+def replicas(tiny_models, pg_database_url, tmp_path_factory):
+    """Two `loraplex serve` processes on one PostgreSQL and one moto S3 (tests/utils/replicas.py),
+    shared by the fleet tests of this folder: each test makes its own tenants."""
+    from tests.utils.replicas import start_replicas
+
+    _empty_pg_schema(pg_database_url)
+    root = tmp_path_factory.mktemp("fleet")
+    with start_replicas(tiny_models["llama"], pg_database_url, root) as fleet:
+        yield fleet

@@ -1,0 +1,227 @@
+"""Two `loraplex serve` processes on one PostgreSQL database and one S3 store (moto's server),
+driven by a hypothesis state machine through their HTTP APIs, as tenants and the admin would.
+
+Rules: batches of concurrent uploads and deletes spread over both replicas (the same or
+different bytes, names and tenants), completions on either replica, suspend / reactivate a
+tenant, revoke a key and issue a new one, the collector. After every step:
+
+- the batch's answers and the registry are those of some order of its operations (checked
+  against a model of the registry: linearizable);
+- both replicas list each tenant's adapters as the model says, with the digests of the bytes
+  last uploaded under each name, and never another tenant's;
+- every listed adapter serves, on both replicas, the text of its own latest weights (each
+  adapter's greedy text is learned once and must not change);
+- a suspended tenant or a revoked key is refused on both replicas;
+- the usage ledger holds exactly the requests and tokens clients received;
+- after the collector, no stored object is left that no adapter names.
+
+The interleavings here are the real ones (threads against two processes); the in-process
+machine in test_adapter_races.py chooses them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import secrets
+from types import SimpleNamespace
+
+import httpx
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from sqlalchemy import select
+
+from loraplex.platform import adapter_service
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import UsageRecord
+from loraplex.platform.store import adapter_digest
+from tests.utils.fleet import complete, new_tenant, received_usage
+from tests.utils.server import ADMIN_KEY
+from tests.utils.uploads import auth, folder_parts, upload
+
+EXAMPLES = int(os.environ.get("LORAPLEX_RACE_EXAMPLES", "3"))
+TENANTS = (0, 1)
+NAMES = ("d", "e")
+CONTENTS = ("x", "y")
+
+
+def _apply(model: dict, active: dict, op: tuple):
+    """(outcome, model) of one operation run alone."""
+    kind, tenant, name, *rest = op
+    if not active[tenant]:
+        return "refused", model
+    model = dict(model)
+    if kind == "upload":
+        if (tenant, name) in model:
+            return "conflict", model
+        model[(tenant, name)] = rest[0]
+        return "created", model
+    return ("deleted" if model.pop((tenant, name), None) else "missing"), model
+
+
+_OUTCOMES = {201: "created", 409: "conflict", 200: "deleted", 404: "missing", 401: "refused"}
+
+
+class FleetRaces(RuleBasedStateMachine):
+    fleet: SimpleNamespace  # set by the test
+
+    @initialize()
+    def setup(self):
+        f = self.fleet
+        self.urls = (f.a, f.b)
+        self.tenants = []
+        for _ in TENANTS:
+            tid, key_id, key = new_tenant(f.a, f"races-{secrets.token_hex(4)}")
+            self.tenants.append(SimpleNamespace(id=tid, key_id=key_id, key=key, old_keys=[]))
+        self.active = {t: True for t in TENANTS}
+        self.model: dict[tuple[int, str], str] = {}
+        self.received: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion)
+
+    # --- rules ------------------------------------------------------------------------------
+
+    def _op(self, op: tuple, replica: int) -> str:
+        kind, tenant, name, *rest = op
+        url, key = self.urls[replica], self.tenants[tenant].key
+        if kind == "upload":
+            r = upload(url, key, name, folder_parts(self.fleet.folders[rest[0]]))
+        else:
+            r = httpx.delete(f"{url}/v1/adapters/{name}", headers=auth(key), timeout=60)
+        assert r.status_code in _OUTCOMES, (op, r.status_code, r.text)
+        return _OUTCOMES[r.status_code]
+
+    ops = st.one_of(
+        st.tuples(st.just("upload"), st.sampled_from(TENANTS), st.sampled_from(NAMES),
+                  st.sampled_from(CONTENTS)),
+        st.tuples(st.just("delete"), st.sampled_from(TENANTS), st.sampled_from(NAMES)),
+    )  # fmt: skip
+
+    @rule(batch=st.lists(st.tuples(ops, st.integers(0, 1)), min_size=2, max_size=3))
+    def concurrently(self, batch):
+        with cf.ThreadPoolExecutor(len(batch)) as pool:
+            got = list(pool.map(lambda job: self._op(*job), batch))
+        listed = self._listed(0)
+        for order in itertools.permutations(range(len(batch))):
+            model, outcomes = self.model, [None] * len(batch)
+            for i in order:
+                outcomes[i], model = _apply(model, self.active, batch[i][0])
+            if outcomes == got and self._as_listed(model) == listed:
+                self.model = model
+                return
+        raise AssertionError(f"{batch} answered {got}, listed {listed}: no order explains it")
+
+    @rule(tenant=st.sampled_from(TENANTS), replica=st.integers(0, 1))
+    def serve(self, tenant, replica):
+        """Every adapter the model says the tenant has answers with its own weights' text."""
+        t = self.tenants[tenant]
+        for (owner, name), content in sorted(self.model.items()):
+            if owner != tenant:
+                continue
+            r = complete(self.urls[replica], t.key, name, max_tokens=4)
+            if not self.active[tenant]:
+                assert r.status_code == 401, r.text
+                continue
+            assert r.status_code == 200, (name, content, r.text)
+            rid, p, c = received_usage(r)
+            self.received[rid] = (p, c)
+            text = r.json()["choices"][0]["text"]
+            assert self.fleet.texts.setdefault(content, text) == text, (name, content)
+
+    @rule(tenant=st.sampled_from(TENANTS), active=st.booleans())
+    def set_status(self, tenant, active):
+        r = httpx.patch(f"{self.fleet.a}/admin/api/tenants/{self.tenants[tenant].id}",
+                        headers=auth(ADMIN_KEY),
+                        json={"status": "active" if active else "suspended"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        self.active[tenant] = active
+
+    @rule(tenant=st.sampled_from(TENANTS), replica=st.integers(0, 1))
+    def rekey(self, tenant, replica):
+        t, url, admin = self.tenants[tenant], self.urls[replica], auth(ADMIN_KEY)
+        assert httpx.post(f"{url}/admin/api/keys/{t.key_id}/revoke", headers=admin).is_success
+        r = httpx.post(f"{url}/admin/api/tenants/{t.id}/keys", headers=admin, timeout=30)
+        assert r.status_code == 201, r.text
+        t.old_keys.append(t.key)
+        t.key_id, t.key = r.json()["id"], r.json()["secret"]
+
+    @precondition(lambda self: hasattr(self, "model"))
+    @rule()
+    def collect(self):
+        state = SimpleNamespace(store=self.fleet.store, sessions=self.fleet.sessions)
+        adapter_service.collect_unreferenced(state, grace_s=0)  # nothing is in flight now
+        with self.fleet.sessions() as session:
+            named = crud.storage_keys(session)
+        assert {o.key for o in self.fleet.store.list_objects()} == named
+
+    # --- invariants -------------------------------------------------------------------------
+
+    def _listed(self, replica: int) -> dict[tuple[int, str], str]:
+        """(tenant, name) -> sha256 as the tenants' own listings show, through the admin API
+        (a suspended tenant cannot list its own)."""
+        r = httpx.get(f"{self.urls[replica]}/admin/api/adapters", headers=auth(ADMIN_KEY),
+                      timeout=30)  # fmt: skip
+        assert r.status_code == 200, r.text
+        ids = {t.id: i for i, t in enumerate(self.tenants)}
+        return {(ids[a["tenant_id"]], a["name"]): a["sha256"] for a in r.json()["data"]
+                if a["tenant_id"] in ids}  # fmt: skip
+
+    def _as_listed(self, model) -> dict[tuple[int, str], str]:
+        return {k: self.fleet.digests[c] for k, c in model.items()}
+
+    @invariant()
+    def both_replicas_list_what_the_model_holds(self):
+        if not hasattr(self, "model"):
+            return
+        want = self._as_listed(self.model)
+        for replica in (0, 1):
+            assert self._listed(replica) == want
+            for i, t in enumerate(self.tenants):  # a tenant's own view: its adapters only
+                if not self.active[i]:
+                    continue
+                r = httpx.get(f"{self.urls[replica]}/v1/adapters", headers=auth(t.key))
+                assert r.status_code == 200, r.text
+                mine = {(i, a["name"]): a["sha256"] for a in r.json()["data"]}
+                assert mine == {k: v for k, v in want.items() if k[0] == i}
+
+    @invariant()
+    def old_keys_are_refused_everywhere(self):
+        if not hasattr(self, "model"):
+            return
+        for t in self.tenants:
+            for key in t.old_keys[-1:]:
+                for url in self.urls:
+                    r = httpx.get(f"{url}/v1/models", headers=auth(key), timeout=30)
+                    assert r.status_code == 401, r.text
+
+    @invariant()
+    def the_ledger_equals_what_clients_received(self):
+        if not hasattr(self, "model"):
+            return
+        ids = [t.id for t in self.tenants]
+        with self.fleet.sessions() as session:
+            rows = session.execute(
+                select(UsageRecord.request_id, UsageRecord.prompt_tokens,
+                       UsageRecord.completion_tokens).where(UsageRecord.tenant_id.in_(ids))
+            ).all()  # fmt: skip
+        assert {rid: (p, c) for rid, p, c in rows} == self.received
+
+
+def test_two_replicas_keep_registry_store_and_ledger_consistent(replicas):
+    a, b, sessions, folders, store = replicas
+    fleet = SimpleNamespace(
+        a=a, b=b, sessions=sessions, store=store, folders=folders, texts={},
+        digests={name: adapter_digest(folder) for name, folder in folders.items()},
+    )  # fmt: skip
+    machine = type("Machine", (FleetRaces,), {"fleet": fleet})
+    limits = settings(max_examples=EXAMPLES, stateful_step_count=8, deadline=None,
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+    run_state_machine_as_test(machine, settings=limits)
+    assert len(set(fleet.texts.values())) == len(fleet.texts)  # the two weights answer apart
