@@ -50,8 +50,11 @@ def resolve_import_folder(lora_path: str, roots: list[Path]) -> Path:
         real = Path(os.path.realpath(candidate))
         if not _inside(real, roots):
             raise _refuse("lora_path leads outside the adapter import roots (a link)")
-        if real.is_dir():
-            return real
+        try:
+            if real.is_dir():
+                return real
+        except OSError:  # a name longer than the filesystem allows: no such folder
+            continue
     raise UploadError(
         404, "lora_path_not_found", f"no adapter folder {lora_path!r} in the import roots"
     )

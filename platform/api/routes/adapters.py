@@ -13,7 +13,7 @@ from loraplex.platform.adapter_service import remove_adapter, store_and_register
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.db import crud
-from loraplex.platform.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.platform.names import ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE, is_adapter_name
 from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import (
     UploadError,
@@ -21,6 +21,7 @@ from loraplex.platform.uploads import (
     upload_workspace,
     validate_adapter,
 )
+from loraplex.platform.uploads.policy import expected_files
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=API_ERRORS)
 log = logging.getLogger("loraplex.platform")
@@ -46,6 +47,19 @@ def _capped(receive: Receive, limit: int) -> Receive:
     return capped
 
 
+def store_unavailable(tenant_id: int, name: str, cause: Exception) -> APIError:
+    """The 503 of an upload the store could not take. The cause names store folders, buckets
+    and endpoints: the operator's log gets it, the client a message that says what to do."""
+    log.warning("adapter %r of tenant %s could not be stored: %s", name, tenant_id, cause)
+    return APIError(
+        503,
+        "the adapter could not be stored (storage unavailable); nothing was registered; "
+        "retry later",
+        "store_unavailable",
+        headers={"Retry-After": "30"},
+    )
+
+
 def adapter_public(a) -> dict:
     return {
         "id": a.name,
@@ -63,7 +77,37 @@ def adapter_public(a) -> dict:
     }
 
 
-@router.post("", status_code=201)
+# The form is read by hand (to cap it as it arrives), so FastAPI cannot describe it: say it
+# here, for clients and for the tests that walk every route's fields.
+_UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "files"],
+                    "properties": {
+                        "name": {
+                            "type": "string",
+                            "pattern": ADAPTER_NAME_PATTERN,
+                            "maxLength": 64,
+                            "description": ADAPTER_NAME_RULE,
+                        },
+                        "files": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "description": expected_files(),
+                        },
+                    },
+                }  # fmt: skip
+            }
+        },
+    }
+}
+
+
+@router.post("", status_code=201, openapi_extra=_UPLOAD_FORM)
 async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     settings = state.settings
     limit = settings.max_upload_bytes
@@ -75,6 +119,13 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     if declared and declared.isdigit() and int(declared) > limit + FORM_SLACK:
         raise APIError(
             413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", "too_large"
+        )
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        raise APIError(
+            415,
+            f"an upload is a multipart/form-data form (name + files), not {kind}",
+            "unsupported_media_type",
         )
     body = Request(request.scope, _capped(request.receive, limit))
     form = await body.form(max_files=4, max_fields=4)
@@ -120,14 +171,9 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
     except UploadError as e:
         state.metrics.uploads.labels("refused").inc()
         raise APIError(e.status_code, e.message, e.code) from None
-    except StoreError as e:  # S3 down or misconfigured: nothing was registered
+    except (StoreError, OSError) as e:  # store down, its folder gone, a full disk
         state.metrics.uploads.labels("refused").inc()
-        raise APIError(
-            503,
-            f"the adapter store is unavailable: {e}",
-            "store_unavailable",
-            headers={"Retry-After": "30"},
-        ) from None
+        raise store_unavailable(caller.tenant.id, name, e) from None
     finally:
         await form.close()
     state.metrics.uploads.labels("ok").inc()
@@ -141,18 +187,26 @@ def list_adapters(state: StateDep, caller: CallerDep):
         return {"object": "list", "data": [adapter_public(a) for a in rows]}
 
 
+def _not_found(name: str) -> APIError:
+    return APIError(404, f"no adapter named {name[:80]!r}", "adapter_not_found", "name")
+
+
 @router.get("/{name}")
 def get_adapter(name: str, state: StateDep, caller: CallerDep):
+    if not is_adapter_name(name):  # no such adapter can exist; the registry need not look
+        raise _not_found(name)
     with state.sessions() as session:
         row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=name)
         if row is None:
-            raise APIError(404, f"no adapter named '{name}'", "adapter_not_found")
+            raise _not_found(name)
         return adapter_public(row)
 
 
 @router.delete("/{name}")
 def delete_adapter(name: str, state: StateDep, caller: CallerDep):
+    if not is_adapter_name(name):
+        raise _not_found(name)
     with state.sessions() as session:
         if not remove_adapter(state, session, tenant_id=caller.tenant.id, name=name):
-            raise APIError(404, f"no adapter named '{name}'", "adapter_not_found")
+            raise _not_found(name)
         return {"id": name, "object": "adapter", "deleted": True}

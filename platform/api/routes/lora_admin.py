@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplex.platform.adapter_service import remove_adapter, store_and_register
 from loraplex.platform.api.deps import AdminDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
+from loraplex.platform.api.routes.adapters import store_unavailable
 from loraplex.platform.db import crud
 from loraplex.platform.names import AdapterName
 from loraplex.platform.store import StoreError
@@ -101,8 +102,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: StateDep):
         raise APIError(e.status_code, e.message, e.code, "lora_path") from None
     except StoreError as e:
         state.metrics.uploads.labels("refused").inc()
-        msg = f"the adapter store is unavailable: {e}"
-        raise APIError(503, msg, "store_unavailable", headers={"Retry-After": "30"}) from None
+        raise store_unavailable(body.tenant or OPERATOR_TENANT, body.lora_name, e) from None
     state.metrics.uploads.labels("ok").inc()
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
