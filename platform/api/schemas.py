@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -47,6 +47,45 @@ UNSUPPORTED_FIELDS = {
     "prompt_cache_options": "the prefix cache is managed by the server",
     "prompt_cache_retention": "the prefix cache is managed by the server",
 }
+# vLLM's request extensions (its CompletionRequest / ChatCompletionRequest fields beyond
+# OpenAI's) that change nothing here: name -> why. Those it honours are declared below.
+VLLM_IGNORED_FIELDS = {
+    "request_id": "the server names each request: the answer's id and its usage record's",
+    "priority": "scheduling is fair share across tenants; a request's own priority is unused",
+}
+VLLM_IGNORED_CHAT_FIELDS = {
+    "include_reasoning": "the served models do not reason: there is no reasoning to include",
+}
+# vLLM's extensions refused by name (400, code "unsupported"): name -> why.
+_NO_REPETITION_STOP = "stopping on repeated token patterns is not implemented"
+VLLM_UNSUPPORTED_FIELDS = {
+    "use_beam_search": "beam search is not implemented; sample with n or best_of",
+    "length_penalty": "a beam search parameter; beam search is not implemented",
+    "allowed_token_ids": "not implemented; logit_bias can favour tokens",
+    "prompt_embeds": "prompts are text or token ids",
+    "logits_processors": "the server runs no code a request names",
+    "return_tokens_as_token_ids": "not implemented; logprobs name tokens by their text",
+    "return_token_ids": "not implemented; prompt_logprobs and logprobs show the tokens",
+    "cache_salt": "the prefix cache cannot be salted per request",
+    "kv_transfer_params": "there is no disaggregated prefill here",
+    "vllm_xargs": "there are no custom extensions here",
+    "max_repetition_pattern_size": _NO_REPETITION_STOP,
+    "min_repetition_pattern_size": _NO_REPETITION_STOP,
+    "repetition_min_count": _NO_REPETITION_STOP,
+    "guided_whitespace_pattern": "JSON output follows the grammar's own whitespace",
+}
+VLLM_UNSUPPORTED_CHAT_FIELDS = {
+    "echo": "not implemented for chat: the answer is the new message only",
+    "add_generation_prompt": "the chat template is always asked for the assistant's turn",
+    "continue_final_message": "not implemented; send the text to continue to /v1/completions",
+    "add_special_tokens": "the chat template writes the special tokens",
+    "documents": "there are no retrieval templates here",
+    "chat_template": "the model's own chat template is used; a request cannot send one",
+    "chat_template_kwargs": "the model's own chat template is used as it is",
+    "mm_processor_kwargs": "the served models read text only",
+    "bad_words": "not implemented; logit_bias can ban single tokens",
+    "structural_tag": "not implemented; send tools or response_format",
+}
 # Prompts in one /v1/completions request (each is its own engine request, started together).
 MAX_PROMPTS = 256
 # Message fields the openai client keeps when a previous answer is sent back in `messages`.
@@ -64,6 +103,9 @@ class StreamOptions(BaseModel):
 
 class _Common(StructuredFields):
     model_config = _STRICT
+    # Accepted, and ignored with a reason / refused by name with a reason (see above).
+    ignored_fields: ClassVar[dict[str, str]] = {**IGNORED_FIELDS, **VLLM_IGNORED_FIELDS}
+    refused_fields: ClassVar[dict[str, str]] = {**UNSUPPORTED_FIELDS, **VLLM_UNSUPPORTED_FIELDS}
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -87,6 +129,11 @@ class _Common(StructuredFields):
     ignore_eos: bool = False
     # vLLM's: per prompt position, the prompt token's logprob and this many alternatives
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the last this many
+    request_id: str | None = Field(default=None, max_length=256)
+    priority: int = 0
     # Accepted and ignored (see IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -101,7 +148,7 @@ class _Common(StructuredFields):
     def _refuse_unsupported(cls, data):
         # A named 400 instead of pydantic's "Extra inputs are not permitted".
         if isinstance(data, dict):
-            for name, why in UNSUPPORTED_FIELDS.items():
+            for name, why in cls.refused_fields.items():
                 if name in data:
                     raise APIError(400, f"{name} is not supported: {why}", "unsupported", name)
         return data
@@ -144,6 +191,8 @@ class _Common(StructuredFields):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -160,6 +209,11 @@ class _Common(StructuredFields):
     def kept_special_tokens(self) -> list[str] | None:
         """Special tokens the answer's text keeps (skip_special_tokens drops the rest)."""
         return None
+
+    def truncated(self, prompt_ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last tokens only."""
+        k = self.truncate_prompt_tokens
+        return prompt_ids[-k:] if k else prompt_ids
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +233,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: false leaves out the BOS of a text prompt
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     @property
@@ -296,6 +351,12 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: a forced tool call is one call
+    include_reasoning: bool | None = None  # vLLM's; ignored (see VLLM_IGNORED_CHAT_FIELDS)
+
+    ignored_fields: ClassVar[dict[str, str]] = {**_Common.ignored_fields,
+                                                **VLLM_IGNORED_CHAT_FIELDS}  # fmt: skip
+    refused_fields: ClassVar[dict[str, str]] = {**_Common.refused_fields,
+                                                **VLLM_UNSUPPORTED_CHAT_FIELDS}  # fmt: skip
 
     @property
     def tool_mode(self) -> str | None:

@@ -7,11 +7,16 @@ sends one parameter (plus what it needs: `top_logprobs` needs `logprobs`) on top
 baseline request and records what happened:
 
 - supported: 200, and the probe's check saw the parameter's effect in the response;
-- ignored: 200, listed with its reason in `IGNORED_FIELDS`, output identical to the baseline;
+- ignored: 200, listed with its reason in the request model's `ignored_fields`, output
+  identical to the baseline;
 - refused: a 4xx whose error names the parameter (status, code, param and message recorded).
 
 Anything else fails: a 5xx, a refusal that does not name the parameter, or a 200 for a
 parameter neither checked nor listed as ignored (a silently ignored parameter).
+
+Every request field of vLLM's `CompletionRequest` / `ChatCompletionRequest` beyond OpenAI's
+(`VLLM_FIELDS`, read from vLLM's protocol files) is probed the same way: clients written
+against vLLM send them.
 `docs/openai-compat.md` is written from the record; the test fails when the committed page
 differs. Regenerate it with
 
@@ -33,11 +38,7 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from loraplex.platform.api.schemas import (
-    IGNORED_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from tests.utils.server import run_server
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
@@ -375,7 +376,36 @@ def _check_backend(r, ctx):
     return "xgrammar (or auto) with guided_choice: constrained; any other backend: 400"
 
 
+def _check_stop_token(r, ctx):
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    return "the token forced by logit_bias sent: the answer ends at it, finish_reason stop"
+
+
+def _check_stop_kept(r, ctx):
+    stop = _stop(ctx)
+    assert _text(r).endswith(stop) and _text(ctx.base).startswith(_text(r))
+    return "with a stop string: the answer ends with it"
+
+
+def _check_truncated(r, ctx):
+    assert r.usage.prompt_tokens == 2
+    return "2 sent: the prompt's last 2 tokens are used"
+
+
+def _check_no_bos(r, ctx):
+    assert r.usage.prompt_tokens == ctx.base.usage.prompt_tokens - 1
+    return "false: the text prompt without its BOS (one token fewer)"
+
+
+def _check_continuous_usage(chunks, ctx):
+    assert all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == done[-2] == MAX
+    return "with include_usage: every chunk has the usage so far, the last chunk the total"
+
+
 CHOICE = ["yes", "no"]
+CONTINUOUS = "stream_options.continuous_usage_stats"
 # Extensions: vLLM's names, in extra_body. Values for the ignored ones.
 EXTENSION_PROBES = {
     "top_k": Probe(1, _check_greedy, {"temperature": 1.5, "seed": 1}),
@@ -392,6 +422,14 @@ EXTENSION_PROBES = {
     ),
     "structured_outputs": Probe({"choice": CHOICE}, _check_in_choice, {"max_tokens": 16}),
     "prompt_logprobs": Probe(2, _check_prompt_logprobs),
+    "stop_token_ids": Probe([100], _check_stop_token, {"logit_bias": {"100": 100}}),
+    "include_stop_str_in_output": Probe(True, _check_stop_kept, lambda ctx: {"stop": _stop(ctx)}),
+    "truncate_prompt_tokens": Probe(2, _check_truncated),
+    CONTINUOUS: Probe(
+        None,
+        _check_continuous_usage,
+        {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ),  # fmt: skip
 }
 EXTENSION_PROBES_BY_ENDPOINT = {
     "completions": {
@@ -400,12 +438,37 @@ EXTENSION_PROBES_BY_ENDPOINT = {
             _check_json,
             {"max_tokens": 32},
         ),
+        "add_special_tokens": Probe(False, _check_no_bos),
     },
     "chat.completions": {},
 }
 IGNORED_VALUES = {"metadata": {"team": "search"}, "store": False, "service_tier": "auto",
                   "prompt_cache_key": "conversation-1", "safety_identifier": "user-hash-1",
-                  "skip_special_tokens": False, "spaces_between_special_tokens": False}  # fmt: skip
+                  "skip_special_tokens": False, "spaces_between_special_tokens": False,
+                  "request_id": "client-request-1", "priority": 5,
+                  "include_reasoning": False}  # fmt: skip
+
+# vLLM's request fields beyond OpenAI's, as its protocol files declare them
+# (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py; the guided_*
+# fields and structural_tag from releases before structured_outputs replaced them).
+_VLLM_SAMPLING = ["use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+                  "skip_special_tokens", "spaces_between_special_tokens",
+                  "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs"]  # fmt: skip
+_VLLM_EXTRA = ["structured_outputs", "priority", "request_id", "logits_processors",
+               "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
+               "kv_transfer_params", "vllm_xargs", "max_repetition_pattern_size",
+               "min_repetition_pattern_size", "repetition_min_count", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+               "guided_whitespace_pattern"]  # fmt: skip
+VLLM_FIELDS = {
+    "completions": [*_VLLM_SAMPLING, *_VLLM_EXTRA, "prompt_embeds", "add_special_tokens",
+                    "response_format"],
+    "chat.completions": [*_VLLM_SAMPLING, *_VLLM_EXTRA, "bad_words", "echo",
+                         "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                         "documents", "chat_template", "chat_template_kwargs",
+                         "mm_processor_kwargs", "include_reasoning", "structural_tag"],
+}  # fmt: skip
 GRAMMARS = ("guided_choice", "guided_regex", "guided_json", "guided_grammar",
             "structured_outputs", "response_format")  # fmt: skip
 
@@ -476,26 +539,31 @@ def _observe(endpoint: str, name: str, probe: Probe, ctx: Ctx, extension: bool =
         assert probe.check is None, f"{endpoint} {name}: refused but probed as supported: {err}"
         return {"status": "refused", "http": e.status_code, "code": err.get("code"),
                 "message": err.get("message")}  # fmt: skip
-    if name in IGNORED_FIELDS:
+    ignored = SERVER_MODELS[endpoint].ignored_fields
+    if name in ignored:
         assert _text(r) == _text(ctx.base), f"{endpoint} {name}: ignored but changed the answer"
-        return {"status": "ignored", "reason": IGNORED_FIELDS[name]}
+        return {"status": "ignored", "reason": ignored[name]}
     assert probe.check is not None, (
         f"{endpoint} {name}: accepted with no check of its effect and not listed in "
-        "IGNORED_FIELDS: silently ignored"
+        "ignored_fields: silently ignored"
     )
     return {"status": "supported", "observed": probe.check(r, ctx)}
 
 
 def extensions(endpoint: str) -> list[str]:
-    """Fields the server takes beyond the client's typed parameters (sent in extra_body)."""
-    return sorted(set(SERVER_MODELS[endpoint].model_fields) - set(client_params(endpoint)))
+    """Fields beyond the client's typed parameters (sent in extra_body): the server's, and
+    vLLM's (each supported, ignored or refused by name), and vLLM's stream option."""
+    ours = set(SERVER_MODELS[endpoint].model_fields) | set(VLLM_FIELDS[endpoint]) | {CONTINUOUS}
+    return sorted(ours - set(client_params(endpoint)))
 
 
-def _table(rows: dict[str, dict]) -> list[str]:
+def _table(rows: dict[str, dict], vllm: list[str] | None = None) -> list[str]:
     counts = {s: sum(r["status"] == s for r in rows.values())
               for s in ("supported", "ignored", "refused")}  # fmt: skip
-    lines = [", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
-             "| parameter | status | what the test saw |", "| --- | --- | --- |"]  # fmt: skip
+    head = ["| parameter | status | what the test saw |", "| --- | --- | --- |"]
+    if vllm is not None:
+        head = ["| parameter | vLLM's | status | what the test saw |", "| --- | --- | --- | --- |"]
+    lines = [", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "", *head]
     for name, r in rows.items():
         if r["status"] == "supported":
             what = r["observed"]
@@ -503,7 +571,8 @@ def _table(rows: dict[str, dict]) -> list[str]:
             what = r["reason"]
         else:
             what = f"{r['http']} `{r['code']}`: {r['message']}"
-        lines.append(f"| `{name}` | {r['status']} | {what.replace('|', '/')} |")
+        mark = "" if vllm is None else ("yes | " if name in vllm else "| ")
+        lines.append(f"| `{name}` | {mark}{r['status']} | {what.replace('|', '/')} |")
     return [*lines, ""]
 
 
@@ -527,15 +596,75 @@ def render(record: dict[str, dict[str, dict]], openai_version: str) -> str:
         "",
         "A parameter accepted without a check of its effect, and not in the ignored list with a",
         "reason, fails the test: none is silently ignored. Extensions are the fields the server",
-        "takes beyond the client's typed ones (vLLM's names; send them in `extra_body`), probed",
-        "the same way.",
+        "takes beyond the client's typed ones (send them in `extra_body`) and every field of",
+        "vLLM's `CompletionRequest` / `ChatCompletionRequest` beyond OpenAI's (column vLLM's),",
+        "probed the same way: a client written against vLLM gets an answer or a 400 that names",
+        "the field and says why. A field neither of us knows is a 400 too (bodies are strict).",
         "",
     ]
     for endpoint, path in (("completions", "/v1/completions"),
                            ("chat.completions", "/v1/chat/completions")):  # fmt: skip
         lines += [f"## `{path}`", "", *_table(record[endpoint])]
-        lines += [f"### Extensions on `{path}`", "", *_table(record[f"{endpoint} extensions"])]
+        ext = _table(record[f"{endpoint} extensions"], [*VLLM_FIELDS[endpoint], CONTINUOUS])
+        lines += [f"### Extensions on `{path}`", "", *ext]
+    lines += GUIDE.strip("\n").splitlines()
     return "\n".join(lines).rstrip() + "\n"
+
+
+# What the tables cannot show; each statement is checked by the test named in it.
+GUIDE = """
+## Lists of prompts
+
+`prompt` may be a list of strings or a list of token-id lists (up to 256), as OpenAI's API
+and vLLM take it (lm-eval's `local-completions` sends one with `--batch_size` > 1). Each
+prompt is its own engine request; all are started before any is awaited, so the engine
+batches them. The answer's choices are prompt 0's `n`, then prompt 1's..., `index` =
+prompt × n + j; streamed chunks carry that index. Each choice is what the prompt sent alone
+gets (tests/platform/test_prompt_lists.py). A prompt refused before anything runs (too long
+for the context, over the quota) fails the request with a 400/429 naming it (`prompt 1:
+...`), and nothing is billed.
+
+## How usage is counted
+
+- `usage` counts the prompt tokens once per prompt (not per choice) and every completion
+  token generated for the answer, `best_of`'s unreturned samples included; with a list of
+  prompts, the sum over the prompts.
+- The usage ledger has one record per engine request: one per request, or with a list of
+  prompts one per prompt, `request_id` `<answer id>-<prompt index>`. Each prompt also counts
+  as one request against a requests-per-minute quota.
+- A stream bills the tokens of the events that reached the client: a client that leaves
+  early pays for what it received, per prompt.
+- `stream_options.include_usage`: a last chunk with the usage and no choices.
+  `stream_options.continuous_usage_stats` (vLLM's): every chunk also carries the usage as of
+  that chunk (`prompt_tokens`, `completion_tokens` so far, `total_tokens`), over all choices
+  and prompts of the request; as in vLLM, it implies `include_usage` unless that is false.
+
+## Operational routes
+
+As vLLM answers them (tests/platform/test_vllm_routes.py): `GET /health` and `GET`/`POST
+/ping` answer 200 with an empty body while requests can be served, 503 while the model
+loads, while the server drains, or once the engine has died; `GET /version` gives
+`{"version": ...}`. `/v1/models` lists vLLM's model cards (`id`, `object`, `created`,
+`owned_by`, `root`, `parent`, `max_model_len`, `permission`). `/healthz` and `/readyz` say
+why in JSON.
+
+## Tokenization
+
+- Token-id prompts are used exactly as sent: the model sees those ids, nothing added
+  (`truncate_prompt_tokens` keeps their last ones).
+- Text prompts are tokenized by the model folder's `tokenizer.json` as written (the
+  `tokenizers` library), with the special tokens its post-processor adds (a BOS for most
+  families; `add_special_tokens: false` leaves them out on /v1/completions).
+- For the layouts the supported families publish (Gemma 3: the demo's own files; Llama 3,
+  Mistral v0.1 and v0.3, Qwen2 written as their checkpoints are), these ids equal those of
+  transformers' `AutoTokenizer` over whitespace runs, unicode, digits and special tokens,
+  with and without special tokens (tests/engine/test_tokenizer_agreement.py), so a client
+  that tokenizes on its side agrees with the server.
+- transformers 5 builds some tokenizer classes' pipeline from the class rather than from
+  `tokenizer.json` (`Qwen2Tokenizer`: its own split pattern). A folder whose
+  `tokenizer.json` differs from its class's pipeline is tokenized here by its file, and
+  `AutoTokenizer` may disagree; send token ids for exact control.
+"""
 
 
 def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, client):
@@ -546,7 +675,11 @@ def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, 
         extra = sorted(set(probes) - set(client_params(endpoint)))
         assert not extra, f"probes for parameters the client does not have: {extra}"
         ext_probes = {**EXTENSION_PROBES, **EXTENSION_PROBES_BY_ENDPOINT[endpoint]}
-        missing = sorted(set(extensions(endpoint)) - set(ext_probes) - set(IGNORED_FIELDS))
+        model = SERVER_MODELS[endpoint]
+        missing = sorted(
+            set(extensions(endpoint)) - set(ext_probes) - set(model.ignored_fields)
+            - set(model.refused_fields)
+        )  # fmt: skip
         assert not missing, f"the server takes {missing} on {endpoint}: add probes"
         send = _sender(client, server, endpoint)
         ctx = Ctx(send=send, base=send(), server=server)
@@ -555,7 +688,8 @@ def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, 
             name: _observe(endpoint, name, probes[name], ctx) for name in client_params(endpoint)
         }
         record[f"{endpoint} extensions"] = {
-            name: _observe(endpoint, name, ext_probes.get(name, Probe(IGNORED_VALUES.get(name))),
+            name: _observe(endpoint, name,
+                           ext_probes.get(name, Probe(IGNORED_VALUES.get(name, True))),
                            ctx, extension=True)
             for name in extensions(endpoint)
         }  # fmt: skip

@@ -331,6 +331,13 @@ class _RunningUsage:
                              "total_tokens": prompt + self.completion}  # fmt: skip
 
 
+def _encode(service: InferenceService, body: CompletionRequest, prompt) -> list[int]:
+    ids = service.encode_prompt(prompt)  # (a 503 while the model loads)
+    if isinstance(prompt, str) and not body.add_special_tokens:  # vLLM's: no BOS added
+        ids = service.state.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    return body.truncated(ids)
+
+
 @router.post("/completions", responses=_STREAMABLE)
 async def completions(
     body: CompletionRequest, request: Request, state: StateDep, caller: CallerDep
@@ -342,7 +349,7 @@ async def completions(
     if len(prompts) > 1:
         return await _completions_of_list(service, state, body, request, caller, prompts, lora,
                                           adapter)  # fmt: skip
-    prompt_ids = service.encode_prompt(prompts[0])
+    prompt_ids = _encode(service, body, prompts[0])
     params = body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
     job = await service.start(
         caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
@@ -369,7 +376,7 @@ async def completions(
 async def _completions_of_list(service, state, body, request, caller, prompts, lora, adapter):
     """A list of prompts: an engine request and a usage record per prompt, started together;
     the answer's choices are prompt 0's n, then prompt 1's..., and its usage their sum."""
-    ids = [service.encode_prompt(p) for p in prompts]
+    ids = [_encode(service, body, p) for p in prompts]
     # Checked once for all (a bad value is the request's fault, not one prompt's).
     body.sampling_params(body.max_tokens, body.logprobs, body.engine_prompt_logprobs)
 
@@ -430,7 +437,7 @@ async def chat_completions(
     tool_mode = body.tool_mode
     tools = body.tools if tool_mode else None
     text, fallback = service.chat_prompt(body.chat_messages(), tools)
-    prompt_ids = service.encode_prompt(text, templated=True)
+    prompt_ids = body.truncated(service.encode_prompt(text, templated=True))
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs)
