@@ -18,6 +18,23 @@ _TYPES = {
     503: "service_unavailable",
 }
 
+# The code of an error raised without one (Starlette's own: no route, wrong method, a form the
+# multipart parser refuses): clients branch on `code`, so it is never null.
+CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "invalid_value",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "unavailable",
+}
+
 
 class APIError(Exception):
     def __init__(
@@ -39,6 +56,6 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
             "message": message,
             "type": _TYPES.get(status, "server_error"),
             "param": param,
-            "code": code,
+            "code": code or CODES.get(status, "error"),
         }
     }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import email.message
 import logging
 import re
-import socket
 import tempfile
 from pathlib import Path
 
@@ -42,19 +41,6 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-# The code of an error Starlette or FastAPI raise themselves (no route, wrong method, a form
-# the multipart parser refuses), which carry a status and a message only.
-_HTTP_CODES = {
-    400: "invalid_request",
-    401: "invalid_api_key",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "too_large",
-    415: "unsupported_media_type",
-    429: "rate_limit_exceeded",
-    503: "unavailable",
-}
 # FastAPI's message when a JSON body is not UTF-8 (json.loads raises UnicodeDecodeError).
 _BODY_PARSE_ERROR = "There was an error parsing the body"
 
@@ -145,23 +131,21 @@ def _admin_route(request: Request) -> bool:
 
 
 def public_message(request: Request, message: str) -> str:
-    """`message` without this server's paths (and what follows them up to a space or quote:
-    file names, digests), nor its host name. The sources are meant to say neither; this is the
-    net under messages that pass through a library's text (an OSError's, the engine's)."""
+    """`message` without this server's folders, nor what follows them up to a space or quote
+    (file names, digests). Messages are written to name none; this is the net under those that
+    carry a library's text (an OSError's, the engine's). Host names are left alone: a short one
+    ("vm", "gpu") would also match a tenant's own words."""
     if _admin_route(request):
         return message  # the operator named these paths (lora_path) or owns them
     cleaned = message
     for folder in _server_paths(request):
         cleaned = re.sub(re.escape(folder) + r"[^\s'\"]*", "<server path>", cleaned)
-    host = socket.gethostname()
-    if host:
-        cleaned = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", "<server>", cleaned)
     if cleaned != message:
         log.info("error message for %s %s: %s", request.method, request.url.path, message)
     return cleaned
 
 
-def _json_error(request: Request, status: int, message: str, code: str, param=None, headers=None):
+def _json_error(request: Request, status: int, message: str, code=None, param=None, headers=None):
     body = error_body(status, public_message(request, message), code, param)
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -171,8 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        code = exc.code or _HTTP_CODES.get(exc.status, "error")
-        return _json_error(request, exc.status, exc.message, code, exc.param, exc.headers)
+        return _json_error(request, exc.status, exc.message, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -198,8 +181,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_ERROR:
             msg = "the body is not valid JSON: it must be UTF-8 text"
             return _json_error(request, 400, msg, "invalid_json", headers=headers)
-        code = _HTTP_CODES.get(exc.status_code, "error")
-        return _json_error(request, exc.status_code, str(exc.detail), code, headers=headers)
+        return _json_error(request, exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(DataError)
     @app.exception_handler(OverflowError)

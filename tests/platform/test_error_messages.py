@@ -162,12 +162,18 @@ def _store_errors(server, errors: Errors, key: str, good: Path) -> None:
         errors.expect(f"cached copy broken, stream={stream}", r, r.status_code,
                       r.json()["error"]["code"])  # fmt: skip
 
-    # The whole store folder gone: uploads cannot be kept.
+    # The whole store folder gone: uploads cannot be kept; a delete still removes the adapter
+    # (its row; the collector takes the bytes once the store is back).
+    assert upload(server.url, key, "doomed", parts).status_code == 201
     moved = root.with_name(root.name + "-away")
     root.rename(moved)
     try:
         errors.expect("store gone", upload(server.url, key, "later", parts), 503,
                       "store_unavailable")  # fmt: skip
+        gone = httpx.delete(f"{server.url}/v1/adapters/doomed", headers=auth(key))
+        assert gone.status_code == 200 and gone.json()["deleted"] is True, gone.text
+        listed = httpx.get(f"{server.url}/v1/adapters", headers=auth(key)).json()["data"]
+        assert "doomed" not in [a["name"] for a in listed]
     finally:
         moved.rename(root)
 

@@ -47,14 +47,13 @@ def _capped(receive: Receive, limit: int) -> Receive:
     return capped
 
 
-def store_unavailable(tenant_id: int, name: str, cause: Exception) -> APIError:
-    """The 503 of an upload the store could not take. The cause names store folders, buckets
+def store_unavailable(tenant_id: int | str, name: str, cause: Exception) -> APIError:
+    """The 503 of a change the store could not make. The cause names store folders, buckets
     and endpoints: the operator's log gets it, the client a message that says what to do."""
-    log.warning("adapter %r of tenant %s could not be stored: %s", name, tenant_id, cause)
+    log.warning("adapter %r of tenant %s: the store failed: %s", name, tenant_id, cause)
     return APIError(
         503,
-        "the adapter could not be stored (storage unavailable); nothing was registered; "
-        "retry later",
+        "the adapter store is unavailable; nothing was changed; retry later",
         "store_unavailable",
         headers={"Retry-After": "30"},
     )
@@ -206,7 +205,14 @@ def get_adapter(name: str, state: StateDep, caller: CallerDep):
 def delete_adapter(name: str, state: StateDep, caller: CallerDep):
     if not is_adapter_name(name):
         raise _not_found(name)
+    tenant_id = caller.tenant.id
     with state.sessions() as session:
-        if not remove_adapter(state, session, tenant_id=caller.tenant.id, name=name):
-            raise _not_found(name)
-        return {"id": name, "object": "adapter", "deleted": True}
+        try:
+            if not remove_adapter(state, session, tenant_id=tenant_id, name=name):
+                raise _not_found(name)
+        except (StoreError, OSError) as e:  # the store is down or its folder gone
+            session.rollback()
+            if crud.get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True):
+                raise store_unavailable(tenant_id, name, e) from None
+            # The row is gone, so the adapter is; the collector removes the bytes later.
+    return {"id": name, "object": "adapter", "deleted": True}
