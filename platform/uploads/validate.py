@@ -206,7 +206,10 @@ def validate_adapter(
         raise too_large(f"adapter ({nbytes} bytes)", max_bytes)
 
     def clean(e: Exception) -> str:  # engine messages name our temp folder; the client needn't
-        return str(e).replace(f"{folder}/", "").replace(str(folder), "adapter")
+        text = str(e)
+        for name in {str(folder), os.path.realpath(folder)}:  # as given, and through links
+            text = text.replace(f"{name}/", "").replace(name, "adapter")
+        return text
 
     try:
         cfg = read_adapter_config(folder)
