@@ -10,6 +10,7 @@ import boto3
 import httpx
 import pytest
 
+from loraplex.platform.db import crud
 from loraplex.platform.store import adapter_digest
 from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, moto_server
 from tests.utils.server import run_server
@@ -55,15 +56,18 @@ def test_adapter_round_trips_through_s3_across_restarts(moto, tiny_models, tiny_
     digest = adapter_digest(folder)
     s3 = _s3(moto)
     with run_server(tiny_models["llama"], tmp_path, **_s3_settings(moto)) as srv:
-        _, key = srv.new_tenant("s3-tenant")
+        tenant, key = srv.new_tenant("s3-tenant")
         response = upload(srv.url, key, "cloud", folder_parts(folder))
         assert response.status_code == 201, response.text
         assert response.json()["sha256"] == digest
+        with srv.sessions() as session:
+            stored_as = crud.get_adapter(session, tenant_id=tenant, name="cloud").storage_key
+        assert stored_as.startswith(f"{digest}-")  # an object of its own
         assert _keys(s3) == [
-            f"{PREFIX}/{digest}/adapter_config.json",
-            f"{PREFIX}/{digest}/adapter_model.safetensors",
+            f"{PREFIX}/{stored_as}/adapter_config.json",
+            f"{PREFIX}/{stored_as}/adapter_model.safetensors",
         ]
-        stored = s3.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{digest}/adapter_model.safetensors")
+        stored = s3.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{stored_as}/adapter_model.safetensors")
         assert stored["Body"].read() == (folder / "adapter_model.safetensors").read_bytes()
         assert not (tmp_path / "adapters").exists()  # nothing went to a local store
         first = complete(srv.url, key, "cloud")
@@ -96,27 +100,30 @@ def test_store_outage_fails_only_requests_that_need_the_store(tiny_models, tiny_
         s3 = _s3(url)
         s3.create_bucket(Bucket=BUCKET)
         with run_server(tiny_models["llama"], tmp_path, **_s3_settings(url)) as srv:
-            _, key = srv.new_tenant("outage")
+            tenant, key = srv.new_tenant("outage")
             for name, adapter in (("warm", "qv4"), ("cold", "mlp16"), ("lost", "all2")):
                 assert upload(srv.url, key, name, folder_parts(llama[adapter])).status_code == 201
             warm = complete(srv.url, key, "warm").json()["choices"][0]["text"]  # now on disk
 
             # An object gone from the bucket (deleted behind our back, wrong bucket/prefix).
-            lost = adapter_digest(llama["all2"])
+            with srv.sessions() as session:
+                lost = crud.get_adapter(session, tenant_id=tenant, name="lost").storage_key
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 s3.delete_object(Bucket=BUCKET, Key=f"{PREFIX}/{lost}/{name}")
             failed = complete(srv.url, key, "lost")
             assert failed.status_code == 503, failed.text
             error = failed.json()["error"]
             assert error["code"] == "adapter_unavailable"
-            assert "'lost'" in error["message"] and "no adapter" in error["message"]
+            assert "'lost'" in error["message"] and "adapter store" in error["message"]
+            assert lost not in error["message"] and BUCKET not in error["message"]  # no internals
+            assert failed.headers["retry-after"]
 
             moto.__exit__(None, None, None)  # the whole store goes away
             moto = None
             failed = complete(srv.url, key, "cold")
             assert failed.status_code == 503, failed.text
             assert failed.json()["error"]["code"] == "adapter_unavailable"
-            assert "cannot reach the S3 endpoint" in failed.json()["error"]["message"]
+            assert url not in failed.json()["error"]["message"]  # the endpoint: the log's
             streamed = complete(srv.url, key, "cold", stream=True)
             assert streamed.status_code == 503
 
@@ -132,7 +139,8 @@ def test_store_outage_fails_only_requests_that_need_the_store(tiny_models, tiny_
             # An upload cannot be stored: a clear 503, and no registry row for it.
             refused = upload(srv.url, key, "new", folder_parts(llama["attn8"]))
             assert refused.status_code == 503, refused.text
-            assert "S3" in refused.json()["error"]["message"]
+            assert "retry later" in refused.json()["error"]["message"]
+            assert url not in refused.text and BUCKET not in refused.text
             assert httpx.get(f"{srv.url}/v1/adapters/new", headers=auth(key)).status_code == 404
             # A delete still takes the adapter away from the tenant (its bytes stay behind).
             gone = httpx.delete(f"{srv.url}/v1/adapters/warm", headers=auth(key))
