@@ -82,19 +82,20 @@ def test_each_choice_is_its_prompt_sent_alone(server, client, tenant):
         assert new[key].completion_tokens == 2 * MAX and new[key].status == "ok"
 
 
-def test_token_id_prompts_scored_with_echo_as_lm_eval_asks(server, client):
-    # lm-eval's loglikelihood requests: token ids, echo, logprobs, max_tokens 0.
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_token_id_prompts_scored_with_echo_as_lm_eval_asks(server, client, max_tokens):
+    # lm-eval's loglikelihood requests: token ids, echo, logprobs 1, max_tokens 1 (it drops
+    # the generated token) or 0, seed.
     tok = server.state.engine.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
-    scored = complete(client, server, ids, echo=True, logprobs=1, max_tokens=0, extra_body={})
+    kw = {"echo": True, "logprobs": 1, "max_tokens": max_tokens, "seed": 1234, "extra_body": {}}
+    scored = complete(client, server, ids, **kw)
     assert [c.index for c in scored.choices] == [0, 1, 2]
-    assert scored.usage.completion_tokens == 0
+    assert scored.usage.completion_tokens == max_tokens * len(ids)
     assert scored.usage.prompt_tokens == sum(len(i) for i in ids)
     for p, prompt_ids in enumerate(ids):
-        alone = complete(client, server, prompt_ids, echo=True, logprobs=1, max_tokens=0,
-                         extra_body={})  # fmt: skip
-        _same_choice(scored.choices[p], alone.choices[0], p)
-        assert len(scored.choices[p].logprobs.tokens) == len(prompt_ids)
+        _same_choice(scored.choices[p], complete(client, server, prompt_ids, **kw).choices[0], p)
+        assert len(scored.choices[p].logprobs.tokens) == len(prompt_ids) + max_tokens
 
 
 def test_prompts_run_in_the_engine_together(server, client):
