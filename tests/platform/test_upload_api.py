@@ -1,6 +1,7 @@
 """POST /v1/adapters over HTTP: every bad upload is refused with a 4xx that says what is wrong
 and leaves the registry, the store and the upload temp folder exactly as they were; good
-uploads (two files, .tar.gz, .zip) serve, and deleting removes them (shared objects stay)."""
+uploads (two files, .tar.gz, .zip) serve, and deleting removes them (each upload is an object
+of its own)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from loraplex.platform.db import crud
 from loraplex.platform.db.models import Adapter
 from loraplex.platform.store import AdapterCache, adapter_digest
 from tests.utils.factories import HUGE_RANK, make_bad_adapters
@@ -281,15 +283,20 @@ def test_adapter_count_and_bytes_quotas(server, tiny_adapters):
 # --- good uploads ----------------------------------------------------------------------------
 
 
-def _stored(server, digest: str) -> bool:
-    folder = server.settings.local_store_dir / digest[:2] / digest
+def _storage_key(server, tenant_id: int, name: str) -> str:
+    with server.sessions() as session:
+        return crud.get_adapter(session, tenant_id=tenant_id, name=name).storage_key
+
+
+def _stored(server, key: str) -> bool:
+    folder = server.settings.local_store_dir / key[:2] / key
     return all((folder / n).is_file() for n in ADAPTER_FILES)
 
 
 @pytest.mark.parametrize("form", ["files", "tar.gz", "zip"])
 def test_good_upload_serves_and_delete_removes_it(server, tiny_adapters, form):
     folder = tiny_adapters["llama"]["attn8"]
-    _, key = server.new_tenant(f"good-{form.replace('.', '-')}")
+    tenant, key = server.new_tenant(f"good-{form.replace('.', '-')}")
     if form == "files":  # with the model card peft writes beside the adapter
         files = [*folder_parts(folder), ("files", ("README.md", b"# card"))]
     elif form == "tar.gz":  # inside one top folder, as `tar czf a.tar.gz my-adapter/` writes it
@@ -305,7 +312,8 @@ def test_good_upload_serves_and_delete_removes_it(server, tiny_adapters, form):
     digest = adapter_digest(folder)
     assert body["sha256"] == digest and body["status"] == "ready"
     assert (body["rank"], sorted(body["targets"])) == (8, ["k_proj", "o_proj", "q_proj", "v_proj"])
-    assert _stored(server, digest)
+    stored_as = _storage_key(server, tenant, "mine")
+    assert stored_as.startswith(f"{digest}-") and _stored(server, stored_as)
     assert _listing(server.settings.data_dir / "tmp") == tmp_before
     listed = httpx.get(f"{server.url}/v1/adapters", headers=auth(key)).json()["data"]
     assert [a["name"] for a in listed] == ["mine"]
@@ -320,25 +328,26 @@ def test_good_upload_serves_and_delete_removes_it(server, tiny_adapters, form):
     assert httpx.delete(f"{server.url}/v1/adapters/mine", headers=auth(key)).status_code == 404
     after = complete(server.url, key, "mine")
     assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"
-    assert not _stored(server, digest)
+    assert not _stored(server, stored_as)
     # The name is free again.
     assert upload(server.url, key, "mine", files).status_code == 201
     assert httpx.delete(f"{server.url}/v1/adapters/mine", headers=auth(key)).status_code == 200
 
 
-def test_identical_uploads_share_one_object_until_both_are_deleted(server, tiny_adapters):
+def test_identical_uploads_are_objects_of_their_own(server, tiny_adapters):
+    """Two tenants upload the same bytes: each gets an object of its own, so one's delete
+    never takes what the other serves (and says nothing about the other's uploads)."""
     folder = tiny_adapters["llama"]["mlp16"]
-    digest = adapter_digest(folder)
-    _, key_a = server.new_tenant("share-a")
-    _, key_b = server.new_tenant("share-b")
+    a, key_a = server.new_tenant("share-a")
+    b, key_b = server.new_tenant("share-b")
     assert upload(server.url, key_a, "ours", folder_parts(folder)).status_code == 201
-    objects = _listing(server.settings.local_store_dir)
     assert upload(server.url, key_b, "theirs", folder_parts(folder)).status_code == 201
-    assert _listing(server.settings.local_store_dir) == objects  # stored once
+    ours, theirs = _storage_key(server, a, "ours"), _storage_key(server, b, "theirs")
+    assert ours != theirs and _stored(server, ours) and _stored(server, theirs)
     want = complete(server.url, key_b, "theirs").json()["choices"][0]["text"]
 
     assert httpx.delete(f"{server.url}/v1/adapters/ours", headers=auth(key_a)).status_code == 200
-    assert _stored(server, digest)  # B still uses it
+    assert not _stored(server, ours) and _stored(server, theirs)
     assert complete(server.url, key_a, "ours").status_code == 404
     # B's adapter still works, also when the engine-side disk cache has to fetch it again.
     state = server.state
@@ -348,4 +357,4 @@ def test_identical_uploads_share_one_object_until_both_are_deleted(server, tiny_
     assert server.state.cache.stats.loads == 1
 
     assert httpx.delete(f"{server.url}/v1/adapters/theirs", headers=auth(key_b)).status_code == 200
-    assert not _stored(server, digest)
+    assert not _stored(server, theirs)
