@@ -3,8 +3,9 @@
 A hypothesis state machine drives `adapter_service` (what every upload and delete route calls)
 over a real database (SQLite and PostgreSQL) and a real store (a folder and moto's S3 server).
 Rules upload and delete — the same or different bytes, names and tenants — one at a time or two
-at once, and for two at once hypothesis also draws who moves next at every store call
-(tests/utils/interleave.py). After each step:
+at once, the two as two replicas would (each with its own database pool and store client on the
+one registry and store), and for two at once hypothesis also draws who moves next at every store
+call (tests/utils/interleave.py). After each step:
 
 - the outcome is linearizable: the two operations' answers and the registry equal those of
   running them one after the other in some order (a model of the registry says what that gives);
@@ -66,6 +67,7 @@ def s3_url():
 
 
 def _registry_and_store(db: str, store_kind: str, work: Path, pg_url, s3_url):
+    """The database URL, and a function making a store client on one shared store."""
     if db == "sqlite":
         url = f"sqlite:///{work / 'registry.db'}"
     else:
@@ -73,14 +75,12 @@ def _registry_and_store(db: str, store_kind: str, work: Path, pg_url, s3_url):
         url = pg_url
     upgrade(url)
     if store_kind == "local":
-        store = LocalStore(work / "store")
-    else:
-        bucket = f"races-{secrets.token_hex(4)}"
-        boto3.client("s3", endpoint_url=s3_url, region_name=REGION, aws_access_key_id=ACCESS_KEY,
-                     aws_secret_access_key=SECRET_KEY).create_bucket(Bucket=bucket)  # fmt: skip
-        store = make_store(f"s3://{bucket}/a", endpoint_url=s3_url, region=REGION,
-                           access_key=ACCESS_KEY, secret_key=SECRET_KEY)  # fmt: skip
-    return url, store
+        return url, lambda: LocalStore(work / "store")
+    bucket = f"races-{secrets.token_hex(4)}"
+    boto3.client("s3", endpoint_url=s3_url, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+                 aws_secret_access_key=SECRET_KEY).create_bucket(Bucket=bucket)  # fmt: skip
+    return url, lambda: make_store(f"s3://{bucket}/a", endpoint_url=s3_url, region=REGION,
+                                   access_key=ACCESS_KEY, secret_key=SECRET_KEY)  # fmt: skip
 
 
 def _info(folder: Path):
@@ -110,14 +110,17 @@ class AdapterRaces(RuleBasedStateMachine):
     @initialize()
     def setup(self):
         self.work = Path(tempfile.mkdtemp(prefix="races-"))
-        url, store = _registry_and_store(*self.case, self.work, self.pg_url, self.s3_url)
-        self.db = make_engine(url)
+        url, new_store = _registry_and_store(*self.case, self.work, self.pg_url, self.s3_url)
         self.interleaver: Interleaver | None = None
-        self.state = SimpleNamespace(
-            sessions=make_sessionmaker(self.db),
-            store=GatedStore(store, lambda: self.interleaver),
-            model_name="base",
-        )
+        # Two servers' worth of state: their own database pools and store clients on the one
+        # registry and store, as replicas have.
+        self.dbs = [make_engine(url), make_engine(url)]
+        self.replicas = [
+            SimpleNamespace(sessions=make_sessionmaker(db), model_name="base",
+                            store=GatedStore(new_store(), lambda: self.interleaver))
+            for db in self.dbs
+        ]  # fmt: skip
+        self.state = self.replicas[0]
         self.folders = [fake_adapter(self.work / f"src{i}", seed=i) for i in range(CONTENTS)]
         self.digests = [adapter_digest(f) for f in self.folders]
         with self.state.sessions() as session:
@@ -125,24 +128,25 @@ class AdapterRaces(RuleBasedStateMachine):
         self.model: dict[tuple[str, str], int] = {}  # (tenant, name) -> content index
 
     def teardown(self):
-        self.db.dispose()
+        for db in self.dbs:
+            db.dispose()
         shutil.rmtree(self.work, ignore_errors=True)
 
     # --- operations, as the routes call them -----------------------------------------------
 
-    def _run(self, op: tuple):
+    def _run(self, op: tuple, replica: int = 0):
         kind, tenant, name, *rest = op
-        tid = self.tenant_ids[tenant]
+        tid, state = self.tenant_ids[tenant], self.replicas[replica]
         if kind == "upload":
             folder = self.folders[rest[0]]
             try:
-                adapter_service.store_and_register(self.state, tid, name, folder, _info(folder))
+                adapter_service.store_and_register(state, tid, name, folder, _info(folder))
             except APIError as e:
                 assert e.status == 409, e
                 return "conflict"
             return "created"
-        with self.state.sessions() as session:
-            return adapter_service.remove_adapter(self.state, session, tenant_id=tid, name=name)
+        with state.sessions() as session:
+            return adapter_service.remove_adapter(state, session, tenant_id=tid, name=name)
 
     ops = st.one_of(
         st.tuples(st.just("upload"), st.sampled_from(TENANTS), st.sampled_from(NAMES),
@@ -159,7 +163,7 @@ class AdapterRaces(RuleBasedStateMachine):
     def together(self, a, b, schedule):
         self.interleaver = Interleaver(schedule)
         try:
-            got = self.interleaver.run([lambda: self._run(a), lambda: self._run(b)])
+            got = self.interleaver.run([lambda: self._run(a, 0), lambda: self._run(b, 1)])
         finally:
             trace, self.interleaver = self.interleaver.trace, None
         for r in got:
