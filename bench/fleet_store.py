@@ -49,11 +49,14 @@ class FleetStore:
 
     def folder(self, replica: int, adapter: int) -> str:
         """The adapter's folder on the replica's disk, fetched from the store if not there."""
+        from loraplex.platform.store.base import key_digest
+
         key, cache = self.keys[adapter], self.caches[replica]
-        if cache.cached(key):
-            return str(cache.get(key, key))
+        digest = key_digest(key)  # the disk cache is keyed by content
+        if cache.cached(digest):
+            return str(cache.get(key, digest))
         start = time.monotonic()
-        folder = cache.get(key, key)  # fetches, or waits for another request's fetch
+        folder = cache.get(key, digest)  # fetches, or waits for another request's fetch
         self.cold_s.append(time.monotonic() - start)
         return str(folder)
 

@@ -64,6 +64,11 @@ def new_key(digest: str) -> str:
     return f"{check_digest(digest)}-{secrets.token_hex(8)}"
 
 
+def key_digest(key: str) -> str:
+    """The content digest a key was made for (what the disk cache is keyed by)."""
+    return check_key(key)[:64]
+
+
 @dataclass(frozen=True)
 class StoredObject:
     key: str
