@@ -53,6 +53,7 @@ from tests.platform.conftest import _empty_pg_schema
 from tests.platform.test_store import fake_adapter
 from tests.utils.interleave import GatedStore, Interleaver
 from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, moto_server
+from tests.utils.registry_model import apply, linearize
 
 EXAMPLES = int(os.environ.get("LORAPLEX_RACE_EXAMPLES", "25"))
 TENANTS = ("x", "y")
@@ -86,18 +87,6 @@ def _registry_and_store(db: str, store_kind: str, work: Path, pg_url, s3_url):
 def _info(folder: Path):
     return SimpleNamespace(rank=4, alpha=8.0, targets=("q_proj",), nbytes=100,
                            digest=adapter_digest(folder))  # fmt: skip
-
-
-def _apply(model: dict, op: tuple):
-    """What one operation does to the model registry, run alone; returns (outcome, model)."""
-    kind, tenant, name, *rest = op
-    model = dict(model)
-    if kind == "upload":
-        if (tenant, name) in model:
-            return "conflict", model
-        model[(tenant, name)] = rest[0]
-        return "created", model
-    return (model.pop((tenant, name), None) is not None), model
 
 
 class AdapterRaces(RuleBasedStateMachine):
@@ -146,7 +135,8 @@ class AdapterRaces(RuleBasedStateMachine):
                 return "conflict"
             return "created"
         with state.sessions() as session:
-            return adapter_service.remove_adapter(state, session, tenant_id=tid, name=name)
+            gone = adapter_service.remove_adapter(state, session, tenant_id=tid, name=name)
+        return "deleted" if gone else "missing"
 
     ops = st.one_of(
         st.tuples(st.just("upload"), st.sampled_from(TENANTS), st.sampled_from(NAMES),
@@ -156,7 +146,7 @@ class AdapterRaces(RuleBasedStateMachine):
 
     @rule(op=ops)
     def alone(self, op):
-        outcome, self.model = _apply(self.model, op)
+        outcome, self.model = apply(self.model, op)
         assert self._run(op) == outcome
 
     @rule(a=ops, b=ops, schedule=st.lists(st.integers(0, 1), max_size=12))
@@ -170,14 +160,12 @@ class AdapterRaces(RuleBasedStateMachine):
             if isinstance(r, BaseException):
                 raise AssertionError(f"{a} with {b} raised (store calls {trace})") from r
         rows = {(t, n): digest for t, n, _, digest in self._rows_full()}
-        orders = []
-        for first, second, i, j in ((a, b, 0, 1), (b, a, 1, 0)):
-            o1, m = _apply(self.model, first)
-            o2, m = _apply(m, second)
-            if (o1, o2) == (got[i], got[j]) and {k: self.digests[c] for k, c in m.items()} == rows:
-                orders.append(m)
-        assert orders, f"{a} with {b} answered {got}: no order explains it (store calls {trace})"
-        self.model = orders[0]
+        after = linearize(self.model, (a, b), got, rows, self._digests_of)
+        assert after is not None, f"{a} with {b} answered {got}: no order explains it ({trace})"
+        self.model = after
+
+    def _digests_of(self, model) -> dict:
+        return {k: self.digests[c] for k, c in model.items()}
 
     @rule()
     def collect(self):

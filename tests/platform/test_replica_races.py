@@ -22,7 +22,6 @@ machine in test_adapter_races.py chooses them.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
 import os
 import secrets
 from types import SimpleNamespace
@@ -45,6 +44,7 @@ from loraplex.platform.db import crud
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.store import adapter_digest
 from tests.utils.fleet import complete, new_tenant, received_usage
+from tests.utils.registry_model import linearize
 from tests.utils.server import ADMIN_KEY
 from tests.utils.uploads import auth, folder_parts, upload
 
@@ -52,20 +52,6 @@ EXAMPLES = int(os.environ.get("LORAPLEX_RACE_EXAMPLES", "3"))
 TENANTS = (0, 1)
 NAMES = ("d", "e")
 CONTENTS = ("x", "y")
-
-
-def _apply(model: dict, active: dict, op: tuple):
-    """(outcome, model) of one operation run alone."""
-    kind, tenant, name, *rest = op
-    if not active[tenant]:
-        return "refused", model
-    model = dict(model)
-    if kind == "upload":
-        if (tenant, name) in model:
-            return "conflict", model
-        model[(tenant, name)] = rest[0]
-        return "created", model
-    return ("deleted" if model.pop((tenant, name), None) else "missing"), model
 
 
 _OUTCOMES = {201: "created", 409: "conflict", 200: "deleted", 404: "missing", 401: "refused"}
@@ -108,15 +94,10 @@ class FleetRaces(RuleBasedStateMachine):
     def concurrently(self, batch):
         with cf.ThreadPoolExecutor(len(batch)) as pool:
             got = list(pool.map(lambda job: self._op(*job), batch))
-        listed = self._listed(0)
-        for order in itertools.permutations(range(len(batch))):
-            model, outcomes = self.model, [None] * len(batch)
-            for i in order:
-                outcomes[i], model = _apply(model, self.active, batch[i][0])
-            if outcomes == got and self._as_listed(model) == listed:
-                self.model = model
-                return
-        raise AssertionError(f"{batch} answered {got}, listed {listed}: no order explains it")
+        ops = [op for op, _ in batch]
+        after = linearize(self.model, ops, got, self._listed(0), self._as_listed, self.active.get)
+        assert after is not None, f"{batch} answered {got}: no order explains it"
+        self.model = after
 
     @rule(tenant=st.sampled_from(TENANTS), replica=st.integers(0, 1))
     def serve(self, tenant, replica):
