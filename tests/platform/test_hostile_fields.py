@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
@@ -23,6 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute, iter_route_contexts
 
 from loraplex.platform.api.deps import require_admin
+from loraplex.platform.db import crud
 from tests.platform.conftest import _empty_pg_schema
 from tests.utils.server import ADMIN_KEY, run_server
 from tests.utils.uploads import folder_parts
@@ -45,6 +47,7 @@ URL_HOSTILE = {
     "surrogate": "%ED%A0%80",
     "long": "x" * 4_000,
     "huge-number": "9" * 30,
+    "empty": "",
 }
 NOT_UTF8 = b"\xc0\xaf\xed\xa0\x80\xff"
 # Values the walk cannot guess from the schema, so that every field but the hostile one is
@@ -53,7 +56,7 @@ KNOWN = {
     "max_tokens": 1,
     "messages": [{"role": "user", "content": "hi"}],
     "lora_name": "hostile-ok",
-    "lora_path": "no-such-folder",
+    "lora_path": "peft-folder",
 }
 MAX_DEPTH = 4
 
@@ -76,11 +79,11 @@ def ids(server, tiny_adapters) -> dict:
     """Real ids for path parameters, so a hostile value in one field meets valid others."""
     tenant_id, key = server.new_tenant("hostile")
     with server.sessions() as session:
-        from loraplex.platform.db import crud
-
         _, spare = crud.create_key(session, tenant_id=tenant_id, name="spare")
         key_id = spare.id
     good = tiny_adapters["llama"]["qv4"]
+    # A real folder for vLLM's load_lora_adapter, so its other fields are checked past the path.
+    shutil.copytree(good, server.settings.adapter_import_roots[0] / KNOWN["lora_path"])
     r = httpx.post(f"{server.url}/v1/adapters", headers=_auth(key), data={"name": "mine"},
                    files=folder_parts(good), timeout=60)  # fmt: skip
     assert r.status_code == 201, r.text
