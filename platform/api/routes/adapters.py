@@ -99,7 +99,7 @@ _UPLOAD_FORM = {
                             "description": expected_files(),
                         },
                     },
-                }  # fmt: skip
+                }
             }
         },
     }
