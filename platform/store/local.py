@@ -71,11 +71,19 @@ class LocalStore(AdapterStore):
         check_key(key)
         return self.root / key[:2] / key
 
+    def _mkdtemp(self, prefix: str, doing: str) -> Path:
+        # The store folder itself may be gone (a volume unmounted): a StoreError, as callers
+        # expect of every store failure, not a bare OSError.
+        try:
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=self._tmp))
+        except OSError as e:
+            raise StoreError(f"cannot {doing} {self.root}: {e.strerror}") from None
+
     def put(self, folder: Path, digest: str) -> str:
         key = new_key(digest)
         final = self._folder(key)
         folder = Path(folder)
-        tmp = Path(tempfile.mkdtemp(prefix="put-", dir=self._tmp))
+        tmp = self._mkdtemp("put-", f"write adapter {digest} into")
         try:
             for name in ADAPTER_FILES:
                 copy_durably(folder / name, tmp / name)
@@ -106,7 +114,7 @@ class LocalStore(AdapterStore):
 
     def delete(self, key: str) -> None:
         final = self._folder(key)
-        trash = Path(tempfile.mkdtemp(prefix="del-", dir=self._tmp)) / key
+        trash = self._mkdtemp("del-", f"remove adapter {key} from") / key
         try:
             os.replace(final, trash)  # atomic: readers never see a half-removed adapter
         except FileNotFoundError:

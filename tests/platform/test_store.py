@@ -124,6 +124,10 @@ def test_local_delete(tmp_path):
     assert not (tmp_path / "out").exists()
     store.delete(key)  # deleting again is fine
     assert list((tmp_path / "store" / ".tmp").iterdir()) == []
+    shutil.rmtree(tmp_path / "store")  # the whole folder gone: a StoreError, not an OSError
+    for call in (lambda: store.put(src, adapter_digest(src)), lambda: store.delete(key)):
+        with pytest.raises(StoreError, match="cannot"):
+            call()
 
 
 # --- S3 over a real moto server ------------------------------------------------------------
