@@ -9,6 +9,7 @@ multi-GB CUDA build) fails at resolution instead of downloading it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -63,6 +64,14 @@ def client_venvs(wanted: dict[str, list[str]]) -> dict[str, Future[Path]]:
 def client_venv(name: str, requirements: list[str]) -> Path:
     """The `bin/` folder of venv `name` with `requirements` installed (made on first use)."""
     venv = venvs_root() / name
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # Test sessions in one checkout share the venvs: one makes it, the others wait for it.
+    with open(venv.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_venv(venv, requirements)
+
+
+def _make_venv(venv: Path, requirements: list[str]) -> Path:
     stamp = venv / "loraplex-requirements.txt"
     wanted = "\n".join([*requirements, CONSTRAINTS.read_text()])
     if stamp.is_file() and stamp.read_text() == wanted:
@@ -75,6 +84,6 @@ def client_venv(name: str, requirements: list[str]) -> Path:
     run([*pip, "-c", CONSTRAINTS, *requirements], timeout=900, env=client_env())
     installed = run([venv / "bin" / "python", "-m", "pip", "list", "--format=freeze"], 60)
     cuda = [line for line in installed.stdout.splitlines() if line.startswith("nvidia-")]
-    assert not cuda, f"{name}: a CUDA build was pulled in: {cuda}"
+    assert not cuda, f"{venv.name}: a CUDA build was pulled in: {cuda}"
     stamp.write_text(wanted)
     return venv / "bin"
