@@ -8,6 +8,12 @@ The thread runs the same core loop as the engine process (engine/core.py). Only 
 thread touches the engine, so no locks guard its internals. A caller that
 stops iterating (client disconnect, task cancelled) aborts its request, which frees its
 KV blocks at the next step boundary.
+
+Backpressure: a stream with a `window` pauses its request in the engine once the outputs
+queued for it and not yet taken by its reader hold more than `window` tokens (a server's
+reader stops taking while the client's connection accepts nothing), and resumes it when
+the reader has caught up to half the window. A paused request costs no steps and keeps its
+KV (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import AbortRequest, AddRequest, Command, CommandSource, EngineCore, Stop
+from loraplex.engine.core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CommandSource,
+    EngineCore,
+    PauseRequest,
+    ResumeRequest,
+    Stop,
+)
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -31,12 +46,19 @@ from loraplex.engine.stats import EngineStats, engine_stats
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # (output or exception, the output's tokens so far)
+    window: int | None = None  # tokens the engine may run ahead of the reader
+    made: int = 0  # tokens in the outputs queued so far (the loop's thread counts)
+    taken: int = 0  # … and in those the reader took
+    paused: bool = False
+    cut: BaseException | None = None  # raised to the reader at its next output
 
 
-def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in pairs:
-        q.put_nowait(item)
+def _tokens(item: object) -> int:
+    """Tokens generated so far in an output (all samples)."""
+    if not isinstance(item, RequestOutput):
+        return 0
+    return sum(len(c.token_ids) for c in item.outputs)
 
 
 class EngineDeadError(RuntimeError):
@@ -77,25 +99,33 @@ class StreamingEngine:
         request_id: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
+        window: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (each with `delta_text`); the last has finished=True.
 
         Raises ValueError/AdapterError for bad input, AdapterUnavailable when the adapter's
         files cannot be read, before yielding anything. `weight` is the tenant's fair share.
+        `window`: pause the request while more than this many of its tokens wait for this
+        iterator to take them (see the module doc); None: never pause.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), window)
         self._streams[rid] = stream
         self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight))
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item, stream.taken = await stream.queue.get()
+                if stream.cut is not None:
+                    raise stream.cut
                 if isinstance(item, BaseException):
                     raise item
+                if stream.paused and stream.made - stream.taken <= stream.window // 2:
+                    stream.paused = False
+                    self._submit(ResumeRequest(rid))
                 yield item
                 if item.finished:
                     finished = True
@@ -108,6 +138,21 @@ class StreamingEngine:
     def abort(self, request_id: str) -> None:
         self._submit(AbortRequest(request_id))
 
+    def cut(self, request_id: str, error: BaseException) -> bool:
+        """End a request's stream now: its iterator raises `error` at once, before any
+        output still queued for it, and the request is aborted. Callable from any thread;
+        False if no such stream runs here."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+
+        def wake() -> None:
+            stream.cut = error
+            stream.queue.put_nowait((None, stream.taken))
+
+        stream.loop.call_soon_threadsafe(wake)
+        return True
+
     def _deliver(self, rid: str, item) -> None:
         self._deliver_all([(rid, item)])
 
@@ -118,9 +163,21 @@ class StreamingEngine:
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-        for loop, pairs in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, pairs)
+                # Counted here: an output may be a live view the engine goes on extending.
+                by_loop.setdefault(stream.loop, []).append((rid, stream, item, _tokens(item)))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(self._queue_all, batch)
+
+    def _queue_all(self, batch: list[tuple[str, _Stream, object, int]]) -> None:
+        """On the streams' loop: queue the outputs; pause a request whose reader lags."""
+        for rid, stream, item, made in batch:
+            stream.queue.put_nowait((item, made))
+            stream.made = max(stream.made, made)
+            lag = stream.made - stream.taken
+            live = isinstance(item, RequestOutput) and not item.finished
+            if live and stream.window is not None and not stream.paused and lag > stream.window:
+                stream.paused = True
+                self._submit(PauseRequest(rid))
 
     def _fail_all(self, error: BaseException) -> None:
         self.error = error

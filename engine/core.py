@@ -1,6 +1,6 @@
 """The engine core loop, the one both server modes run: apply commands, step, hand out results.
 
-    commands (AddRequest / AbortRequest / Stop) ──▶ EngineCore.run: apply, step, step…
+    commands (Add / Abort / Pause / Resume / Stop) ──▶ EngineCore.run: apply, step, step…
                                                          │
                  sink(results, stats) ◀──────────────────┘  per step: (request id, output
                                                             or the error that request caused)
@@ -40,11 +40,23 @@ class AbortRequest:
 
 
 @dataclass
+class PauseRequest:
+    """The request's reader fell behind: no steps for it until resumed (its KV is kept)."""
+
+    request_id: str
+
+
+@dataclass
+class ResumeRequest:
+    request_id: str
+
+
+@dataclass
 class Stop:
     pass
 
 
-Command = AddRequest | AbortRequest | Stop
+Command = AddRequest | AbortRequest | PauseRequest | ResumeRequest | Stop
 # What a step hands out: per request, its output or the exception it gets instead.
 Result = tuple[str, "RequestOutput | Exception"]
 
@@ -139,6 +151,12 @@ class EngineCore:
         if isinstance(cmd, AbortRequest):
             out = self.engine.abort(cmd.request_id)
             return [] if out is None else [(cmd.request_id, out)]
+        if isinstance(cmd, PauseRequest):
+            self.engine.pause(cmd.request_id)
+            return []
+        if isinstance(cmd, ResumeRequest):
+            self.engine.resume(cmd.request_id)
+            return []
         raise TypeError(f"unknown engine command {cmd!r}")
 
     def step(self) -> list[Result]:

@@ -31,7 +31,15 @@ from pathlib import Path
 from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.async_engine import EngineDeadError, StreamingEngine
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import AbortRequest, AddRequest, Command, CommandSource, Stop
+from loraplex.engine.core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CommandSource,
+    PauseRequest,
+    ResumeRequest,
+    Stop,
+)
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.memory import MemoryReport
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
@@ -126,7 +134,7 @@ def _child_main(
 
 class _PipeSource(CommandSource):
     """Commands as JSON lists: ["add", id, prompt, params, lora, tenant, weight],
-    ["abort", id], ["stop"]."""
+    ["abort", id], ["pause", id], ["resume", id], ["stop"]."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -148,6 +156,10 @@ def _command(cmd: list) -> Command:
         return AddRequest(rid, prompt, SamplingParams(**params), lora, tenant, weight)
     if cmd[0] == "abort":
         return AbortRequest(cmd[1])
+    if cmd[0] == "pause":
+        return PauseRequest(cmd[1])
+    if cmd[0] == "resume":
+        return ResumeRequest(cmd[1])
     if cmd[0] == "stop":
         return Stop()
     raise ValueError(f"unknown engine command {cmd[0]!r}")
@@ -162,6 +174,10 @@ def _encode_command(command: Command) -> list:
                 command.weight]  # fmt: skip
     if isinstance(command, AbortRequest):
         return ["abort", command.request_id]
+    if isinstance(command, PauseRequest):
+        return ["pause", command.request_id]
+    if isinstance(command, ResumeRequest):
+        return ["resume", command.request_id]
     return ["stop"]
 
 

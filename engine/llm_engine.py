@@ -116,6 +116,8 @@ class LLMEngine:
         self.load_errors: dict[str, Exception] = {}  # request id -> why its adapter failed
         self._pending: list[RequestOutput] = []  # outputs made outside a step
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all steps
+        self.num_generated_tokens = 0  # tokens sampled, all requests, all steps
+        self.num_steps = 0  # steps that ran the model
         self.proposer = None
         if config.num_speculative_tokens:
             self.proposer = NgramProposer(config.num_speculative_tokens)
@@ -226,6 +228,18 @@ class LLMEngine:
             self._finish(req, "abort")
         return self._output(group)
 
+    def pause(self, request_id: str) -> None:
+        """Stop spending steps on a request, keeping its KV (a stream whose client stopped
+        reading); a no-op for a request that finished or is unknown."""
+        group = self.requests.get(request_id)
+        for req in group.samples if group is not None else []:
+            self.scheduler.pause(req.seq)
+
+    def resume(self, request_id: str) -> None:
+        group = self.requests.get(request_id)
+        for req in group.samples if group is not None else []:
+            self.scheduler.resume(req.seq)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -276,6 +290,8 @@ class LLMEngine:
             seconds = time.perf_counter() - t0
             self.scheduler.swap.costs.observe_step(out.num_batched_tokens, seconds)
         stepped = self.scheduler.postprocess(out, sampled)
+        self.num_steps += 1
+        self.num_generated_tokens += sum(len(t) for t in sampled.values())
         for seq in out.seqs:  # max_tokens=0 scores the prompt: done once it is computed
             scored = seq.num_computed_tokens >= seq.num_prompt_tokens
             if seq.params.max_tokens == 0 and scored and not seq.is_finished:

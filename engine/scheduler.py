@@ -13,6 +13,12 @@ adapter a step needs fits in a device slot and no adapter in use is ever evicted
 
 Adapters load in the background: a waiting sequence whose adapter is not in host memory yet
 is skipped by admission (the step goes on without it) and admitted once the load is done.
+
+A paused sequence (its stream's reader fell behind) is in neither list: no step spends
+tokens on it and it holds no batch slot, but it keeps its KV blocks, unless blocks run short:
+then paused sequences give theirs back first (they recompute when resumed). Resumed, one that
+kept its blocks goes straight back to the running set when a slot and an adapter slot allow;
+one without blocks waits like any other.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class Scheduler:
         self.adapter_loaded = adapter_loaded or (lambda adapter_id: True)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.paused: list[Sequence] = []  # neither scheduled nor admitted until resumed
+        self.resumed: list[Sequence] = []  # resumed with their blocks: back to running first
         self.num_preemptions = 0
         self.swap = swap  # the host KV pool, if any: preemption by swap
         # config.kv_admission: admit by expected KV growth, not by prompt alone
@@ -75,7 +83,67 @@ class Scheduler:
         self.policy.on_arrival(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has anything to do (paused sequences wait for a resume)."""
+        return bool(self.waiting or self.running or self.resumed)
+
+    def pause(self, seq: Sequence) -> None:
+        """Take `seq` out of scheduling, keeping its blocks (a no-op if finished or paused)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.resumed:
+            self.resumed.remove(seq)
+        else:
+            return
+        seq.spec_tokens = []
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        if seq not in self.paused:
+            return
+        self.paused.remove(seq)
+        if seq.status is SequenceStatus.RUNNING and seq.block_table:
+            self.resumed.append(seq)
+        else:  # never admitted, preempted, or its blocks were taken while paused
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    def _release_paused(self) -> bool:
+        """Free the blocks of one paused sequence (it recomputes once resumed); False if
+        none holds any."""
+        for seq in self.paused + self.resumed:
+            if seq.block_table and seq.status is SequenceStatus.RUNNING:
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+                if seq in self.resumed:
+                    self.resumed.remove(seq)
+                    self.waiting.append(seq)
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def _allocate(self, seq: Sequence, n: int, blocks: list[int] | None = None) -> bool:
+        """allocate_slots, taking paused sequences' blocks when the pool is short."""
+        while not self.block_manager.allocate_slots(seq, n, blocks):
+            if not self._release_paused():
+                return False
+        return True
+
+    def _readmit_resumed(self) -> None:
+        """Resumed sequences that kept their KV rejoin the running set as caps allow."""
+        adapters = self.running_adapters()
+        for seq in list(self.resumed):
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            a = seq.adapter_id
+            if a and a not in adapters and len(adapters) >= self.config.max_loras:
+                continue
+            self.resumed.remove(seq)
+            self.running.append(seq)
+            if a:
+                adapters.add(a)
 
     def running_adapters(self) -> set[int]:
         return {s.adapter_id for s in self.running if s.adapter_id}
@@ -96,6 +164,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         if self.swap is not None:
             self.swap.begin_step()
+        if self.resumed:
+            self._readmit_resumed()
 
         # Running sequences first, oldest first; preempt from the policy's end on shortage.
         for seq in list(self.running):
@@ -107,7 +177,7 @@ class Scheduler:
             if seq.spec_tokens:  # a decode with proposals: score them in the same pass
                 seq.spec_tokens = seq.spec_tokens[: max(0, budget - remaining)]
             n = min(remaining + len(seq.spec_tokens), budget)
-            while not self.block_manager.allocate_slots(seq, n):
+            while not self._allocate(seq, n):
                 victim = self.policy.preemption_victim(self.running)
                 self._preempt(victim, out)
                 out.preempted.append(victim)
@@ -151,7 +221,7 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.block_manager.allocate_slots(seq, n, blocks):
+            if not self._allocate(seq, n, blocks):
                 break
             self.block_manager.record_prefix_lookup(num_cached)
             if self.swap is not None and self.swap.is_swapped(seq):
@@ -220,6 +290,9 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        for held in (self.paused, self.resumed):
+            if seq in held:
+                held.remove(seq)
         self.block_manager.free(seq)
         if self.swap is not None:
             self.swap.free(seq)

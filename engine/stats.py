@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 class EngineStats:
     running: int = 0
     waiting: int = 0
+    paused: int = 0  # requests whose stream's reader fell behind: no steps, KV kept
+    steps: int = 0  # steps that ran the model, since start
+    generated_tokens: int = 0  # tokens sampled, since start
     kv_usage: float = 0.0  # fraction of KV blocks held
     kv_blocks: int = 0
     preemptions: int = 0
@@ -64,7 +67,14 @@ def routing_key(engine: LLMEngine) -> tuple:
     (a new snapshot is due when it changes; `engine_stats` costs more, every step)."""
     sched, ad = engine.scheduler, engine.adapters
     waiting_adapters = tuple(s.adapter_id for s in sched.waiting)
-    return (len(sched.running), waiting_adapters, tuple(ad.slots), len(ad.host), len(ad.loading))
+    return (
+        len(sched.running),
+        len(sched.paused),
+        waiting_adapters,
+        tuple(ad.slots),
+        len(ad.host),
+        len(ad.loading),
+    )
 
 
 def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
@@ -87,6 +97,9 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
     return EngineStats(
         running=len(running),
         waiting=len(waiting),
+        paused=len({s.request_id for s in list(sched.paused)}),
+        steps=engine.num_steps,
+        generated_tokens=engine.num_generated_tokens,
         kv_usage=bm.usage,
         kv_blocks=bm.num_blocks,
         kv_blocks_used=bm.num_blocks - bm.num_free_blocks,

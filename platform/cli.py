@@ -97,6 +97,33 @@ messages=[{{'role': 'user', 'content': '{question}'}}]).choices[0].message.conte
 """
 
 
+def serve_socket(config, send_buffer_bytes: int):
+    """`serve`'s listening socket, for a uvicorn.Config it adjusts before the server loads it.
+
+    What is written ahead of a client that stops reading sits in two buffers on our side: the
+    asyncio transport's (uvicorn's `send` waits only once it is over its high-water mark,
+    64 KiB by default) and the kernel's (SO_SNDBUF, autotuned to megabytes). Both are held to
+    `send_buffer_bytes` (0: the defaults), so a stalled stream's backpressure reaches the
+    engine (docs/security.md, "Streams whose client stops reading"). Accepted connections
+    inherit the listening socket's SO_SNDBUF.
+    """
+    import socket
+
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    sock = config.bind_socket()
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+
+        class BoundedWrites(AutoHTTPProtocol):
+            def connection_made(self, transport) -> None:
+                transport.set_write_buffer_limits(high=send_buffer_bytes)
+                super().connection_made(transport)
+
+        config.http = BoundedWrites
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -160,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
     # end a graceful shutdown with status 143; a no-op handler beneath its own makes it 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[serve_socket(server.config, settings.stream_send_buffer_bytes)])
     if fatal:
         print(f"loraplex: error: {fatal[0]}", file=sys.stderr, flush=True)
         return 3

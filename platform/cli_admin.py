@@ -1,15 +1,17 @@
 """`loraplex tenants|keys|quotas …`: registry administration straight on the database.
 
 Each command opens the database of the current settings (`LORAPLEX_*`, `LORAPLEX_CONFIG`), so
-no server needs to run. Output is a table for humans, JSON with `--json` for scripts, in the
-admin API's shapes. Tenants are named by name or id. Reports (adapters, usage) are in
-`cli_reports.py`, on the helpers here.
+no server needs to run (except `--end-streams URL`, which asks that running server to end the
+streams of a revoked key or suspended tenant at once, through its admin API). Output is a
+table for humans, JSON with `--json` for scripts, in the admin API's shapes. Tenants are
+named by name or id. Reports (adapters, usage) are in `cli_reports.py`, on the helpers here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -33,6 +35,10 @@ from loraplex.platform.periods import parse_moment
 from loraplex.platform.settings import Settings
 
 Columns = Sequence[tuple[str, str]]  # (field, heading)
+END_STREAMS = (
+    "also end the running streams on the server at URL now (repeat for each replica; uses "
+    "LORAPLEX_ADMIN_KEY); without it they finish"
+)
 
 
 def columns(*spec: str) -> Columns:
@@ -172,12 +178,39 @@ def tenants_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def end_streams(urls: list[str] | None, method: str, path: str, body: dict | None = None) -> None:
+    """Repeat an admin call with `end_streams=true` on each server in `urls` (each replica
+    ends the streams it runs; the registry change itself is already made, and idempotent)."""
+    if not urls:
+        return
+    import httpx
+
+    admin_key = Settings().admin_key
+    if admin_key is None:
+        raise ValueError("--end-streams calls the server's admin API: set LORAPLEX_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {admin_key.get_secret_value()}"}
+    for url in urls:
+        try:
+            r = httpx.request(
+                method, f"{url.rstrip('/')}/admin/api{path}", params={"end_streams": "true"},
+                json=body, headers=headers, timeout=30,
+            )  # fmt: skip
+        except httpx.HTTPError as e:
+            raise ValueError(f"--end-streams {url}: {e}") from None
+        if r.status_code >= 400:
+            raise ValueError(f"--end-streams {url}: HTTP {r.status_code}: {r.text[:300]}")
+        ended = r.headers.get("loraplex-streams-ended", "?")
+        print(f"{url}: {ended} running stream(s) ended", file=sys.stderr)
+
+
 def _set_status(status: TenantStatus) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         with registry_session() as session:
             tenant_id = resolve_tenant(session, args.tenant).id
             tenant = crud.update_tenant(session, tenant_id=tenant_id, status=status)
             emit(args, [TenantPublic.model_validate(tenant)], TENANT_COLUMNS, one=True)
+        urls = getattr(args, "end_streams", None)
+        end_streams(urls, "PATCH", f"/tenants/{tenant_id}", {"status": status.value})
         return 0
 
     return run
@@ -217,6 +250,7 @@ def keys_revoke(args: argparse.Namespace) -> int:
     with registry_session() as session:
         key = ApiKeyPublic.model_validate(crud.revoke_key(session, key_id=args.key_id))
         emit(args, [key], KEY_COLUMNS, _key_state, one=True)
+    end_streams(args.end_streams, "POST", f"/keys/{args.key_id}/revoke")
     return 0
 
 
@@ -304,6 +338,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     ):
         p = t.add_parser(verb, parents=[out], help=what)
         p.add_argument("tenant", help="name or id")
+        if status is TenantStatus.suspended:
+            p.add_argument("--end-streams", action="append", metavar="URL", help=END_STREAMS)
         p.set_defaults(func=_set_status(status))
 
     k = group("keys", "create, list, revoke API keys")
@@ -317,6 +353,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=keys_list)
     p = k.add_parser("revoke", parents=[out], help="revoke a key at once")
     p.add_argument("key_id", type=int)
+    p.add_argument("--end-streams", action="append", metavar="URL", help=END_STREAMS)
     p.set_defaults(func=keys_revoke)
 
     q = group("quotas", "show and set a tenant's limits")

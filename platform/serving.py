@@ -56,6 +56,10 @@ def engine_adapter_id(digest: str) -> int:
     return int(digest[:15], 16) + 1
 
 
+class StreamCut(APIError):
+    """An operator ended the stream (key revoked or tenant suspended with streams cut)."""
+
+
 @dataclass
 class Job:
     """What the route resolved; filled in while the request runs."""
@@ -208,12 +212,16 @@ class InferenceService:
             return quotas.check_and_charge(session, tenant_id, tokens=tokens)
 
     # ---------------------------------------------------------------- running
-    async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, job: Job, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """Engine outputs for the job. The caller reports delivery via `job.sent_tokens` and
         must call `finish(job)` in a `finally`: the job stays in `state.inflight` (what a
-        shutdown's drain waits for) until its usage record is written."""
+        shutdown's drain waits for) until its usage record is written. A `stream` pauses in
+        the engine while `stream_window_tokens` of it wait unsent, and can be cut
+        (`cut_streams`)."""
         engine = self._engine()
         self.state.inflight.add(job.request_id)
+        if stream:
+            self.state.streams[job.request_id] = job
         try:
             async for out in engine.generate(
                 job.prompt_ids,
@@ -222,6 +230,7 @@ class InferenceService:
                 request_id=job.request_id,
                 tenant=str(job.caller.tenant.id),
                 weight=job.caller.tenant.weight,  # the registry's fair-share weight
+                window=self.state.settings.stream_window_tokens if stream else None,
             ):
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
@@ -253,6 +262,21 @@ class InferenceService:
             word = str(e).split(" ", 1)[0]
             param = word if word in _ENGINE_CHECKED_FIELDS else None
             raise APIError(400, str(e), "invalid_value", param) from None
+        finally:
+            self.state.streams.pop(job.request_id, None)
+
+    def cut_streams(self, tenant_id: int, key_id: int | None = None) -> int:
+        """End the running streams of a tenant (or of one of its keys) on this replica now:
+        each gets an `error` event and `[DONE]`, billed for what it was sent. How many."""
+        engine, cut = self.state.engine, 0
+        for job in list(self.state.streams.values()):
+            if job.caller.tenant.id != tenant_id or key_id not in (None, job.caller.key.id):
+                continue
+            what = "API key was revoked" if key_id is not None else "account was suspended"
+            error = StreamCut(403, f"this stream was ended: the {what}", "stream_cut")
+            if engine is not None and engine.cut(job.request_id, error):
+                cut += 1
+        return cut
 
     async def finish(self, job: Job, status: str | None = None) -> None:
         """Record usage once and give back the unused part of the quota reservation."""

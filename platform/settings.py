@@ -134,6 +134,26 @@ class Settings(BaseSettings):
         description="on SIGTERM, how long in-flight requests may run on before they are cut "
         "(keep it under the pod's terminationGracePeriodSeconds)",
     )
+    stream_window_tokens: int = Field(
+        64,
+        ge=1,
+        description="a stream's request pauses in the engine (no steps, its KV kept) once this "
+        "many of its tokens wait unsent because the client reads nothing, and resumes when it "
+        "reads again",
+    )
+    stream_stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a stream whose client has accepted nothing for this long is ended, billed "
+        "for what was written to its connection",
+    )
+    stream_send_buffer_bytes: int = Field(
+        32768,
+        ge=0,
+        description="the send buffers of `loraplex serve`'s connections (the kernel's SO_SNDBUF "
+        "and the transport's high-water mark), which bound what is written ahead of a client "
+        "that stops reading; 0: the defaults (the kernel autotunes to megabytes)",
+    )
     engine_process: bool = Field(
         True,
         description="run the engine in a process of its own, so that it never waits for the "

@@ -34,6 +34,7 @@ class AppState:
     engine: StreamingEngine | None = None  # None until the model is loaded (thread or process)
     accepting: bool = True  # False while shutting down
     inflight: set = field(default_factory=set)
+    streams: dict = field(default_factory=dict)  # request id -> Job of each running stream
     # Why the engine could not start or stopped, in one line; /healthz and /readyz say it.
     engine_error: str | None = None
     # Called once with that line; `loraplex serve` sets it to stop the server with a non-zero

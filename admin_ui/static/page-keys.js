@@ -1,4 +1,5 @@
-// API keys of one tenant: create (the secret is shown once, with a copy button) and revoke.
+// API keys of one tenant: create (the secret is shown once, with a copy button) and revoke
+// (optionally ending the streams running on the key at once).
 
 import { api } from "./api.js";
 import { attempt, badge, field, flash, h, table, when } from "./dom.js";
@@ -46,19 +47,25 @@ export async function keysPage(main, query) {
     h("div", { class: "actions" }, h("button", { type: "submit", class: "primary" }, "Create key")));
   const secretSlot = h("div");
   const list = h("section", { class: "card" });
+  // Off: a revoked key's running streams finish (new requests are refused at once).
+  const endStreams = h("input", { type: "checkbox", id: "revoke-end-streams" });
+  const endStreamsField = h("label", { class: "check" }, endStreams, " Revoking also ends the key's running streams");
 
   async function reload() {
     const tid = Number(select.value);
     const { data } = await api.get(`/tenants/${tid}/keys`);
-    list.replaceChildren(h("h2", {}, `Keys of ${select.selectedOptions[0].textContent}`), table([
+    list.replaceChildren(h("h2", {}, `Keys of ${select.selectedOptions[0].textContent}`), endStreamsField, table([
       { label: "Name", cell: (k) => k.name },
       { label: "Prefix", cell: (k) => h("code", {}, `${k.prefix}…`) },
       { label: "State", cell: keyState },
       { label: "Created", cell: (k) => when(k.created_at) },
       { label: "Last used", cell: (k) => when(k.last_used_at) },
       { label: "", cell: (k) => k.revoked_at ? "" : h("button", { type: "button", class: "danger", onclick: async () => {
-        if (!confirm(`Revoke key ${k.prefix}…? Clients using it are refused at once.`)) return;
-        if (await attempt(() => api.post(`/keys/${k.id}/revoke`), `Key ${k.prefix}… revoked.`)) reload();
+        const cut = endStreams.checked;
+        const streams = cut ? " Its running streams end now." : " Its running streams finish.";
+        if (!confirm(`Revoke key ${k.prefix}…? Clients using it are refused at once.${streams}`)) return;
+        const path = `/keys/${k.id}/revoke${cut ? "?end_streams=true" : ""}`;
+        if (await attempt(() => api.post(path), `Key ${k.prefix}… revoked.`)) reload();
       } }, "Revoke") },
     ], data, "This tenant has no keys."));
   }

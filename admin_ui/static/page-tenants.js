@@ -74,10 +74,13 @@ async function editor(tenant, reload) {
 export async function tenantsPage(main) {
   const list = h("section", { class: "card" });
   const slot = h("div");
+  // Off: a suspended tenant's running streams finish (new requests are refused at once).
+  const endStreams = h("input", { type: "checkbox", id: "suspend-end-streams" });
+  const endStreamsField = h("label", { class: "check" }, endStreams, " Suspending also ends the tenant's running streams");
   async function reload() {
     const { data } = await api.get("/tenants");
     slot.replaceChildren();
-    list.replaceChildren(h("h2", {}, `Tenants (${data.length})`), table([
+    list.replaceChildren(h("h2", {}, `Tenants (${data.length})`), endStreamsField, table([
       { label: "Name", cell: (t) => h("strong", {}, t.name) },
       { label: "Status", cell: (t) => badge(t.status) },
       { label: "Weight", num: true, cell: (t) => t.weight },
@@ -90,8 +93,11 @@ export async function tenantsPage(main) {
         } }, "Edit"),
         h("button", { type: "button", class: t.status === "active" ? "danger" : null, onclick: async () => {
           const status = t.status === "active" ? "suspended" : "active";
-          if (status === "suspended" && !confirm(`Suspend ${t.name}? Its keys stop working.`)) return;
-          if (await attempt(() => api.patch(`/tenants/${t.id}`, { status }), `${t.name} is ${status}.`)) reload();
+          const cut = status === "suspended" && endStreams.checked;
+          const streams = cut ? " Its running streams end now." : " Its running streams finish.";
+          if (status === "suspended" && !confirm(`Suspend ${t.name}? Its keys stop working.${streams}`)) return;
+          const path = `/tenants/${t.id}${cut ? "?end_streams=true" : ""}`;
+          if (await attempt(() => api.patch(path, { status }), `${t.name} is ${status}.`)) reload();
         } }, t.status === "active" ? "Suspend" : "Activate"),
         h("a", { class: "button", href: `#keys?tenant=${t.id}` }, "Keys")) },
     ], data, "No tenants yet: create the first one above."));

@@ -13,16 +13,25 @@ What a client receives is then exact for any client that keeps reading until the
 (a half-close, as our ledger test does). A client that resets the connection may lose events
 that were already written to its socket; those are billed, as they were sent. This reasoning
 holds for uvicorn on asyncio's default loop, which is what `loraplex serve` runs.
+
+A client that stops reading: uvicorn's `send` waits (before writing) while the transport's
+buffer is over its high-water mark, so the events pile up in the engine's queue instead, where
+the request pauses (engine/async_engine.py, `stream_window_tokens`). What was written ahead of
+the client is bounded by the transport's buffer and the kernel's socket buffers (`loraplex
+serve` sets a small SO_SNDBUF); those events are billed, as they were sent. A `send` that waits
+longer than `stall_timeout_s` ends the stream unfinished, billed for what was written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+log = logging.getLogger("loraplex.requests")
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -52,7 +61,8 @@ class MeteredEventStream(Response):
     carries its tokens over to the next event. The generator is closed (running its `finally`)
     when the stream ends, fails, or the client goes away, also while it waits for the engine;
     then `closed()` runs, also for a generator that never started (a client gone before the
-    first event), whose `finally` never runs.
+    first event), whose `finally` never runs. A client that accepts nothing for
+    `stall_timeout_s` is given up on like a client that went away.
     """
 
     def __init__(
@@ -60,9 +70,11 @@ class MeteredEventStream(Response):
         events: AsyncGenerator[tuple[str, int], None],
         delivered: Callable[[int], None],
         closed: Callable[[], Awaitable[None]] | None = None,
+        stall_timeout_s: float | None = None,
     ):
         super().__init__(media_type="text/event-stream")  # FastAPI passes a Response through
         self.events, self.delivered, self.closed = events, delivered, closed
+        self.stall_timeout_s = stall_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(receive, send))
@@ -84,7 +96,16 @@ class MeteredEventStream(Response):
                 pending += tokens
                 if not text:
                     continue
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+                message = {"type": "http.response.body", "body": text.encode(), "more_body": True}
+                try:
+                    # Cancelled while it waits for the transport, the event was not written.
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        await send(message)
+                except TimeoutError:
+                    log.warning(
+                        "stream ended: its client read nothing for %ss", self.stall_timeout_s
+                    )
+                    return
                 # One loop turn lets an already-queued connection_lost run (see module doc).
                 await asyncio.sleep(0)
                 if connection_closed_now(receive):

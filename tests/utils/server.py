@@ -13,6 +13,7 @@ import httpx
 import torch
 import uvicorn
 
+from loraplex.platform.cli import serve_socket
 from loraplex.platform.db import crud
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from loraplex.platform.main import create_app
@@ -67,7 +68,9 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    # The listening socket as `loraplex serve` makes it (its send buffer bounds streams).
+    sock = serve_socket(server.config, settings.stream_send_buffer_bytes)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -86,6 +89,7 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
         db.dispose()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC
 from typing import Annotated, Generic, Literal, TypeVar
 
-from fastapi import APIRouter, Body, Response
+from fastapi import APIRouter, Body, Query, Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
@@ -30,6 +30,7 @@ from loraplex.platform.db.schemas import (
     TenantPublic,
     TenantUpdate,
 )
+from loraplex.platform.serving import InferenceService
 
 router = APIRouter(
     prefix="/admin/api", tags=["admin"], dependencies=[AdminDep], responses=API_ERRORS
@@ -66,6 +67,20 @@ class AdminAdapter(AdapterPublic):
     tenant: str  # the owner's name, so operators need no second lookup
 
 
+EndStreams = Annotated[
+    bool,
+    Query(description="also end the tenant's (or key's) running streams on this replica now"),
+]
+
+
+def _end_streams(state, response: Response, tenant_id: int, key_id: int | None = None) -> None:
+    """End the running streams of the tenant (or of its key) on this replica: each gets an
+    `error` event (code `stream_cut`) and `[DONE]`, billed for what it was sent. Streams on
+    other replicas run on (call each replica); `Loraplex-Streams-Ended` says how many ended."""
+    ended = InferenceService(state).cut_streams(tenant_id, key_id)
+    response.headers["Loraplex-Streams-Ended"] = str(ended)
+
+
 def _tenant(session: Session, tenant_id: int) -> Tenant:
     tenant = crud.get_tenant(session, tenant_id=tenant_id)
     if tenant is None:
@@ -97,9 +112,19 @@ def get_tenant(tenant_id: int, session: SessionDep) -> TenantPublic:
 
 
 @router.patch("/tenants/{tenant_id}")
-def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep) -> TenantPublic:
+def update_tenant(
+    tenant_id: int,
+    body: TenantPatch,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    end_streams: EndStreams = False,
+) -> TenantPublic:
     """Change weight, prices or status (`active` | `suspended`; a suspended tenant's keys are
-    refused with 401 until it is active again). Fields left out stay as they are."""
+    refused with 401 until it is active again). Fields left out stay as they are.
+
+    A suspension lets the tenant's running streams finish, unless `end_streams=true`: then
+    they end at once on this replica (see `_end_streams`)."""
     _tenant(session, tenant_id)
     changes = body.model_dump(exclude_unset=True)
     if not changes:
@@ -109,7 +134,13 @@ def update_tenant(tenant_id: int, body: TenantPatch, session: SessionDep) -> Ten
             "price_completion_per_1k, status",
             "invalid_value",
         )
-    return TenantPublic.model_validate(crud.update_tenant(session, tenant_id=tenant_id, **changes))
+    if end_streams and changes.get("status") != TenantStatus.suspended:
+        msg = 'end_streams goes with a suspension: send "status": "suspended"'
+        raise APIError(400, msg, "invalid_value", "end_streams")
+    tenant = crud.update_tenant(session, tenant_id=tenant_id, **changes)
+    if end_streams:
+        _end_streams(state, response, tenant_id)
+    return TenantPublic.model_validate(tenant)
 
 
 # --- quotas --------------------------------------------------------------------------------
@@ -168,12 +199,21 @@ def create_key(
 
 @router.post("/keys/{key_id}/revoke")
 @router.delete("/keys/{key_id}")
-def revoke_key(key_id: int, session: SessionDep) -> ApiKeyPublic:
-    """Revoke a key at once (idempotent). The row stays: usage records refer to it."""
+def revoke_key(
+    key_id: int,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    end_streams: EndStreams = False,
+) -> ApiKeyPublic:
+    """Revoke a key at once (idempotent). The row stays: usage records refer to it. Streams
+    running on the key finish, unless `end_streams=true` (see `_end_streams`)."""
     try:
         key = crud.revoke_key(session, key_id=key_id)
     except crud.NotFound as e:
         raise APIError(404, str(e), "key_not_found", "key_id") from None
+    if end_streams:
+        _end_streams(state, response, key.tenant_id, key.id)
     return ApiKeyPublic.model_validate(key)
 
 

@@ -24,7 +24,7 @@ from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionReque
 from loraplex.platform.api.sse import MeteredEventStream
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
-from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job
+from loraplex.platform.serving import FALLBACK_STOP, InferenceService, Job, StreamCut
 from loraplex.platform.tool_calls import (
     ForcedCallStream,
     ToolCall,
@@ -168,7 +168,7 @@ async def _sse(
             yield f"data: {json.dumps(render(None, usage=_usage(job))[0])}\n\n", 0
         yield "data: [DONE]\n\n", 0
     except APIError as e:
-        status = "error"
+        status = "aborted" if isinstance(e, StreamCut) else "error"
         yield f"data: {json.dumps(error_body(e.status, e.message, e.code, e.param))}\n\n", 0
         yield "data: [DONE]\n\n", 0
     finally:
@@ -178,7 +178,7 @@ async def _sse(
 
 async def _start_stream(service, job):
     """Run until the first output so bad input still gets a proper HTTP error."""
-    stream = service.outputs(job)
+    stream = service.outputs(job, stream=True)
     try:
         first = await stream.__anext__()
     except BaseException:
@@ -206,7 +206,8 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
             await rest.aclose()
             await service.finish(job, "aborted")
 
-        return MeteredEventStream(events, delivered, closed)
+        stall = service.state.settings.stream_stall_timeout_s
+        return MeteredEventStream(events, delivered, closed, stall_timeout_s=stall)
     last = await _run_to_end(service, job, request)
     return {
         **_envelope(job, obj, created, body.model),

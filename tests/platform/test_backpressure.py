@@ -1,0 +1,191 @@
+"""A stream whose client stops reading: its request pauses in the engine once a window of
+tokens waits unsent (no steps spent on it, its KV kept), resumes when the client reads again,
+and is ended after `stream_stall_timeout_s`; its bill is what was written to its connection.
+
+Against a real server on a real socket made as `loraplex serve` makes it (tests/utils/server.py),
+with a raw HTTP client that can stop reading and read again."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import h11
+import pytest
+from sqlalchemy import select
+
+from loraplex.platform.db.models import UsageRecord
+from tests.utils.server import run_server
+
+WINDOW = 8
+STALL_TIMEOUT_S = 3.0
+MAX_TOKENS = 160
+SMALL_BUFFER = 4096  # the server's send buffers and the client's receive buffer
+# Tokens the engine may make after the window is full, while the pause travels to it (one
+# coalesced output and the step in flight on either side).
+PAUSE_LAG = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    with run_server(
+        tiny_models["llama"],
+        tmp_path_factory.mktemp("data"),
+        stream_window_tokens=WINDOW,
+        stream_stall_timeout_s=STALL_TIMEOUT_S,
+        stream_send_buffer_bytes=SMALL_BUFFER,
+    ) as srv:
+        yield srv
+
+
+@dataclass
+class Received:
+    tokens: int = 0  # in complete events, counted by their logprobs entries
+    done: bool = False  # saw `data: [DONE]`
+    error: dict | None = None
+    request_id: str | None = None
+
+
+class SlowClient:
+    """Sends a streamed completion and reads only when told to."""
+
+    def __init__(self, url: str, key: str, body: dict):
+        u = urlsplit(url)
+        self.sock = socket.socket()
+        # Small, so that what the server writes ahead fills it soon; set before connecting
+        # (the window it advertises is fixed then).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+        self.sock.connect((u.hostname, u.port))
+        self.conn = h11.Connection(h11.CLIENT)
+        payload = json.dumps({**body, "stream": True}).encode()
+        headers = [("Host", u.netloc), ("Authorization", f"Bearer {key}"),
+                   ("Content-Type", "application/json"),
+                   ("Content-Length", str(len(payload)))]  # fmt: skip
+        request = h11.Request(method="POST", target="/v1/completions", headers=headers)
+        self.sock.sendall(
+            self.conn.send(request) + self.conn.send(h11.Data(data=payload))
+            + self.conn.send(h11.EndOfMessage())
+        )  # fmt: skip
+        self.got, self.buf = Received(), b""
+
+    def read_to_end(self, timeout: float = 60) -> Received:
+        """Read until the server ends the response or closes the connection."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                try:
+                    event = self.conn.next_event()
+                except h11.RemoteProtocolError:  # closed mid-response: an unfinished stream
+                    return self.got
+                if event is h11.NEED_DATA:
+                    self.conn.receive_data(self.sock.recv(65536))
+                elif isinstance(event, h11.Response):
+                    assert event.status_code == 200
+                elif isinstance(event, h11.Data):
+                    self._parse(event.data)
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return self.got
+        finally:
+            self.sock.close()
+
+    def _parse(self, data: bytes) -> None:
+        self.buf += data
+        while b"\n\n" in self.buf:
+            raw, self.buf = self.buf.split(b"\n\n", 1)
+            payload = raw.removeprefix(b"data: ")
+            if payload == b"[DONE]":
+                self.got.done = True
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                self.got.error = chunk["error"]
+                continue
+            self.got.request_id = chunk["id"]
+            for choice in chunk["choices"]:
+                self.got.tokens += len((choice.get("logprobs") or {}).get("tokens", []))
+
+
+@pytest.fixture
+def long_stream(server):
+    """Starts a long stream that nobody reads yet; its socket is closed after the test (a
+    stalled connection left open would hold the server's shutdown)."""
+    clients: list[SlowClient] = []
+
+    def start(key: str) -> SlowClient:
+        body = {"model": server.state.model_name, "prompt": "The quick brown",
+                "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "logprobs": 0}  # fmt: skip
+        clients.append(SlowClient(server.url, key, body))
+        return clients[-1]
+
+    yield start
+    for client in clients:
+        client.sock.close()
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return value
+
+
+def _usage(srv, request_id: str) -> UsageRecord | None:
+    with srv.sessions() as session:
+        return session.scalars(
+            select(UsageRecord).where(UsageRecord.request_id == request_id)
+        ).one_or_none()
+
+
+def _stalled(srv):
+    """(the stream's job, engine stats) once the engine has paused the only stream."""
+    engine = srv.state.engine
+    stats = _wait_for(lambda: (s := engine.stats()).paused == 1 and s, 30, "never paused")
+    (job,) = srv.state.streams.values()
+    return job, stats
+
+
+def test_a_stalled_stream_pauses_in_the_engine_and_resumes_when_read(server, long_stream):
+    _, key = server.new_tenant("reader")
+    generated_before = server.state.engine.stats().generated_tokens
+    client = long_stream(key)
+    job, stats = _stalled(server)
+    written = job.sent_tokens
+    generated = stats.generated_tokens - generated_before
+    # The engine ran ahead of what the connection accepted by the window, not by the answer.
+    assert written < MAX_TOKENS // 2, written
+    assert generated - written <= WINDOW + PAUSE_LAG, (generated, written)
+    time.sleep(0.5)
+    after = server.state.engine.stats()
+    assert (after.steps, after.generated_tokens) == (stats.steps, stats.generated_tokens)
+    assert after.running == 0 and after.paused == 1  # its batch slot is free
+
+    got = client.read_to_end()  # reading again resumes it, to the end
+    assert got.done and got.error is None
+    assert got.tokens == MAX_TOKENS
+    row = _wait_for(lambda: _usage(server, got.request_id), 10, "no usage record")
+    assert row.status == "ok" and row.completion_tokens == MAX_TOKENS
+
+
+def test_a_client_stalled_past_the_timeout_is_cut_and_billed_what_was_written(server, long_stream):
+    _, key = server.new_tenant("sleeper")
+    generated_before = server.state.engine.stats().generated_tokens
+    client = long_stream(key)
+    job, _ = _stalled(server)
+    request_id = job.request_id
+    row = _wait_for(lambda: _usage(server, request_id), STALL_TIMEOUT_S + 10, "not ended")
+    assert row.status == "aborted"
+    stats = server.state.engine.stats()
+    assert stats.paused == 0 and stats.running == 0  # aborted in the engine, KV freed
+    generated = stats.generated_tokens - generated_before
+    assert generated - row.completion_tokens <= WINDOW + PAUSE_LAG
+
+    # What the server wrote before giving up is still delivered, then the connection closes
+    # without [DONE]: the client reads exactly the tokens it was billed.
+    got = client.read_to_end(timeout=10)
+    assert not got.done
+    assert got.tokens == row.completion_tokens > 0
