@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -37,10 +38,12 @@ class Tenant:
         return self.server.url
 
     def usage(self) -> dict:
-        """This tenant's totals for `tuned`, from the admin usage API (this month)."""
+        """This tenant's totals for `tuned`, from the admin usage API (since yesterday: a run
+        across midnight at a month's end stays in one period)."""
+        since = (datetime.now(UTC) - timedelta(days=1)).date().isoformat()
         r = httpx.get(
             f"{self.url}/admin/api/usage",
-            params={"group_by": "adapter", "tenant_id": self.tenant_id},
+            params={"group_by": "adapter", "tenant_id": self.tenant_id, "start": since},
             headers={"Authorization": f"Bearer {ADMIN_KEY}"},
             timeout=30,
         )
