@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.engine.models.spec import PARENTS, PROJECTIONS, ModelSpec
+from loraplex.engine.models.spec import FUSED, PARENTS, PROJECTIONS, ModelSpec
 
 GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
-TARGETS = tuple(GROUPS)
+TARGETS = tuple(GROUPS)  # the split names; a family's own: ModelSpec.lora_targets
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -33,12 +33,15 @@ class LoRAAdapter:
     name: str
     rank: int  # largest module rank
     targets: tuple[str, ...]
-    # (layer, target) -> (A [r, in], B [out, r] with the scale folded in)
+    # (layer, target) -> (A [r, in], B [out, r] with the scale folded in); keyed by the split
+    # names (q_proj, ...) also when the adapter targets a fused module (Phi-3's qkv_proj),
+    # whose slices then share one A
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        tensors = {id(t): t for ab in self.weights.values() for t in ab}
+        return sum(t.nbytes for t in tensors.values())
 
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
@@ -104,9 +107,22 @@ _OTHER_MODULES = ("embed_tokens", "lm_head", "self_attn", "mlp", "input_layernor
                   "post_attention_layernorm", "norm")  # fmt: skip
 
 
+def _other_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """The modules of `spec`'s layers that are no LoRA target (norms are never one)."""
+    extra = ("q_norm", "k_norm") if spec.qk_norm or spec.gemma else ()
+    if spec.gemma:
+        extra += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    return _OTHER_MODULES + extra
+
+
 def _matches(entry: str, module: str) -> bool:
     """peft's rule for a listed target: the module's full name is it or ends with `.` + it."""
     return module == entry or module.endswith("." + entry)
+
+
+def _parent(target: str) -> str:
+    """The decoder-layer module (self_attn | mlp) that holds a PEFT target, split or fused."""
+    return PARENTS[target] if target in PARENTS else FUSED[target][0]
 
 
 def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None:
@@ -121,26 +137,27 @@ def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None
         if not _PLAIN_NAME.match(targets):
             raise AdapterError(
                 f"{path}: target_modules {targets[:80]!r} is a regular expression, which is not "
-                f"supported; list the module names instead, e.g. {list(TARGETS[:2])}"
+                f"supported; list the module names instead, e.g. {list(spec.lora_targets[:2])}"
             )
         targets = [targets]
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
         raise AdapterError(f"{path}: target_modules must be a non-empty list of module names")
-    modules = [f"model.layers.{i}.{parent}.{m}" for i in range(spec.num_layers)
-               for m, parent in PARENTS.items()]  # fmt: skip
+    supported = ", ".join(spec.lora_targets)
+    modules = [f"model.layers.{i}.{_parent(m)}.{m}" for i in range(spec.num_layers)
+               for m in spec.lora_targets]  # fmt: skip
     for entry in targets:
         if not _PLAIN_NAME.match(entry):
             raise AdapterError(f"{path}: target_modules entry {entry[:80]!r} is not a module name")
         if any(_matches(entry, m) for m in modules):
             continue
         last = entry.rsplit(".", 1)[-1]
-        if last in _OTHER_MODULES:
+        if last in _other_modules(spec):
             raise AdapterError(
-                f"{path}: target module {entry!r} is not supported; supported: {', '.join(TARGETS)}"
+                f"{path}: target module {entry!r} is not supported; supported: {supported}"
             )
         raise AdapterError(
             f"{path}: target module {entry!r} does not exist in the base model "
-            f"({spec.family}, {spec.num_layers} layers); its LoRA targets: {', '.join(TARGETS)}"
+            f"({spec.family}, {spec.num_layers} layers); its LoRA targets: {supported}"
         )
     return targets
 
@@ -162,6 +179,7 @@ def load_adapter(
             )
         raise AdapterError(f"{folder}: adapter_model.safetensors is missing")
 
+    supported = ", ".join(spec.lora_targets)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     parents: dict[str, str] = {}
     try:
@@ -171,13 +189,13 @@ def load_adapter(
                 if m is None:
                     raise AdapterError(
                         f"{wpath.name}: tensor {key!r} is not a LoRA weight of a supported "
-                        f"module; supported targets: {', '.join(TARGETS)}"
+                        f"module; supported targets: {supported}"
                     )
                 layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
-                if module not in GROUPS:
+                if module not in spec.lora_targets or parent != _parent(module):
                     raise AdapterError(
-                        f"{wpath.name}: target module {module!r} is not supported; "
-                        f"supported: {', '.join(TARGETS)}"
+                        f"{wpath.name}: target module {module!r} is not supported "
+                        f"({spec.family}); supported: {supported}"
                     )
                 if layer >= spec.num_layers:
                     raise AdapterError(
@@ -233,7 +251,16 @@ def load_adapter(
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         if not math.isfinite(scale):
             raise AdapterError(f"{where}: lora_alpha {alpha!r} gives a non-finite scale")
-        weights[(layer, module)] = (a.to(dtype), (b.float() * scale).to(dtype))
-    targets = tuple(t for t in TARGETS if any(m == t for _, m in weights))
+        a, b = a.to(dtype), (b.float() * scale).to(dtype)
+        if module in FUSED and FUSED[module][1] != (module,):
+            # A fused target's B rows are our slices' B rows, in our slice order (q|k|v,
+            # gate|up, as the checkpoint's own fused weight): each slice gets its rows and
+            # the shared A, so B A x lands in the same output rows it does in peft.
+            sizes = [spec.lora_in_out(p)[1] for p in FUSED[module][1]]
+            for p, rows in zip(FUSED[module][1], b.split(sizes), strict=True):
+                weights[(layer, p)] = (a, rows)
+        else:
+            weights[(layer, module)] = (a, b)
+    targets = tuple(t for t in spec.lora_targets if any(m == t for _, m in pairs))
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoRAAdapter(name=name or folder.name, rank=rank, targets=targets, weights=weights)

@@ -57,8 +57,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    inv = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+def inv_frequencies(rope: RopeSpec, dim: int) -> torch.Tensor:
+    """The [dim / 2] rotation frequencies of the `dim` rotating features of a head."""
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv = 1.0 / base
     if rope.kind == "linear":
         inv = inv / rope.factor
     elif rope.kind == "llama3":
@@ -71,29 +73,50 @@ def inv_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
         mid = (1 - smooth) * inv / rope.factor + smooth * inv
         inv = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
         inv = torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, inv)
+    elif rope.kind == "yarn":
+        # Features that turn fewer than beta_slow times over the original context are
+        # interpolated (inv / factor), more than beta_fast times kept, a linear ramp between.
+        def dim_of(rotations: float) -> float:
+            turns = rope.original_max_position / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(rope.theta))
+
+        low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as transformers does, against a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # weight of the original frequency
+        inv = (1.0 / (rope.factor * base)) * (1 - keep) + inv * keep
     return inv
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table over all positions."""
+    """Rotate-half RoPE with a precomputed cos/sin table over all positions; with a partial
+    rotary factor only the first `rotary_dim` features of a head turn, the rest pass."""
 
     def __init__(self, rope: RopeSpec, head_dim: int):
         super().__init__()
         self.rope, self.head_dim = rope, head_dim
+        self.rotary_dim = rope.rotary_dim(head_dim)
         self.cos_sin = torch.empty(0)
 
     def build(self, device: torch.device, max_len: int, shared: dict) -> None:
         """Tables are shared between layers with the same RoPE and sized to max_len."""
         key = (self.rope, self.head_dim, max_len)
         if key not in shared:
-            inv = inv_frequencies(self.rope, self.head_dim).to(device)
+            inv = inv_frequencies(self.rope, self.rotary_dim).to(device)
             t = torch.arange(max_len, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, inv)  # [max_len, head_dim / 2]
-            shared[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            freqs = torch.outer(t, inv)  # [max_len, rotary_dim / 2]
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            if self.rope.attention_factor != 1.0:  # YaRN: in float32, as transformers scales
+                table = table * self.rope.attention_factor
+            shared[key] = table
         self.cos_sin = shared[key]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin at `positions`, full head width, [num_tokens, 1, head_dim] in dtype."""
+        """cos and sin at `positions`, [num_tokens, 1, rotary_dim] in dtype."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
 
@@ -110,6 +133,13 @@ class Rotary(nn.Module):
             if key not in memo:
                 memo[key] = (self.cos_sin, positions, *self.tables(positions, x.dtype))
             cos, sin = memo[key][2:]
+        if self.rotary_dim < self.head_dim:
+            rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+            return torch.cat([self._rotate(rot, cos, sin), rest], dim=-1)
+        return self._rotate(x, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -161,9 +191,10 @@ class Attention(nn.Module):
             spec.hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], spec.qkv_bias
         )
         self.o_proj = LoRALinear(spec.q_size, [spec.hidden_size], spec.o_bias)
-        if spec.gemma:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=True)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=True)
+        self.qk_norm = spec.gemma or spec.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=spec.gemma)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=spec.gemma)
         self.rotary = Rotary(spec.ropes[layer], spec.head_dim)
         self.window = spec.windows[layer]
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
@@ -181,7 +212,7 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (s.num_heads, s.head_dim))  # [num_tokens, heads, head_dim]
         k = k.unflatten(-1, (s.num_kv_heads, s.head_dim))
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
-        if s.gemma:
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions, ctx.memo), self.rotary(k, positions, ctx.memo)
         a = ctx.attn

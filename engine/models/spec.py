@@ -1,7 +1,7 @@
 """What the decoder needs to know about an architecture, read from a HF `config.json`.
 
-Llama, Mistral, Qwen2 and Gemma 3 text differ only in the switches below, so one decoder
-implementation serves them all.
+Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 text differ only in the switches below, so one
+decoder implementation serves them all.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 # The one description of every supported family's layer layout: our fused module -> (its
 # parent in a decoder layer, the HF projections it fuses, in slice order). q|k|v and gate|up
@@ -29,17 +31,33 @@ FUSED = {
 PROJECTIONS = {p: (fused, i) for fused, (_, ps) in FUSED.items() for i, p in enumerate(ps)}
 # HF projection name -> its parent module in a decoder layer (`model.layers.N.<parent>.<p>`)
 PARENTS = {p: FUSED[fused][0] for p, (fused, _) in PROJECTIONS.items()}
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
+                "qwen3": "qwen3", "phi3": "phi3"}  # fmt: skip
+# Families whose checkpoints (and so PEFT adapters) hold q|k|v and gate|up as one module each,
+# in our slice order; the others name every projection on its own.
+FUSED_CHECKPOINT = {"phi3"}
+SPLIT_TARGETS = tuple(PROJECTIONS)  # q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, ...
+FUSED_TARGETS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj
 
 
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    partial: float = 1.0  # fraction of head_dim that rotates (Phi-4-mini: 0.75)
+    # YaRN: the ramp between interpolated and original frequencies, and the factor cos and sin
+    # are multiplied by (transformers' `attention_scaling`)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial)
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class ModelSpec:
     windows: tuple[int | None, ...]  # per layer sliding window (None = global)
     ropes: tuple[RopeSpec, ...]  # per layer
     gemma: bool = False  # (1 + w) norms in fp32, QK-norm, sandwich norms, scaled embeddings
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3; Gemma has its own)
     attn_softcap: float | None = None
     final_softcap: float | None = None
 
@@ -78,10 +97,17 @@ class ModelSpec:
     def embed_scale(self) -> float | None:
         return math.sqrt(self.hidden_size) if self.gemma else None
 
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The PEFT target module names this family's checkpoints have."""
+        return FUSED_TARGETS if self.family in FUSED_CHECKPOINT else SPLIT_TARGETS
+
     def lora_in_out(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a PEFT target module name such as `q_proj`."""
         h, i = self.hidden_size, self.intermediate_size
         return {
+            "qkv_proj": (h, self.q_size + 2 * self.kv_size),
+            "gate_up_proj": (h, 2 * i),
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
@@ -92,19 +118,48 @@ class ModelSpec:
         }[module]
 
 
-def _rope(params: dict | None, theta: float | None) -> RopeSpec:
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope(params: dict | None, theta: float | None, cfg: dict) -> RopeSpec:
+    """One RoPE as transformers 5 reads it: `rope_parameters` (or the older `rope_scaling`),
+    with `rope_theta`, `partial_rotary_factor` and `original_max_position_embeddings` at the
+    config's top level taking their usual places."""
     params = dict(params or {})
     theta = float(params.get("rope_theta", theta if theta is not None else 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn are)")
+    max_position = int(cfg.get("max_position_embeddings", 4096))
+    # transformers prefers the top-level field (Phi-3 keeps it there), then the scaling's own
+    original = cfg.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", max_position
+    )
+    factor = params.get("factor")
+    if factor is None:  # YaRN without a factor: the ratio of the two lengths (DeepSeek-V3 style)
+        factor = max_position / original if kind == "yarn" else 1.0
+    factor = float(factor)
+    attention_factor = 1.0
+    if kind == "yarn":
+        attention_factor = params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        elif attention_factor is None:
+            attention_factor = _yarn_mscale(factor)
     return RopeSpec(
         theta=theta,
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(original),
+        partial=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
     )
 
 
@@ -130,7 +185,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)
         ]
-    if layer_types is None and family == "qwen2":
+    if layer_types is None and family in ("qwen2", "qwen3"):
         use = cfg.get("use_sliding_window", False)
         first = cfg.get("max_window_layers", n_layers)
         layer_types = [
@@ -143,16 +198,19 @@ def spec_from_config(cfg: dict) -> ModelSpec:
     rope_params = cfg.get("rope_parameters")
     theta = cfg.get("rope_theta")
     if rope_params and "full_attention" in rope_params:  # per layer type (Gemma 3, tf 5.x)
-        by_type = {t: _rope(p, theta) for t, p in rope_params.items()}
+        by_type = {t: _rope(p, theta, cfg) for t, p in rope_params.items()}
         ropes = tuple(by_type[t] for t in layer_types)
     elif gemma:  # older layout: global base + scaling, separate local base
-        glob = _rope(cfg.get("rope_scaling"), theta if theta is not None else 1e6)
+        glob = _rope(cfg.get("rope_scaling"), theta if theta is not None else 1e6, cfg)
         local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
         ropes = tuple(local if t == "sliding_attention" else glob for t in layer_types)
     else:
-        r = _rope(rope_params or cfg.get("rope_scaling"), theta)
+        r = _rope(rope_params or cfg.get("rope_scaling"), theta, cfg)
         ropes = (r,) * n_layers
 
+    if family == "phi3" and any(r.kind == "yarn" for r in ropes):
+        # Phi3Config reads a "yarn" (or "su") scaling as LongRoPE, which we do not implement
+        raise ValueError("rope type 'longrope' (Phi-3's 'yarn'/'su') is not supported")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(
         act
@@ -180,6 +238,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         windows=windows,
         ropes=ropes,
         gemma=gemma,
+        qk_norm=family == "qwen3",
         attn_softcap=cfg.get("attn_logit_softcapping"),
         final_softcap=cfg.get("final_logit_softcapping"),
     )

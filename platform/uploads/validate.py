@@ -34,10 +34,12 @@ MAX_HEADER_BYTES = 100_000_000
 _FAMILIES = {
     "llama": ("llama",),
     "mistral": ("mistral", "mixtral"),
-    "qwen2": ("qwen",),
+    "qwen2": ("qwen",),  # lenient: also Qwen3 names (the shape checks tell them apart)
+    "qwen3": ("qwen3",),
     "gemma3": ("gemma",),
+    "phi3": ("phi-3", "phi3", "phi_3", "phi-4", "phi4", "phi_4"),
 }
-# Families we never serve; short names, so matched as words ("phi3" yes, "dolphin" no).
+# Families we never serve; short names, so matched as words ("phi-2" yes, "dolphin" no).
 _FOREIGN = ("phi", "falcon", "gpt2", "gptj", "gpt-j", "gpt-neox", "pythia", "bloom", "opt",
             "mpt", "olmo", "starcoder", "t5", "bert")  # fmt: skip
 # rank_pattern/alpha_pattern keys are regexes to peft; allow module paths and anchors only, so

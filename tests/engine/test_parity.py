@@ -40,10 +40,10 @@ _REF_CACHE: dict[str, list[dict]] = {}
 
 
 @pytest.fixture
-def reference(tiny_models, tiny_adapters):
+def reference(parity_models, parity_adapters):
     def get(kind: str) -> list[dict]:
         if kind not in _REF_CACHE:
-            _REF_CACHE[kind] = _hf_reference(tiny_models[kind], tiny_adapters[kind])
+            _REF_CACHE[kind] = _hf_reference(parity_models[kind], parity_adapters[kind])
         return _REF_CACHE[kind]
 
     return get
@@ -108,10 +108,14 @@ def _check(rows, ref, full_prefill: bool = True):
             torch.testing.assert_close(pre, r["prefill"], **TOL)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "mistral"])
-def test_mixed_adapter_batch_matches_hf_peft(kind, tiny_models, tiny_adapters, reference):
-    llm = LLM(str(tiny_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16)
-    _check(_run(llm, tiny_adapters[kind]), reference(kind))
+# qwen3 (q/k norms), qwen3_yarn, phi3 (fused checkpoint and adapter modules, partial rotary)
+# and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): tests/utils/factories.py
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "gemma3", "mistral", "qwen3", "qwen3_yarn", "phi3", "llama3"]
+)
+def test_mixed_adapter_batch_matches_hf_peft(kind, parity_models, parity_adapters, reference):
+    llm = LLM(str(parity_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16)
+    _check(_run(llm, parity_adapters[kind]), reference(kind))
     # Every block is free again or only held by the prefix cache (ref count 0).
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 

@@ -10,6 +10,15 @@ rely on them):
     gemma3      64    4    2     32     128   yes   1e6 full / 1e4 sw   sliding_window 8,
                                                                         layers sw,full,sw,full..
                                                                         query_pre_attn_scalar 24
+    qwen3       64    4    2     32     128   no    1_000_000           per-head q/k RMSNorm,
+                                                                        q width 128 != hidden
+    qwen3_yarn  as qwen3                          1e4, YaRN x4 from 32
+    phi3        64    4    2     16     128   no    10_000              fused qkv / gate_up,
+                                                                        partial rotary 0.75
+    llama3      as llama                    yes   500_000, llama3 x8    Llama 3.2: rope type
+                                                  from 32               llama3, tied embeddings
+
+FAMILY_KINDS (the last four) are built on demand by the engine tests; KINDS by every suite.
 
 All float32, max_position_embeddings 512, rms_norm_eps 1e-6, vocab 512 by default.
 
@@ -41,6 +50,12 @@ PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 KINDS = ("llama", "mistral", "qwen2", "gemma3")
+FAMILY_KINDS = ("qwen3", "qwen3_yarn", "phi3", "llama3")
+# Families whose checkpoints fuse projections: a split PEFT target name -> the module it is in.
+_FUSED_TARGETS = {
+    "phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"},
+}  # fmt: skip
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -192,8 +207,28 @@ def _config(kind: str, vocab_size: int, num_layers: int, tie: bool | None, overr
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    elif kind in ("qwen3", "qwen3_yarn"):
+        cls = transformers.Qwen3Config
+        kw["head_dim"] = 32  # q is 128 wide on a 64 hidden: head_dim is not hidden / heads
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        if kind == "qwen3_yarn":
+            # A short original context so that the ramp between interpolated and kept
+            # frequencies falls inside a 16-wide head and the attention factor is 1.14.
+            kw["head_dim"] = 16
+            kw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 32}  # fmt: skip
+    elif kind == "phi3":
+        cls = transformers.Phi3Config
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000.0,
+                                 "partial_rotary_factor": 0.75}  # fmt: skip
+    elif kind == "llama3":
+        cls = transformers.LlamaConfig
+        kw["tie_word_embeddings"] = True
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32}  # fmt: skip
     else:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS + FAMILY_KINDS}")
     if tie is not None:
         kw["tie_word_embeddings"] = tie
     kw.update(overrides)
@@ -276,10 +311,16 @@ def make_adapter(
     seed: int = 0,
     init_std: float = 0.1,
 ) -> Path:
-    """Save a PEFT LoRA adapter for `base_dir` with random (non-zero) A and B into `out_dir`."""
+    """Save a PEFT LoRA adapter for `base_dir` with random (non-zero) A and B into `out_dir`.
+
+    On a base whose checkpoint fuses projections (phi3) split names stand for the fused module
+    that holds them (`q_proj` -> `qkv_proj`), as a user's PEFT config for it would say."""
     from peft import LoraConfig, get_peft_model
 
     base_dir, out_dir = Path(base_dir), Path(out_dir)
+    model_type = json.loads((base_dir / "config.json").read_text()).get("model_type")
+    fused = _FUSED_TARGETS.get(model_type, {})
+    targets = tuple(dict.fromkeys(fused.get(t, t) for t in targets))
     lora_config = LoraConfig(
         r=r,
         lora_alpha=alpha,
