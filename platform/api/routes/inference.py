@@ -11,14 +11,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from loraplex.engine.outputs import RequestOutput
+from loraplex.platform.api.choices import ChoiceDeltas, CompletionChoices, RunningUsage
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError, error_body
-from loraplex.platform.api.logprobs import (
-    LegacyLogprobs,
-    joined,
-    token_text,
-    vllm_prompt_logprobs,
-)
+from loraplex.platform.api.logprobs import token_text, vllm_prompt_logprobs
 from loraplex.platform.api.prompt_batch import JobGroup, Tagged, run_all, start_jobs
 from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
 from loraplex.platform.api.sse import MeteredEventStream
@@ -217,121 +213,6 @@ async def _respond(service, job, request, body, render, obj: str, created: int, 
     }
 
 
-class _Choices:
-    """Streaming with n > 1: each choice's new text and tokens since its previous chunk (an
-    unfinished sample's text only grows: the engine holds back possible stop strings)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) sent
-        self.done: set[int] = set()
-
-    def deltas(self, out: RequestOutput):
-        """(index, new text, first new token, new tokens, finish_reason) per changed choice."""
-        for c in out.outputs:
-            chars, toks = self.sent.get(c.index, (0, 0))
-            text, new = c.text[chars:], len(c.token_ids) - toks
-            finish = c.finish_reason if c.index not in self.done else None
-            if not text and not new and finish is None and c.index in self.sent:
-                continue
-            self.sent[c.index] = (len(c.text), len(c.token_ids))
-            if finish is not None:
-                self.done.add(c.index)
-            yield c.index, text, toks, new, finish
-
-
-class _CompletionChoices:
-    """One prompt's choices of a /v1/completions answer, whole or as they stream. With a list
-    of prompts, prompt p's choices are numbered from p * n, as OpenAI's API and vLLM do."""
-
-    def __init__(self, tok, body: CompletionRequest, prompt, prompt_ids, first: int) -> None:
-        self.tok, self.body, self.prompt_ids, self.first = tok, body, prompt_ids, first
-        # echo: the prompt goes before each choice's text (its first chunk when streamed)
-        self.echo = "" if not body.echo else prompt if isinstance(prompt, str) else None
-        if self.echo is None:
-            self.echo = tok.decode(prompt_ids, skip_special_tokens=True)
-        self.many = _Choices()
-        self.echoed: set[int] = set()
-        self.streamed_logprobs: dict[int, LegacyLogprobs] = {}  # per choice, as it streams
-
-    def _echoing(self, i: int, text: str) -> str:
-        if self.echo and i not in self.echoed:
-            self.echoed.add(i)
-            return self.echo + text
-        return text
-
-    def _logprobs(self, out: RequestOutput, i: int, start: int, end: int, built=None):
-        """Choice i's logprobs piece for its tokens [start, end) and the builder for its next
-        piece; a choice's first piece starts with the prompt's (echo)."""
-        c = out.outputs[i]
-        ids, entries = c.token_ids[start:end], (c.logprobs or [])[start:end]
-        if built is not None:
-            return built.generated(ids, entries), built
-        built = LegacyLogprobs(self.tok, self.prompt_ids, self.body.logprobs)
-        first = built.echoed(out.prompt_logprobs, self.echo) if self.body.echo else {}
-        return joined(first, built.generated(ids, entries)), built
-
-    def _streamed(self, out: RequestOutput, i: int, start: int, end: int) -> dict | None:
-        if self.body.logprobs is None:
-            return None
-        piece, self.streamed_logprobs[i] = self._logprobs(
-            out, i, start, end, self.streamed_logprobs.get(i)
-        )
-        return piece
-
-    def chunk(self, out: RequestOutput) -> tuple[list[dict], int]:
-        """The streamed choices `out` brings (none if nothing new) and the tokens they carry."""
-        if self.body.n > 1:
-            choices, total = [], 0
-            for i, text, start, n, finish in self.many.deltas(out):
-                lps = self._streamed(out, i, start, start + n)
-                choices.append({"index": self.first + i, "text": self._echoing(i, text),
-                                "logprobs": lps, "finish_reason": finish})  # fmt: skip
-                total += n
-            return choices, total
-        n = len(out.delta_token_ids)
-        start = len(out.outputs[0].token_ids) - n
-        if not n and not out.finished and not out.delta_text:
-            return [], 0
-        choice = {
-            "index": self.first,
-            "text": self._echoing(0, out.delta_text),
-            "logprobs": self._streamed(out, 0, start, start + n),
-            "finish_reason": out.outputs[0].finish_reason if out.finished else None,
-        }
-        return [choice], n
-
-    def whole(self, last: RequestOutput, i: int) -> dict:
-        out = last.outputs[i]
-        lps = None
-        if self.body.logprobs is not None:
-            lps = self._logprobs(last, i, 0, len(out.token_ids))[0]
-        answer = {
-            "index": self.first + i,
-            "text": self.echo + out.text,
-            "finish_reason": out.finish_reason,
-            "logprobs": lps,
-        }
-        if self.body.prompt_logprobs is not None:  # vLLM's extension, on each choice as vLLM's
-            answer["prompt_logprobs"] = vllm_prompt_logprobs(
-                self.tok, self.prompt_ids, last.prompt_logprobs, self.body.prompt_logprobs
-            )
-        return answer
-
-
-class _RunningUsage:
-    """vLLM's `stream_options.continuous_usage_stats`: each chunk's usage, as of that chunk."""
-
-    def __init__(self, job) -> None:
-        self.job, self.completion = job, 0
-
-    def add(self, chunk: dict | list | None, tokens: int) -> None:
-        self.completion += tokens
-        prompt = len(self.job.prompt_ids)
-        for part in chunk if isinstance(chunk, list) else [chunk] if chunk else []:
-            part["usage"] = {"prompt_tokens": prompt, "completion_tokens": self.completion,
-                             "total_tokens": prompt + self.completion}  # fmt: skip
-
-
 def _encode(service: InferenceService, body: CompletionRequest, prompt) -> list[int]:
     ids = service.encode_prompt(prompt)  # (a 503 while the model loads)
     if isinstance(prompt, str) and not body.add_special_tokens:  # vLLM's: no BOS added
@@ -355,9 +236,9 @@ async def completions(
     job = await service.start(
         caller, "completions", body.model, prompt_ids, params, lora, adapter, body.user
     )
-    choices = _CompletionChoices(state.engine.tokenizer, body, prompts[0], prompt_ids, 0)
+    choices = CompletionChoices(state.engine.tokenizer, body, prompts[0], prompt_ids, 0)
     created = int(time.time())
-    running = _RunningUsage(job) if body.continuous_usage else None
+    running = RunningUsage(job) if body.continuous_usage else None
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         base = _envelope(job, "text_completion", created, body.model)
@@ -393,7 +274,7 @@ async def _completions_of_list(service, state, body, request, caller, prompts, l
         job.request_id = f"{group.request_id}-{p}"
     tok = state.engine.tokenizer
     renders = [
-        _CompletionChoices(tok, body, prompt, prompt_ids, p * body.n)
+        CompletionChoices(tok, body, prompt, prompt_ids, p * body.n)
         for p, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True))
     ]
     created = int(time.time())
@@ -412,7 +293,7 @@ async def _completions_of_list(service, state, body, request, caller, prompts, l
             ],  # fmt: skip
             "usage": usage,
         }
-    running = _RunningUsage(group) if body.continuous_usage else None
+    running = RunningUsage(group) if body.continuous_usage else None
 
     def render(item: Tagged | None, usage: dict | None = None):
         base = _envelope(group, "text_completion", created, body.model)
@@ -450,7 +331,7 @@ async def chat_completions(
     tok = state.engine.tokenizer
     created = int(time.time())
     sent_role = False
-    many = _Choices()
+    many = ChoiceDeltas()
     forced = ForcedCallStream() if tools and tool_mode != "auto" else None
     auto = ToolCallStream(tools) if tools and tool_mode == "auto" else None
 
@@ -513,7 +394,7 @@ async def chat_completions(
         }
         return {**base, "choices": [choice]}, n
 
-    running = _RunningUsage(job) if body.continuous_usage else None
+    running = RunningUsage(job) if body.continuous_usage else None
 
     def render(out: RequestOutput | None, usage: dict | None = None):
         chunk, n = render_chunk(out, usage)
