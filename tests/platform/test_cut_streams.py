@@ -5,11 +5,14 @@ without it, running streams finish, and nobody else's stream notices either way.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import httpx
 import pytest
 from sqlalchemy import select
 
+from loraplex.platform.cli import main
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import UsageRecord
 from tests.utils.server import ADMIN_KEY, run_server
@@ -98,3 +101,35 @@ def test_end_streams_goes_with_a_suspension(server):
                     params={"end_streams": True}, json={"weight": 2.0})  # fmt: skip
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "end_streams"
+
+
+def test_the_cli_ends_streams_through_the_server(server, monkeypatch, capsys):
+    for var in [v for v in os.environ if v.startswith("LORAPLEX_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", server.settings.database_url)
+    tenant, key = server.new_tenant("epsilon")
+    with server.sessions() as session:
+        key_id = crud.list_keys(session, tenant_id=tenant)[0].id
+    assert main(["keys", "revoke", str(key_id), "--end-streams", server.url]) == 2
+    assert "LORAPLEX_ADMIN_KEY" in capsys.readouterr().err  # the registry change is made
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN_KEY)
+
+    _, key = server.new_tenant("zeta")
+    received = threading.Event()
+    results: list = []
+
+    def stream() -> None:
+        results.append(
+            asyncio.run(
+                stream_completion(server.url, key, _body(LONG), on_tokens=lambda n: received.set())
+            )
+        )
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert received.wait(60)
+    assert main(["tenants", "suspend", "zeta", "--end-streams", server.url]) == 0
+    assert f"{server.url}: 1 running stream(s) ended" in capsys.readouterr().err
+    thread.join(60)
+    (cut,) = results
+    assert cut.finished and cut.error["code"] == "stream_cut" and cut.tokens < LONG
