@@ -14,8 +14,10 @@ argmax of the reference's distribution given the prompt and the tokens before it
 reported logprob within 1e-4 of the reference's; so are the prompt logprobs of the rows that
 ask for them (every other row, in the cases that draw them).
 
-Profiles: 25 derandomized examples per family by default (CI); `LORAPLEX_DIFF_EXAMPLES=200`
-(per family) for a long run; `LORAPLEX_DIFF_SEED=<n>` explores a fresh random set (the same
+Profiles: 25 derandomized examples per family by default (CI) and 2 for each of the later
+families (factories' FAMILY_KINDS: what differs there is the model, which any example
+exercises; the scheduling paths are the same code); `LORAPLEX_DIFF_EXAMPLES=200` (per family,
+all families) for a long run; `LORAPLEX_DIFF_SEED=<n>` explores a fresh random set (the same
 for every family) instead of the fixed one. A failing example found this way belongs in
 `@example(...)` below.
 """
@@ -32,7 +34,7 @@ from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from tests.utils.factories import EOS_ID, IM_END_ID, KINDS, make_adapter
+from tests.utils.factories import EOS_ID, FAMILY_KINDS, IM_END_ID, KINDS, make_adapter
 from tests.utils.hf_reference import (
     peft_reference,
     prompt_log_softmax,
@@ -40,6 +42,7 @@ from tests.utils.hf_reference import (
 )
 
 EXAMPLES = int(os.environ.get("LORAPLEX_DIFF_EXAMPLES", "25"))
+FAMILY_EXAMPLES = int(os.environ.get("LORAPLEX_DIFF_EXAMPLES", "2"))
 SEED = os.environ.get("LORAPLEX_DIFF_SEED")
 VOCAB = 512  # make_tiny_model's default
 TOL = 1e-4
@@ -185,19 +188,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_models, tiny_adapters, tmp_path_factory) -> dict[str, dict]:
-    """kind -> adapter name -> folder: conftest's four plus EXTRA_ADAPTER_SPECS."""
-    root = tmp_path_factory.mktemp("diff-adapters")
+def _with_extra(models: dict, adapters: dict, root) -> dict[str, dict]:
     out = {}
-    for kind, base in tiny_models.items():
+    for kind, base in models.items():
         extra = {
             name: make_adapter(base, root / kind / name, seed=30 + j, **spec)
             for j, (name, spec) in enumerate(EXTRA_ADAPTER_SPECS.items())
         }
-        out[kind] = {**tiny_adapters[kind], **extra}
+        out[kind] = {**adapters[kind], **extra}
         assert tuple(out[kind]) == ADAPTER_NAMES
     return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tiny_adapters, tmp_path_factory) -> dict[str, dict]:
+    """kind -> adapter name -> folder: conftest's four plus EXTRA_ADAPTER_SPECS."""
+    return _with_extra(tiny_models, tiny_adapters, tmp_path_factory.mktemp("diff-adapters"))
+
+
+@pytest.fixture(scope="module")
+def more_adapters(family_models, family_adapters, tmp_path_factory) -> dict[str, dict]:
+    """The same for the later families (tests/engine/conftest.py)."""
+    root = tmp_path_factory.mktemp("diff-family-adapters")
+    return _with_extra(family_models, family_adapters, root)
 
 
 # What the generated (not explicit) examples exercised, checked by the last test.
@@ -332,6 +345,35 @@ def _record(kind: str, case: Case, llm: LLM, first, second, outs2) -> None:
     SEEN.update(seen | {kind})
 
 
+EVERY_FEATURE = Case(
+    block_size=8,
+    num_kv_blocks=8,
+    max_model_len=64,
+    max_num_batched_tokens=7,
+    max_num_seqs=8,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    scheduling_policy="fcfs",
+    max_loras=2,
+    max_lora_rank=16,
+    max_cpu_loras=2,
+    cpu_attention="matmul",
+    first=(
+        Row(tuple(range(10, 40)), "kv1", 8),
+        Row(tuple(range(10, 30)) + (7, 8, 9), None, 8),
+        Row(tuple(range(10, 30)) + (5,), "mlp16", 8),
+        Row(tuple(range(10, 30)) + (6, 6), "all2", 8),
+        Row(tuple(range(10, 26)), "kv1", 8),
+    ),
+    second=(
+        Followup(0, 40, (3, 4), "same", 8),
+        Followup(2, 24, (), "same", 8),
+        Followup(3, 21, (11,), "qv4", 8),
+    ),
+    label="every feature at once: chunks, preemption, slot churn, host LRU, cache hits",
+)
+
+
 EXAMPLE_SEEDING = (lambda f: f) if SEED is None else seed(int(SEED))
 
 
@@ -346,40 +388,32 @@ EXAMPLE_SEEDING = (lambda f: f) if SEED is None else seed(int(SEED))
     print_blob=True,
 )
 @given(case=cases())
-@example(
-    case=Case(
-        block_size=8,
-        num_kv_blocks=8,
-        max_model_len=64,
-        max_num_batched_tokens=7,
-        max_num_seqs=8,
-        enable_chunked_prefill=True,
-        enable_prefix_caching=True,
-        scheduling_policy="fcfs",
-        max_loras=2,
-        max_lora_rank=16,
-        max_cpu_loras=2,
-        cpu_attention="matmul",
-        first=(
-            Row(tuple(range(10, 40)), "kv1", 8),
-            Row(tuple(range(10, 30)) + (7, 8, 9), None, 8),
-            Row(tuple(range(10, 30)) + (5,), "mlp16", 8),
-            Row(tuple(range(10, 30)) + (6, 6), "all2", 8),
-            Row(tuple(range(10, 26)), "kv1", 8),
-        ),
-        second=(
-            Followup(0, 40, (3, 4), "same", 8),
-            Followup(2, 24, (), "same", 8),
-            Followup(3, 21, (11,), "qv4", 8),
-        ),
-        label="every feature at once: chunks, preemption, slot churn, host LRU, cache hits",
-    )
-)
+@example(case=EVERY_FEATURE)
 def test_engine_matches_hf_peft(kind, case, tiny_models, adapters):
-    folders = adapters[kind]
-    peft = peft_reference(tiny_models[kind], folders)
+    _run_case(kind, case, tiny_models[kind], adapters[kind])
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+@EXAMPLE_SEEDING
+@settings(
+    max_examples=FAMILY_EXAMPLES,
+    deadline=None,
+    database=None,
+    derandomize=SEED is None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(case=cases())
+@example(case=EVERY_FEATURE)
+def test_more_families_match_hf_peft(kind, case, family_models, more_adapters):
+    """Qwen3, Qwen3 with YaRN, Phi-3 (adapters on its fused modules), Llama 3.2 style."""
+    _run_case(kind, case, family_models[kind], more_adapters[kind])
+
+
+def _run_case(kind: str, case: Case, base, folders: dict) -> None:
+    peft = peft_reference(base, folders)
     llm = LLM(
-        str(tiny_models[kind]),
+        str(base),
         dtype="float32",
         max_loras=case.max_loras,
         max_lora_rank=case.max_lora_rank,
