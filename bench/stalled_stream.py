@@ -6,8 +6,9 @@ A server as `loraplex serve` makes it (tiny Llama, engine in its own process) st
 `--tokens` completion (ignore_eos) to a client that connects, sends the request and then
 reads nothing for `--stall-s` seconds. Per configuration it reports the tokens the engine
 generated meanwhile, the tokens written to the connection (what the client is billed for)
-and their bytes. "unbounded" is the behaviour without backpressure (no pause window, the
-kernel's autotuned send buffer); "bounded" is the default settings.
+and the bytes the client can then read at once (its socket's share of them). "unbounded" is
+the behaviour without backpressure (no pause window, the kernel's autotuned send buffer);
+"bounded" is the default settings.
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ def test_the_cli_ends_streams_through_the_server(server, monkeypatch, capsys):
     with server.sessions() as session:
         key_id = crud.list_keys(session, tenant_id=tenant)[0].id
     assert main(["keys", "revoke", str(key_id), "--end-streams", server.url]) == 2
-    assert "LORAPLEX_ADMIN_KEY" in capsys.readouterr().err  # the registry change is made
+    assert "LORAPLEX_ADMIN_KEY" in capsys.readouterr().err
+    with server.sessions() as session:  # the registry change was made before the call
+        assert crud.list_keys(session, tenant_id=tenant)[0].revoked_at is not None
     monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN_KEY)
 
     _, key = server.new_tenant("zeta")
