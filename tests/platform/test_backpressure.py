@@ -22,7 +22,7 @@ from tests.utils.server import run_server
 
 WINDOW = 8
 STALL_TIMEOUT_S = 3.0
-MAX_TOKENS = 160
+MAX_TOKENS = 200
 SMALL_BUFFER = 4096  # the server's send buffers and the client's receive buffer
 # Tokens the engine may make after the window is full, while the pause travels to it (one
 # coalesced output and the step in flight on either side).
@@ -157,7 +157,7 @@ def test_a_stalled_stream_pauses_in_the_engine_and_resumes_when_read(server, lon
     written = job.sent_tokens
     generated = stats.generated_tokens - generated_before
     # The engine ran ahead of what the connection accepted by the window, not by the answer.
-    assert written < MAX_TOKENS // 2, written
+    assert written < 120, written
     assert generated - written <= WINDOW + PAUSE_LAG, (generated, written)
     time.sleep(0.5)
     after = server.state.engine.stats()
