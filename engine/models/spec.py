@@ -129,6 +129,8 @@ def _rope(params: dict | None, theta: float | None, cfg: dict) -> RopeSpec:
     params = dict(params or {})
     theta = float(params.get("rope_theta", theta if theta is not None else 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind in ("longrope", "su"):
+        raise ValueError("rope type 'longrope' (Phi-3's 'su') is not supported")
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn are)")
     max_position = int(cfg.get("max_position_embeddings", 4096))
