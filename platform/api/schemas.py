@@ -86,6 +86,9 @@ VLLM_UNSUPPORTED_CHAT_FIELDS = {
     "bad_words": "not implemented; logit_bias can ban single tokens",
     "structural_tag": "not implemented; send tools or response_format",
 }
+# OpenAI's API takes 4 stop sequences, vLLM any number; evaluation harnesses written against
+# vLLM send more than 4 (lm-eval's `until` strings plus the end-of-text string).
+MAX_STOPS = 16
 # Prompts in one /v1/completions request (each is its own engine request, started together).
 MAX_PROMPTS = 256
 # Message fields the openai client keeps when a previous answer is sent back in `messages`.
@@ -157,8 +160,8 @@ class _Common(StructuredFields):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return v

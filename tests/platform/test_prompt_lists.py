@@ -98,6 +98,16 @@ def test_token_id_prompts_scored_with_echo_as_lm_eval_asks(server, client, max_t
         assert len(scored.choices[p].logprobs.tokens) == len(prompt_ids) + max_tokens
 
 
+def test_generation_as_lm_eval_asks(server, client):
+    # generate_until with batch_size > 1: a list, greedy, a seed and its `until` strings
+    # plus the end-of-text string: more stop sequences than OpenAI's 4.
+    stops = ["\n\n", "Question:", "</s>", "<|im_end|>", "\nclass", "\ndef"]
+    kw = {"max_tokens": 12, "seed": 1234, "stop": stops, "extra_body": {}}
+    many = complete(client, server, PROMPTS, **kw)
+    for p, prompt in enumerate(PROMPTS):
+        _same_choice(many.choices[p], complete(client, server, prompt, **kw).choices[0], p)
+
+
 def test_prompts_run_in_the_engine_together(server, client):
     steps = server.state.engine.stats().steps
     many = complete(client, server, [f"prompt number {i}" for i in range(8)], max_tokens=8)
