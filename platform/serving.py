@@ -238,7 +238,10 @@ class InferenceService:
                 yield out
         except AdapterUnavailable as e:  # disk or store trouble: retrying may work
             job.status = "error"
-            raise APIError(503, str(e), "adapter_unavailable") from None
+            # The cause names cache folders: the log gets it, the tenant what to do.
+            log.warning("adapter %s could not be read: %s", job.lora and job.lora.lora_name, e)
+            msg = f"adapter '{job.model}' could not be read on this server; retry later"
+            raise APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"}) from None
         except EngineDeadError:  # the server exits (and is restarted) once requests end
             job.status = "error"
             msg = "the engine stopped while serving this request; retry on another replica"
@@ -252,8 +255,12 @@ class InferenceService:
                 raise APIError(
                     503, msg, "adapter_unavailable", headers={"Retry-After": "1"}
                 ) from None
+            # The engine's reason names the cached folder: the log gets it whole; the tenant the
+            # reason with server paths cut (the upload checks made it servable, so this is rare).
+            log.warning("adapter %s cannot be served: %s", job.lora and job.lora.lora_name, e)
+            reason = str(e).replace(job.lora.lora_path, "<adapter>") if job.lora else str(e)
             raise APIError(
-                422, f"adapter '{job.model}' cannot be served: {e}", "invalid_adapter"
+                422, f"adapter '{job.model}' cannot be served: {reason}", "invalid_adapter"
             ) from None
         except ValueError as e:
             job.status = "error"
