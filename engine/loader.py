@@ -93,6 +93,15 @@ def load_model(
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     spec: ModelSpec = spec_from_config(config)
+    for rope in spec.ropes:
+        # Past the original context transformers switches the whole batch to LongRoPE's long
+        # factors (keys cached before keep the short ones): no per-sequence engine matches that.
+        if rope.kind == "longrope" and max_len > rope.original_max_position:
+            raise ValueError(
+                f"{folder}: LongRoPE models are served up to their original context of "
+                f"{rope.original_max_position} tokens (where transformers uses the short "
+                f"factors); set max_model_len <= {rope.original_max_position}"
+            )
     stored = checkpoint_quantization(config)
     if stored is not None and quantization is not None:
         raise ValueError(

@@ -73,6 +73,10 @@ def inv_frequencies(rope: RopeSpec, dim: int) -> torch.Tensor:
         mid = (1 - smooth) * inv / rope.factor + smooth * inv
         inv = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
         inv = torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, inv)
+    elif rope.kind == "longrope":
+        # Only the short factors: transformers uses them up to the original context, the
+        # longest the loader allows (see engine/loader.py).
+        inv = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * base)
     elif rope.kind == "yarn":
         # Features that turn fewer than beta_slow times over the original context are
         # interpolated (inv / factor), more than beta_fast times kept, a linear ramp between.

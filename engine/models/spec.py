@@ -43,7 +43,7 @@ FUSED_TARGETS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -55,6 +55,8 @@ class RopeSpec:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors up to the original context
+    short_factor: tuple[float, ...] | None = None
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial)
@@ -129,20 +131,28 @@ def _rope(params: dict | None, theta: float | None, cfg: dict) -> RopeSpec:
     params = dict(params or {})
     theta = float(params.get("rope_theta", theta if theta is not None else 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind in ("longrope", "su"):
-        raise ValueError("rope type 'longrope' (Phi-3's 'su') is not supported")
-    if kind not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn are)")
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope"):
+        raise ValueError(
+            f"rope type {kind!r} is not supported (default, linear, llama3, yarn, longrope are)"
+        )
     max_position = int(cfg.get("max_position_embeddings", 4096))
     # transformers prefers the top-level field (Phi-3 keeps it there), then the scaling's own
     original = cfg.get("original_max_position_embeddings") or params.get(
         "original_max_position_embeddings", max_position
     )
     factor = params.get("factor")
-    if factor is None:  # YaRN without a factor: the ratio of the two lengths (DeepSeek-V3 style)
-        factor = max_position / original if kind == "yarn" else 1.0
+    if factor is None:  # YaRN, LongRoPE without a factor: the ratio of the two lengths
+        factor = max_position / original if kind in ("yarn", "longrope") else 1.0
     factor = float(factor)
     attention_factor = 1.0
+    short_factor = None
+    if kind == "longrope":
+        short_factor = tuple(float(f) for f in params["short_factor"])
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = (
+                math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+            )
     if kind == "yarn":
         attention_factor = params.get("attention_factor")
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -162,6 +172,7 @@ def _rope(params: dict | None, theta: float | None, cfg: dict) -> RopeSpec:
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
         attention_factor=float(attention_factor),
+        short_factor=short_factor,
     )
 
 
@@ -207,12 +218,18 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
         ropes = tuple(local if t == "sliding_attention" else glob for t in layer_types)
     else:
-        r = _rope(rope_params or cfg.get("rope_scaling"), theta, cfg)
+        params = dict(rope_params or cfg.get("rope_scaling") or {})
+        if family == "phi3" and params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            params["rope_type"] = "longrope"  # as Phi3Config reads its older names
+        r = _rope(params, theta, cfg)
         ropes = (r,) * n_layers
 
-    if family == "phi3" and any(r.kind == "yarn" for r in ropes):
-        # Phi3Config reads a "yarn" (or "su") scaling as LongRoPE, which we do not implement
-        raise ValueError("rope type 'longrope' (Phi-3's 'yarn'/'su') is not supported")
+    for r in ropes:
+        if r.short_factor is not None and len(r.short_factor) != r.rotary_dim(head_dim) // 2:
+            raise ValueError(
+                f"rope short_factor has {len(r.short_factor)} entries; the rotary width "
+                f"{r.rotary_dim(head_dim)} needs {r.rotary_dim(head_dim) // 2}"
+            )
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(
         act

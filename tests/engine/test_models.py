@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from loraplex.engine import LLM
 from loraplex.engine.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import inv_frequencies
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
@@ -53,14 +54,23 @@ def _saved(config: transformers.PretrainedConfig, tmp_path: Path) -> dict:
                                     "high_freq_factor": 4.0}, {}),
         (transformers.Phi3Config, {"rope_type": "default", "partial_rotary_factor": 0.5}, {}),
         (transformers.Qwen3Config, {"rope_type": "linear", "factor": 3.0}, {}),
+        # Phi-4-mini's layout: partial rotary, the original length at the config's top level
+        (transformers.Phi3Config, {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0, 1.2, 1.9, 2.5, 4.0, 7.5],
+                                   "long_factor": [1.0, 3.0, 5.0, 9.0, 17.0, 40.0]},
+         {"original_max_position_embeddings": 64}),
+        # Phi-3.5-mini's older name for it
+        (transformers.Phi3Config, {"rope_type": "su", "short_factor": [1.1] * 8,
+                                   "long_factor": [2.0] * 8},
+         {"original_max_position_embeddings": 100}),
     ],
     ids=["yarn", "yarn-mscale", "yarn-attention-factor", "llama3-default-length", "partial",
-         "linear"],
+         "linear", "longrope", "longrope-su"],
 )  # fmt: skip
 def test_rope_frequencies_and_scaling_match_transformers(cls, rope, extra, tmp_path):
     config = cls(**_QWEN3, rope_parameters={"rope_theta": 10_000.0, **rope}, **extra)
     spec = spec_from_config(_saved(config, tmp_path))
-    fn = ROPE_INIT_FUNCTIONS.get(rope["rope_type"])
+    fn = ROPE_INIT_FUNCTIONS.get(config.rope_parameters["rope_type"])
     if fn is None:  # "default": the model's own (Phi-3's honours partial_rotary_factor)
         fn = Phi3RotaryEmbedding.compute_default_rope_parameters
     want_inv, want_scale = fn(config, torch.device("cpu"))
@@ -85,12 +95,15 @@ def test_qwen3_sliding_window_layers_match_transformers(tmp_path):
     assert want == [None, 8]
 
 
-def test_phi3_longrope_is_refused_by_name(tmp_path):
-    config = _saved(transformers.Phi3Config(**{**_QWEN3, "head_dim": None}), tmp_path)
-    for kind in ("longrope", "yarn", "su"):  # Phi3Config reads the last two as LongRoPE
-        cfg = {**config, "rope_parameters": {"rope_type": kind, "rope_theta": 1e4, "factor": 2.0}}
-        with pytest.raises(ValueError, match="longrope"):
-            spec_from_config(cfg)
+def test_longrope_is_served_up_to_its_original_context(family_models):
+    """Beyond it transformers switches a whole batch to the long factors, keeping the keys
+    cached before: the engine says how long a context it serves instead of differing."""
+    with pytest.raises(ValueError, match="original context of 128 tokens.*max_model_len <= 128"):
+        LLM(str(family_models["phi3_longrope"]), dtype="float32", max_model_len=129)
+    config = json.loads((family_models["phi3_longrope"] / "config.json").read_text())
+    config["rope_parameters"]["short_factor"] = [1.0] * 8  # the rotary width is 12
+    with pytest.raises(ValueError, match="short_factor has 8 entries.*needs 6"):
+        spec_from_config(config)
 
 
 def _edited(src: Path, dst: Path, **changes) -> Path:

@@ -108,13 +108,18 @@ def _check(rows, ref, full_prefill: bool = True):
             torch.testing.assert_close(pre, r["prefill"], **TOL)
 
 
-# qwen3 (q/k norms), qwen3_yarn, phi3 (fused checkpoint and adapter modules, partial rotary)
-# and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): tests/utils/factories.py
-@pytest.mark.parametrize(
-    "kind", ["llama", "qwen2", "gemma3", "mistral", "qwen3", "qwen3_yarn", "phi3", "llama3"]
-)
+# qwen3 (q/k norms), qwen3_yarn, phi3 (fused checkpoint and adapter modules, partial rotary),
+# phi3_longrope and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): tests/utils/factories.py
+FAMILIES = ["llama", "qwen2", "gemma3", "mistral",
+            "qwen3", "qwen3_yarn", "phi3", "phi3_longrope", "llama3"]  # fmt: skip
+# LongRoPE is served up to its original context (engine/loader.py)
+LLM_ARGS = {"phi3_longrope": {"max_model_len": 128}}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_mixed_adapter_batch_matches_hf_peft(kind, parity_models, parity_adapters, reference):
-    llm = LLM(str(parity_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16)
+    llm = LLM(str(parity_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16,
+              **LLM_ARGS.get(kind, {}))  # fmt: skip
     _check(_run(llm, parity_adapters[kind]), reference(kind))
     # Every block is free again or only held by the prefix cache (ref count 0).
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -15,10 +15,11 @@ rely on them):
     qwen3_yarn  as qwen3                          1e4, YaRN x4 from 32
     phi3        64    4    2     16     128   no    10_000              fused qkv / gate_up,
                                                                         partial rotary 0.75
+    phi3_longrope  as phi3                        LongRoPE from 128     serve <= 128 tokens
     llama3      as llama                    yes   500_000, llama3 x8    Llama 3.2: rope type
                                                   from 32               llama3, tied embeddings
 
-FAMILY_KINDS (the last four) are built on demand by the engine tests; KINDS by every suite.
+FAMILY_KINDS (the last five) are built on demand by the engine tests; KINDS by every suite.
 
 All float32, max_position_embeddings 512, rms_norm_eps 1e-6, vocab 512 by default.
 
@@ -50,7 +51,7 @@ PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3, 4
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 KINDS = ("llama", "mistral", "qwen2", "gemma3")
-FAMILY_KINDS = ("qwen3", "qwen3_yarn", "phi3", "llama3")
+FAMILY_KINDS = ("qwen3", "qwen3_yarn", "phi3", "phi3_longrope", "llama3")
 # Families whose checkpoints fuse projections: a split PEFT target name -> the module it is in.
 _FUSED_TARGETS = {
     "phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -217,10 +218,15 @@ def _config(kind: str, vocab_size: int, num_layers: int, tie: bool | None, overr
             kw["head_dim"] = 16
             kw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                      "original_max_position_embeddings": 32}  # fmt: skip
-    elif kind == "phi3":
+    elif kind in ("phi3", "phi3_longrope"):
         cls = transformers.Phi3Config
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000.0,
                                  "partial_rotary_factor": 0.75}  # fmt: skip
+        if kind == "phi3_longrope":  # Phi-4-mini's layout: one factor per rotating pair
+            kw["original_max_position_embeddings"] = 128
+            kw["rope_parameters"] = {**kw["rope_parameters"], "rope_type": "longrope",
+                                     "short_factor": [1.0, 1.1, 1.5, 2.0, 3.5, 6.0],
+                                     "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}  # fmt: skip
     elif kind == "llama3":
         cls = transformers.LlamaConfig
         kw["tie_word_embeddings"] = True
