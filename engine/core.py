@@ -74,31 +74,31 @@ class CommandSource:
 
 
 class _Coalescer:
-    """Holds a request's outputs back until `every_s` passed since the last hand-out, merging
-    them (the last output, its delta text and ids extended): a server process then wakes once
-    per few fast steps instead of every step. A request's first output, its last, errors,
-    stalls and stats go out at once, so time to first token and the end are never delayed."""
+    """Holds a request's outputs back until `every_s` passed since the last hand-out: a server
+    process then wakes once per few fast steps instead of every step. Each held step's output
+    goes out, in order (not merged: a stream still sends a chunk per step, and per token).
+    A request's first output, its last, errors, stalls and stats go out at once, so time to
+    first token and the end are never delayed."""
 
     def __init__(self, every_s: float):
         self.every_s = every_s
-        self.held: dict[str, RequestOutput | Exception] = {}
+        self.held: dict[str, list[RequestOutput | Exception]] = {}
         self.started: set[str] = set()  # requests whose first output went out
         self.last = 0.0
 
     def take(self, results: list[Result], force: bool) -> list[Result]:
         """Add a step's results; what to hand out now (maybe nothing)."""
         for rid, item in results:
-            old = self.held.get(rid)
-            if isinstance(item, RequestOutput) and isinstance(old, RequestOutput):
-                item.delta_text = old.delta_text + item.delta_text
-                item.delta_token_ids = old.delta_token_ids + item.delta_token_ids
-            self.held[rid] = item
+            if isinstance(item, RequestOutput):
+                self.held.setdefault(rid, []).append(item)
+            else:  # the request's error replaces what it had held: it ends with it
+                self.held[rid] = [item]
             if not isinstance(item, RequestOutput) or item.finished or rid not in self.started:
                 force = True
         now = time.monotonic()
         if not self.held or not (force or now - self.last >= self.every_s):
             return []
-        out = list(self.held.items())
+        out = [(rid, item) for rid, items in self.held.items() for item in items]
         self.held.clear()
         self.last = now
         for rid, item in out:
@@ -114,7 +114,8 @@ class EngineCore:
     this often, and at once whenever what a router reads changed (request counts, adapter
     residency) — so a queue that lasts a step is seen (None: never; a thread-mode caller
     reads the engine directly). `coalesce_s`: a running request's outputs of steps shorter
-    than this go to the sink merged, at most one batch per `coalesce_s` (0: every step)."""
+    than this go to the sink together, at most one batch per `coalesce_s` (0: every step);
+    a batch may then hold several outputs of one request, one per step, in step order."""
 
     IDLE_WAIT_S = 0.05  # idle: block this long on the commands (keeps adapter loads moving)
 

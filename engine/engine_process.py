@@ -8,6 +8,7 @@ keeps only queues, the tokenizer and a reader thread:
     server process                                    engine process (spawned)
     generate() ── JSON commands (add / abort / stop) ──▶ EngineCore.run (engine/core.py)
     asyncio queues ◀── reader thread ◀── JSON output deltas + stats, one message per step
+                                          (or per few short steps, each step's deltas in it)
 
 Messages are JSON over two one-way pipes, never pickles; a step's outputs carry only what
 changed per request (engine/output_deltas.py), and the reader rebuilds whole outputs. An
@@ -24,7 +25,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -63,10 +64,11 @@ _ERRORS: dict[str, type[BaseException]] = {
     "AdapterUnavailable": AdapterUnavailable,
 }
 STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while busy
-# Outputs of steps faster than this go out merged, one message per COALESCE_S: each message
-# wakes the server's reader thread, and on a tiny model (1 ms steps) the wake-ups and the
-# JSON cost the engine 10-15 % of its speed (docs/cpu-path.md). A first token, a finish, an
-# error go out at once; a stream of a slower model (steps over COALESCE_S) is unaffected.
+# Outputs of steps faster than this go out together, one message per COALESCE_S: each message
+# wakes the server's reader thread, and on a tiny model (1 ms steps) the wake-ups cost the
+# engine 10-15 % of its speed (docs/cpu-path.md). The message still carries each step's own
+# delta per request, so the server streams a chunk per token as without it. A first token, a
+# finish, an error go out at once; a slower model (steps over COALESCE_S) is unaffected.
 COALESCE_S = 0.004
 
 
@@ -214,7 +216,7 @@ class EngineProcess(StreamingEngine):
         self._decoder = OutputDecoder()  # touched by the reader thread only
         self._stats: EngineStats | None = None
         # Per message that carried outputs, newest last (benchmarks, tests): its bytes and
-        # the steps it covers (the most new tokens one request got: merged steps, see COALESCE_S).
+        # the steps it covers (the most outputs one request got: see COALESCE_S).
         self.step_bytes: deque[tuple[int, int]] = deque(maxlen=1 << 16)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.spec: ModelSpec = spec_from_config(
@@ -260,8 +262,8 @@ class EngineProcess(StreamingEngine):
                 for d in msg.outputs:
                     items.append((d.request_id, self._decoder.decode(d)))
                 if items:
-                    new = [len(c.token_ids) for d in msg.outputs for c in d.completions]
-                    self.step_bytes.append((len(raw), max(new, default=0) or 1))
+                    steps = Counter(d.request_id for d in msg.outputs)
+                    self.step_bytes.append((len(raw), max(steps.values(), default=1)))
                     self._deliver_all(items)
                 if msg.stats is not None:
                     self._stats = EngineStats(**msg.stats)

@@ -62,6 +62,7 @@ def _settings(args: argparse.Namespace):
             "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
             "max_model_len": getattr(args, "max_model_len", None),
             "swap_space_gib": getattr(args, "swap_space", None),
+            "stream_interval": getattr(args, "stream_interval", None),
         }.items()
         if v is not None
     }
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="speculative decoding by prompt lookup: K tokens proposed per request "
                    "per step (0: off; default: settings)")  # fmt: skip
+    s.add_argument("--stream-interval", type=int, metavar="N",
+                   help="tokens per streamed chunk, as vLLM's flag (default: settings, 1: a "
+                   "chunk per token)")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip

@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,6 +81,17 @@ class Job:
     cached_tokens: int = 0
     status: str = "ok"
     recorded: bool = False
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the last, with all their new text and ids."""
+    if len(outs) == 1:
+        return outs[0]
+    return replace(
+        outs[-1],
+        delta_text="".join(o.delta_text for o in outs),
+        delta_token_ids=[t for o in outs for t in o.delta_token_ids],
+    )
 
 
 class InferenceService:
@@ -222,6 +233,9 @@ class InferenceService:
         self.state.inflight.add(job.request_id)
         if stream:
             self.state.streams[job.request_id] = job
+        interval = self.state.settings.stream_interval if stream else 1
+        held: list[RequestOutput] = []  # outputs not yet handed out (stream_interval > 1)
+        handed = 0  # generated tokens handed out
         try:
             async for out in engine.generate(
                 job.prompt_ids,
@@ -235,6 +249,14 @@ class InferenceService:
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
                 job.cached_tokens = out.num_cached_tokens
+                if interval > 1:
+                    # vLLM's stream_interval: the first tokens at once, then every
+                    # `interval` tokens, and the end.
+                    held.append(out)
+                    made = out.num_generated_tokens or len(out.outputs[0].token_ids)
+                    if handed and made - handed < interval and not out.finished:
+                        continue
+                    out, held, handed = _merged(held), [], made
                 yield out
         except AdapterUnavailable as e:  # disk or store trouble: retrying may work
             job.status = "error"

@@ -141,6 +141,12 @@ class Settings(BaseSettings):
         "many of its tokens wait unsent because the client reads nothing, and resumes when it "
         "reads again",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens per streamed chunk, as vLLM's --stream-interval: a stream sends its "
+        "first token at once, then a chunk each time this many tokens are ready, and its end",
+    )
     stream_stall_timeout_s: float = Field(
         60.0,
         gt=0,

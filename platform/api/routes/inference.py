@@ -382,14 +382,15 @@ async def chat_completions(
                 choices[-1]["finish_reason"] = reason
             return [{**base, "choices": [c]} for c in choices] or None, n
         delta = {"content": out.delta_text}
+        lps = _chat_logprobs(tok, out, start, start + n, top)
         if not sent_role:
             delta["role"], sent_role = "assistant", True
-        elif not out.delta_text and not out.finished:
-            return None, n
+        elif not out.delta_text and not out.finished and lps is None:
+            return None, n  # no text yet (part of a character); with logprobs it goes, as vLLM
         choice = {
             "index": 0,
             "delta": delta,
-            "logprobs": _chat_logprobs(tok, out, start, start + n, top),
+            "logprobs": lps,
             "finish_reason": out.outputs[0].finish_reason if out.finished else None,
         }
         return {**base, "choices": [choice]}, n
