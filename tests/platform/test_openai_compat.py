@@ -639,6 +639,20 @@ for the context, over the quota) fails the request with a 400/429 naming it (`pr
   that chunk (`prompt_tokens`, `completion_tokens` so far, `total_tokens`), over all choices
   and prompts of the request; as in vLLM, it implies `include_usage` unless that is false.
 
+## Stream granularity
+
+A stream sends a chunk per generated token by default, as vLLM does. `stream_interval`
+(`loraplex serve --stream-interval N`, `LORAPLEX_STREAM_INTERVAL`; vLLM's
+`--stream-interval`) makes it N tokens per chunk: the first token at once, then a chunk
+each time N more are ready, and the rest with the finish. The engine process still sends
+the server one message per few short steps (steps under 4 ms; it saves the server a
+wake-up per step), but each message carries every step's own output, so this merging
+changes no chunk. A token with no text of its own (part of a UTF-8 character, a skipped
+special token) gets a chunk with empty text on /v1/completions, and on chat when logprobs
+are asked for; otherwise its token goes with the next chunk. With speculative decoding, the
+tokens one step accepts go in one chunk. Usage counts tokens, not chunks
+(tests/platform/test_stream_granularity.py).
+
 ## Operational routes
 
 As vLLM answers them (tests/platform/test_vllm_routes.py): `GET /health` and `GET`/`POST
