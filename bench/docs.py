@@ -388,6 +388,12 @@ def _structured_mask(doc: dict, path: Path, out: Path) -> str:
     return section(doc, path, out)
 
 
+def _long(doc: dict, path: Path, out: Path) -> str:
+    from loraplex.bench.long_outputs import section
+
+    return section(doc, path, out)
+
+
 SECTIONS = [  # (title, file prefix, renderer)
     ("Peers side by side (serving)", "peers-", peers_section),
     ("Adapter-count scaling (serving)", "scaling-", scaling_section),
@@ -398,6 +404,7 @@ SECTIONS = [  # (title, file prefix, renderer)
     ("int8 KV cache (`python -m bench.kv_int8`)", "kv-int8", kv_int8_section),
     ("Long outputs: the KV cliff (`loraplex bench cliff`)", "cliff", cliff_section),
     ("Routing a fleet (`loraplex bench fleet`)", "fleet", fleet_section),
+    ("Long outputs through the engine process (`loraplex bench long`)", "long-", _long),
     ("Speculative decoding (`python -m bench.speculative`)", "speculative", speculative_section),
     ("Structured output: every answer validates", "structured-acceptance", _structured_acc),
     ("Structured output: the bitmask's step cost", "structured-bitmask", _structured_mask),

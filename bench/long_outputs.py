@@ -184,6 +184,43 @@ def run_long(args: argparse.Namespace) -> dict:
     return doc
 
 
+def section(doc: dict, path: Path, out: Path) -> str:
+    """docs/benchmarks.md's section for one results file (`loraplex bench docs`)."""
+    rows = doc["rows"]
+    head = f"### `{path.name}`: tiny random llama, float32, greedy, ignore_eos"
+    text = (
+        f"{head}\n\n"
+        "Generated tokens/s through `EngineProcess` (as `loraplex serve` runs it: steps under "
+        "`COALESCE_S` go to the server in one message; and with one message per step) over "
+        "the offline `LLM` doing the same work; the three alternate (ABC CBA), medians of "
+        f"{len(rows[0]['served_runs'])} run(s) each. Bytes: engine -> server per step with "
+        "one message per step, around the early and the late token.\n\n"
+    )
+    if doc.get("command"):
+        text += f"`{doc['command']}`\n\n"
+    table = [
+        "| case | served / offline | one message per step / offline | served tok/s "
+        "| offline tok/s | messages (served) | bytes per step, early / late |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        table.append(
+            f"| {r['requests']} x {r['tokens']:,} tokens | {r['served_over_offline']:.2f} "
+            f"| {r['per_step_over_offline']:.2f} | {r['served_tok_s']:,.0f} "
+            f"| {r['offline_tok_s']:,.0f} | {r['served_messages']:,} "
+            f"| {r['bytes_early']:,.0f} / {r['bytes_late']:,.0f} |"
+        )
+    text += "\n".join(table) + "\n"
+    runs = "".join(
+        f"- {r['requests']} x {r['tokens']:,}: served {[round(x) for x in r['served_runs']]}, "
+        f"per step {[round(x) for x in r['per_step_runs']]}, "
+        f"offline {[round(x) for x in r['offline_runs']]} tok/s\n"
+        for r in rows
+    )
+    notes = "".join(f"- {n}\n" for n in doc.get("notes", []))
+    return text + "\nRuns:\n\n" + runs + (f"\n{notes}" if notes else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(ap)
