@@ -91,9 +91,11 @@ def test_step_messages_stay_flat_over_a_long_output(pengine):
     # Per step: a message may cover several fast steps (COALESCE_S); its bytes spread over them.
     sizes = [size / steps for size, steps in pengine.step_bytes for _ in range(steps)]
     assert len(sizes) == 220  # every step's new token went out once
-    # Medians: now and then a message also carries the engine's stats snapshot.
+    # Medians: now and then a message also carries the engine's stats snapshot (more often
+    # per step on a loaded machine, whose steps are slower). Bytes that grew with the output
+    # would be many times the early ones by step 200; a tenth covers the snapshots.
     early, late = statistics.median(sizes[5:15]), statistics.median(sizes[195:205])
-    assert late <= early + 16, (sizes[5:15], sizes[195:205])
+    assert late <= early * 1.1 + 16, (sizes[5:15], sizes[195:205])
 
 
 def test_errors_come_back_typed_to_their_request_only(pengine, tmp_path):
