@@ -9,8 +9,9 @@ tenant, revoke a key and issue a new one, the collector. After every step:
   against a model of the registry: linearizable);
 - both replicas list each tenant's adapters as the model says, with the digests of the bytes
   last uploaded under each name, and never another tenant's;
-- every listed adapter serves, on both replicas, the text of its own latest weights (each
-  adapter's greedy text is learned once and must not change);
+- every listed adapter's object is in the store, and every adapter serves, on both replicas,
+  the text of its own latest weights (each adapter's greedy text is learned once and must not
+  change);
 - a suspended tenant or a revoked key is refused on both replicas;
 - the usage ledger holds exactly the requests and tokens clients received;
 - after the collector, no stored object is left that no adapter names.
@@ -99,6 +100,17 @@ class FleetRaces(RuleBasedStateMachine):
         assert after is not None, f"{batch} answered {got}: no order explains it"
         self.model = after
 
+    @precondition(lambda self: getattr(self, "model", None))
+    @rule(data=st.data(), tenant=st.sampled_from(TENANTS), name=st.sampled_from(NAMES),
+          replica=st.integers(0, 1))  # fmt: skip
+    def delete_while_the_same_bytes_are_uploaded(self, data, tenant, name, replica):
+        """The race that once lost adapters: an adapter deleted on one replica while the same
+        bytes are uploaded (by its owner or another tenant) on the other."""
+        (owner, gone), content = data.draw(st.sampled_from(sorted(self.model.items())))
+        self.concurrently([(("delete", owner, gone), replica),
+                           (("upload", tenant, name, content), 1 - replica)])  # fmt: skip
+        self.serve(tenant, replica)  # the stored object must still be there to fetch
+
     @rule(tenant=st.sampled_from(TENANTS), replica=st.integers(0, 1))
     def serve(self, tenant, replica):
         """Every adapter the model says the tenant has answers with its own weights' text."""
@@ -171,6 +183,16 @@ class FleetRaces(RuleBasedStateMachine):
                 assert r.status_code == 200, r.text
                 mine = {(i, a["name"]): a["sha256"] for a in r.json()["data"]}
                 assert mine == {k: v for k, v in want.items() if k[0] == i}
+
+    @invariant()
+    def every_adapter_has_its_object(self):
+        """What serving fetches on a replica whose disk cache does not hold it yet."""
+        with self.fleet.sessions() as session:
+            keys = {(a.tenant_id, a.name): a.storage_key
+                    for a in crud.list_adapters(session, tenant_id=None)}  # fmt: skip
+        ids = {t.id for t in self.tenants}
+        lost = [k for k, key in keys.items() if k[0] in ids and not self.fleet.store.exists(key)]
+        assert not lost, f"adapters whose stored object is gone: {lost}"
 
     @invariant()
     def old_keys_are_refused_everywhere(self):
