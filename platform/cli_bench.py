@@ -1,4 +1,5 @@
-"""`loraplex bench serve|offline|scaling|peers|cliff|quant|fleet|long|docs`; code in `loraplex.bench`."""
+"""`loraplex bench serve|offline|scaling|peers|cliff|quant|fleet|long|docs`; code in
+`loraplex.bench`."""
 
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ def test_adapters_across_tenants_and_delete_cleans_the_store(server, admin, tiny
     a_id, a_key = _tenant(admin, "owner-a")
     b_id, b_key = _tenant(admin, "owner-b")
     _upload(server, a_key, "shared", tiny_adapters["llama"]["qv4"])
-    _upload(server, b_key, "shared", tiny_adapters["llama"]["qv4"])  # same bytes, objects of their own
+    _upload(server, b_key, "shared", tiny_adapters["llama"]["qv4"])  # same bytes, own object
     _upload(server, a_key, "mine", tiny_adapters["llama"]["attn8"])
 
     everyone = admin.get("/adapters").json()["data"]
