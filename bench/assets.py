@@ -1,7 +1,7 @@
 """Benchmark models and adapters, built once and cached under bench/.cache/.
 
     bench/.cache/
-        tiny-llama/                    random Llama (docs/peers.md): bf16 safetensors + tokenizer.json
+        tiny-llama/                    random Llama (docs/peers.md), bf16 + tokenizer.json
         adapters/<model>/a00 .. aNN/   PEFT LoRA adapters, r=8 on q/k/v/o, random non-zero A and B
 
 Adapters are written as peft's `save_pretrained` writes them (`adapter_config.json` from
