@@ -144,7 +144,19 @@ def _usage(srv, request_id: str) -> UsageRecord | None:
 def _stalled(srv):
     """(the stream's job, engine stats) once the engine has paused the only stream."""
     engine = srv.state.engine
-    stats = _wait_for(lambda: (s := engine.stats()).paused == 1 and s, 30, "never paused")
+
+    def settled():
+        # The first pauses may resume while the socket buffers still take bytes: wait until
+        # the paused stream holds still for half a second.
+        s = engine.stats()
+        if s.paused != 1:
+            return None
+        time.sleep(0.5)
+        t = engine.stats()
+        same = (t.paused, t.steps, t.generated_tokens) == (1, s.steps, s.generated_tokens)
+        return t if same else None
+
+    stats = _wait_for(settled, 30, "never paused for good")
     (job,) = srv.state.streams.values()
     return job, stats
 
