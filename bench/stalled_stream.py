@@ -17,7 +17,6 @@ import argparse
 import json
 import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,43 +27,23 @@ CONFIGS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(model: Path, data: Path, tokens: int, stall_s: float, overrides: dict) -> dict:
-    import httpx
-    import uvicorn
-
-    from loraplex.platform.cli import serve_socket
-    from loraplex.platform.db import crud
-    from loraplex.platform.db.session import upgrade
-    from loraplex.platform.main import create_app
+    from loraplex.bench.server import free_port, serve_in_thread
     from loraplex.platform.settings import Settings
 
-    port = _free_port()
+    port = free_port()
     settings = Settings(
         data_dir=data, model=str(model), host="127.0.0.1", port=port, dtype="float32",
         max_model_len=tokens + 64, stream_stall_timeout_s=stall_s + 60, **overrides,
     )  # fmt: skip
-    upgrade(settings.database_url)
-    app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
-    )
-    sock = serve_socket(server.config, settings.stream_send_buffer_bytes)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with serve_in_thread(settings, timeout_s=600) as (app, url):
+        return _measure(app, url, port, tokens, stall_s)
+
+
+def _measure(app, url: str, port: int, tokens: int, stall_s: float) -> dict:
+
+    from loraplex.platform.db import crud
+
     state = app.state.lp
     with state.sessions() as session:
         tenant = crud.create_tenant(session, name="stalled")
@@ -100,8 +79,6 @@ def _run(model: Path, data: Path, tokens: int, stall_s: float, overrides: dict) 
         pass
     row["written_bytes"] = held
     client.close()
-    server.should_exit = True
-    thread.join(30)
     return row
 
 

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
-import uvicorn
 
-from loraplex.platform.cli import serve_socket
+from loraplex.bench.server import serve_in_thread
 from loraplex.platform.db import crud
-from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
-from loraplex.platform.main import create_app
+from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.settings import Settings
 
 ADMIN_KEY = "test-admin-key-" + "x" * 24
@@ -63,34 +59,12 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
         engine_threads=torch.get_num_threads(),
     )
     settings = Settings(**{**defaults, **settings_overrides})
-    upgrade(settings.database_url)
-    app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio")
-    )
-    # The listening socket as `loraplex serve` makes it (its send buffer bounds streams).
-    sock = serve_socket(server.config, settings.stream_send_buffer_bytes)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    with serve_in_thread(settings) as (app, url):
+        db = make_engine(settings.database_url)
         try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    else:
-        raise RuntimeError("server did not become ready")
-    db = make_engine(settings.database_url)
-    try:
-        yield RunningServer(url, settings, app, make_sessionmaker(db))
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        db.dispose()
+            yield RunningServer(url, settings, app, make_sessionmaker(db))
+        finally:
+            db.dispose()
 
 
 def upload_adapter(url: str, key: str, name: str, folder: Path) -> httpx.Response:
