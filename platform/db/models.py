@@ -190,7 +190,13 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # part of prompt_tokens
     status: Mapped[str] = mapped_column(String(16))
+    # Latencies in milliseconds, None where the request never got that far. ttft_ms and
+    # latency_ms (end to end) run from the request's admission (after auth and quota) to its
+    # first token and to its end; queue_ms is the engine's wait before the first step that
+    # computed the request; tpot_ms the mean time per output token after the first.
+    queue_ms: Mapped[float | None] = mapped_column(Float)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
