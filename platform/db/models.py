@@ -25,6 +25,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     String,
+    Text,
     TypeDecorator,
     UniqueConstraint,
 )
@@ -80,6 +81,22 @@ class AdapterStatus(StrEnum):
     deleted = "deleted"
 
 
+class RequestClass(StrEnum):
+    interactive = "interactive"
+    batch = "batch"  # a line of a Batch API job: low priority, priced by batch_price_factor
+
+
+class BatchStatus(StrEnum):  # OpenAI's batch states
+    validating = "validating"
+    failed = "failed"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    expired = "expired"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
 class UsageStatus(StrEnum):
     ok = "ok"
     aborted = "aborted"
@@ -109,6 +126,10 @@ class Tenant(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0)  # fair-share weight
     price_prompt_per_1k: Mapped[Decimal] = mapped_column(default=Decimal(0))
     price_completion_per_1k: Mapped[Decimal] = mapped_column(default=Decimal(0))
+    # Batch API tokens cost this fraction of the prices above (they run on idle capacity).
+    batch_price_factor: Mapped[Decimal] = mapped_column(
+        Numeric(6, 4), default=Decimal("0.5"), server_default="0.5"
+    )
     status: Mapped[str] = mapped_column(String(16), default=TenantStatus.active.value)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -173,6 +194,7 @@ class UsageRecord(Base):
     __tablename__ = "usage_records"
     __table_args__ = (
         _one_of("status", UsageStatus),
+        _one_of("request_class", RequestClass),
         # The monthly budget and per-tenant reports scan one tenant's time range.
         Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
     )
@@ -190,6 +212,9 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # part of prompt_tokens
     status: Mapped[str] = mapped_column(String(16))
+    request_class: Mapped[str] = mapped_column(
+        String(16), default=RequestClass.interactive.value, server_default="interactive"
+    )
     # Latencies in milliseconds, None where the request never got that far. ttft_ms and
     # latency_ms (end to end) run from the request's admission (after auth and quota) to its
     # first token and to its end; queue_ms is the engine's wait before the first step that
@@ -212,3 +237,66 @@ class RateCounter(Base):
     window_start: Mapped[datetime] = mapped_column(primary_key=True)  # second 0 of the minute
     requests: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class StoredFile(Base):
+    """A tenant's file of the Files API (batch input, batch output and errors); its bytes are
+    an object of the adapter store (platform/files.py)."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "file-<hex>"
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(256))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer, default=0)  # requests, for purpose "batch"
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Batch(Base):
+    """A Batch API job. Its progress is its rows in `batch_lines`; the replica holding it
+    (`runner`) renews `lease_until`, and any replica takes over a batch whose lease ran out."""
+
+    __tablename__ = "batches"
+    __table_args__ = (_one_of("status", BatchStatus),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "batch_<hex>"
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    meta: Mapped[dict | None] = mapped_column("metadata", JSON)
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.validating.value)
+    errors: Mapped[list | None] = mapped_column(JSON)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    runner: Mapped[str | None] = mapped_column(String(64))
+    lease_until: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+
+
+class BatchLine(Base):
+    """A finished line of a batch: its output (or error) line, written once. A line without a
+    row has not run to its end; the primary key makes a second answer for it a no-op."""
+
+    __tablename__ = "batch_lines"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0-based, in the input file
+    ok: Mapped[bool]
+    result: Mapped[str] = mapped_column(Text)  # the JSON line of the output or error file
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
