@@ -16,12 +16,14 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import EngineProcess
 from loraplex.engine.host_malloc import keep_freed_memory
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.platform import tracing
 from loraplex.platform.adapter_service import collect_periodically, store_for
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.routes import (
     adapters,
     admin,
     admin_ui,
+    files,
     health,
     inference,
     lora_admin,
@@ -157,6 +159,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             state.engine.shutdown()
         state.cache.close()
         db.dispose()
+        if provider is not None:
+            provider.shutdown()  # sends the spans still batched
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     app.state.lp = state
@@ -166,5 +170,10 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(adapters.router)
     app.include_router(admin.router)
     app.include_router(lora_admin.router)
+    app.include_router(files.router)
     admin_ui.mount(app)
+    provider = None
+    if settings.otlp_traces_endpoint:  # the SDK is imported only here
+        provider = tracing.make_provider(settings.otlp_traces_endpoint)
+        app.add_middleware(tracing.TracingMiddleware, provider=provider)
     return app

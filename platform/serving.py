@@ -22,7 +22,7 @@ from loraplex.engine.lora import AdapterError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.platform import quotas, usage
+from loraplex.platform import quotas, tracing, usage
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.errors import APIError
@@ -77,6 +77,10 @@ class Job:
     end_user: str | None = None  # the request's `user` field, kept in the usage record
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    submitted: float | None = None  # handed to the engine
+    finish_reason: str | None = None
+    engine_times: tracing.EngineTimes | None = None  # the engine's own, where it sends them
+    adapter_tier: str | None = None  # tracing only: where the engine held the adapter
     sent_tokens: int = 0
     cached_tokens: int = 0
     status: str = "ok"
@@ -92,6 +96,15 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
         delta_text="".join(o.delta_text for o in outs),
         delta_token_ids=[t for o in outs for t in o.delta_token_ids],
     )
+
+
+def _adapter_tier(engine, lora_name: str) -> str:
+    """Where the engine's latest stats snapshot has the adapter: in a device slot, in host
+    memory, or neither (it loads from the local disk cache)."""
+    stats = engine.stats()
+    if lora_name in stats.resident_adapters:
+        return "device"
+    return "host" if lora_name in stats.host_adapters else "disk"
 
 
 class InferenceService:
@@ -114,6 +127,7 @@ class InferenceService:
 
     def resolve_model(self, caller: Caller, model: str) -> tuple[LoRARequest | None, str | None]:
         """The adapter `model` names for this tenant; 404 if it has none by that name."""
+        tracing.end_auth()
         if model == self.state.model_name:
             return None, None
         with self.state.sessions() as session:
@@ -125,8 +139,15 @@ class InferenceService:
                 )
             key, digest = row.storage_key, row.sha256
             crud.touch_adapter_used(session, adapter_id=row.id)
+        traced = tracing.current() is not None
         try:
+            if traced:
+                fetched = time.monotonic()
+                cached = (self.state.cache.dir / digest).is_dir()
             path = self.state.cache.get(key, digest)
+            if traced:
+                source = "disk" if cached else "store"
+                tracing.phase("adapter_fetch", fetched, time.monotonic(), source=source)
         except Exception as e:  # store down or object gone: this request fails, not the server
             # The cause names store paths, buckets and endpoints: the operator's log gets it,
             # the tenant a message that says what to do.
@@ -137,6 +158,7 @@ class InferenceService:
         return lora, model
 
     def encode_prompt(self, prompt: str | list[int], *, templated: bool = False) -> list[int]:
+        tracing.end_auth()
         tok = self._engine().tokenizer
         if isinstance(prompt, list):
             return prompt
@@ -178,6 +200,7 @@ class InferenceService:
         adapter_name: str | None,
         end_user: str | None = None,
     ) -> Job:
+        tracing.end_auth()
         engine = self._engine()
         limit = engine.config.max_model_len
         if len(prompt_ids) >= limit:
@@ -198,7 +221,11 @@ class InferenceService:
                 "max_tokens",
             )
         estimate = len(prompt_ids) + max_new * params.num_samples  # n / best_of: each sample
+        charging = time.monotonic()
         decision = await asyncio.to_thread(self._charge, caller.tenant.id, estimate)
+        tracing.phase(
+            "quota", charging, time.monotonic(), allowed=decision.allowed, reserved=estimate
+        )
         if not decision.allowed:
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
             raise APIError(
@@ -236,6 +263,9 @@ class InferenceService:
         interval = self.state.settings.stream_interval if stream else 1
         held: list[RequestOutput] = []  # outputs not yet handed out (stream_interval > 1)
         handed = 0  # generated tokens handed out
+        if job.lora is not None and tracing.current() is not None:
+            job.adapter_tier = _adapter_tier(engine, job.lora.lora_name)
+        job.submitted = time.monotonic()
         try:
             async for out in engine.generate(
                 job.prompt_ids,
@@ -249,6 +279,9 @@ class InferenceService:
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
                 job.cached_tokens = out.num_cached_tokens
+                job.engine_times = tracing.engine_times(out) or job.engine_times
+                if out.finished and out.outputs:
+                    job.finish_reason = out.outputs[0].finish_reason
                 if interval > 1:
                     # vLLM's stream_interval: the first tokens at once, then every
                     # `interval` tokens, and the end.
@@ -319,12 +352,14 @@ class InferenceService:
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.completion_tokens.inc(job.sent_tokens)
         m.latency.observe(now - job.started)
-        ttft_ms = None
+        ttft_ms = tpot_ms = None
         if job.first_token is not None:
             m.ttft.observe(job.first_token - job.started)
             ttft_ms = (job.first_token - job.started) * 1000
             if job.sent_tokens > 1:
-                m.tpot.observe((now - job.first_token) / (job.sent_tokens - 1))
+                tpot = (now - job.first_token) / (job.sent_tokens - 1)
+                m.tpot.observe(tpot)
+                tpot_ms = tpot * 1000
         actual = len(job.prompt_ids) + job.sent_tokens
         # One record: the usage row and the structured log line say the same thing.
         record = {
@@ -336,9 +371,30 @@ class InferenceService:
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": job.sent_tokens,
             "cached_tokens": job.cached_tokens,
+            "queue_ms": job.engine_times.queue_ms if job.engine_times else None,
             "ttft_ms": ttft_ms,
+            "tpot_ms": tpot_ms,
             "latency_ms": (now - job.started) * 1000,
         }
+        if job.submitted is not None and tracing.current() is not None:
+            tracing.record_job(
+                tracing.JobTrace(
+                    submitted=job.submitted,
+                    first_token=job.first_token,
+                    ended=now,
+                    adapter=job.adapter_name,
+                    adapter_digest=os.path.basename(job.lora.lora_path) if job.lora else None,
+                    adapter_tier=job.adapter_tier,
+                    prompt_tokens=len(job.prompt_ids),
+                    completion_tokens=job.sent_tokens,
+                    finish_reason=job.finish_reason,
+                    status=status,
+                    engine=job.engine_times,
+                    tenant_id=job.caller.tenant.id,
+                    model=job.model,
+                    request_id=job.request_id,
+                )
+            )
 
         def write():
             with self.state.sessions() as session:

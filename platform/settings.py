@@ -28,6 +28,7 @@ from pydantic_settings import (
 )
 
 from loraplex.platform.security import looks_like_placeholder
+from loraplex.platform.tracing import traces_url
 
 MIN_ADMIN_KEY_CHARS = 32
 
@@ -197,6 +198,36 @@ class Settings(BaseSettings):
     adapter_cache_dir: Path | None = Field(None, description="default: <data_dir>/adapter-cache")
     log_json: bool = False
 
+    # The Batch API (platform/batches.py, platform/files.py).
+    batch_file_max_bytes: int = Field(
+        200 * 1024**2, ge=1, description="largest file POST /v1/files takes (OpenAI's: 200 MB)"
+    )
+    batch_file_max_lines: int = Field(
+        50_000, ge=1, description="most requests in one batch input file (OpenAI's: 50,000)"
+    )
+    files_max_bytes_per_tenant: int | None = Field(
+        None, ge=1, description="all of a tenant's stored files together; None: no limit"
+    )
+    batch_concurrency: int = Field(
+        16, ge=1, description="lines of one batch running at once on a replica"
+    )
+    batch_max_active: int = Field(4, ge=0, description="batches a replica runs at once (0: none)")
+    batch_poll_interval_s: float = Field(
+        1.0, gt=0, description="how often an idle replica looks for batches to run"
+    )
+    batch_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="a replica's hold on a batch it runs, renewed every third of it; the "
+        "batch of a replica that died is taken over once its hold runs out",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector to send request traces to, as vLLM's "
+        "--otlp-traces-endpoint (http://collector:4318, or the full .../v1/traces URL); unset: "
+        "no tracing, and the OpenTelemetry SDK is not even imported",
+    )
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -225,6 +256,11 @@ class Settings(BaseSettings):
     def _absolute(cls, v: Path | None) -> Path | None:
         # Absolute, so the URLs derived from it do not depend on the working directory.
         return None if v is None else v.expanduser().resolve()
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_traces_endpoint(cls, v: str | None) -> str | None:
+        return traces_url(v) if v else None
 
     @field_validator("database_url")
     @classmethod

@@ -42,7 +42,9 @@ def record_usage(
     adapter_name: str | None = None,
     end_user: str | None = None,
     cached_tokens: int = 0,
+    queue_ms: float | None = None,
     ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
     created_at: datetime | None = None,
 ) -> bool:
     """Write the request's record; True if written, False if `request_id` already had one.
@@ -70,7 +72,9 @@ def record_usage(
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
         status=status,
+        queue_ms=queue_ms,
         ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
         latency_ms=latency_ms,
     )
     if created_at is not None:
