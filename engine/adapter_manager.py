@@ -18,6 +18,7 @@ A matrices are stacked along the rank dimension and its B^T matrices form a bloc
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -25,11 +26,33 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.lora import GROUPS, LoRAAdapter, load_adapter
+from loraplex.engine.lora import LoRAAdapter, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
-from loraplex.engine.models.spec import FUSED
+from loraplex.engine.models.moe import Experts, SparseMoE
+from loraplex.engine.models.spec import FUSED, ROUTER, SHARED_EXPERT
 from loraplex.engine.sequence import LoRARequest
+
+log = logging.getLogger("loraplex.engine")
+
+
+def layer_modules(layer) -> dict[str, tuple[LoRALinear, tuple[str, ...]]]:
+    """A decoder layer's LoRA-carrying linears: our name -> (module, the PEFT targets of its
+    slices in order). Dense layers: q|k|v, o, gate|up, down; a routed layer: the router and a
+    shared expert's gate|up and down instead of the MLP's."""
+    mods = {}
+    for name, (parent, slices) in FUSED.items():
+        owner = getattr(layer, parent)
+        if isinstance(owner, SparseMoE):
+            continue
+        mods[name] = (getattr(owner, name), slices)
+    if isinstance(layer.mlp, SparseMoE):
+        mods[ROUTER] = (layer.mlp.gate, (ROUTER,))
+        if layer.mlp.shared_expert is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                targets = tuple(f"{SHARED_EXPERT}.{p}" for p in FUSED[name][1])
+                mods[f"{SHARED_EXPERT}.{name}"] = (getattr(layer.mlp.shared_expert, name), targets)
+    return mods
 
 
 class AdapterUnavailable(RuntimeError):
@@ -58,6 +81,9 @@ def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool)
         adapter.weights = {
             k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.weights.items()
         }
+        adapter.experts = {
+            k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.experts.items()
+        }
     return adapter, time.monotonic() - start
 
 
@@ -75,11 +101,19 @@ class AdapterManager:
         self.dtype = model.dtype
         self.pin = model.device.type == "cuda"
         self.modules: list[dict[str, LoRALinear]] = []
+        self.slices: list[dict[str, tuple[str, ...]]] = []  # per layer: module -> its targets
+        # per layer: the routed experts (None: a dense layer); their LoRA stacks are allocated
+        # on the first expert adapter (see _expert_stacks)
+        self.experts: list[Experts | None] = [
+            layer.mlp.experts if isinstance(layer.mlp, SparseMoE) else None
+            for layer in model.model.layers
+        ]
         for layer in model.model.layers:
-            mods = {name: getattr(getattr(layer, parent), name)
-                    for name, (parent, _) in FUSED.items()}  # fmt: skip
+            found = layer_modules(layer)
+            mods = {name: mod for name, (mod, _) in found.items()}
+            self.slices.append({name: targets for name, (_, targets) in found.items()})
             for name, mod in mods.items():
-                width = len(FUSED[name][1]) * max_rank
+                width = len(found[name][1]) * max_rank
                 dev = model.device  # one device for the whole model
                 mod.lora_a = torch.zeros(
                     max_loras, width, mod.in_features, dtype=self.dtype, device=dev
@@ -113,9 +147,45 @@ class AdapterManager:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(
+        dense = sum(
             m.lora_a.nbytes + m.lora_b.nbytes for mods in self.modules for m in mods.values()
         )
+        stacks = [ex for ex in self.experts if ex is not None and ex.lora_gate_up_a is not None]
+        return dense + sum(
+            t.nbytes
+            for ex in stacks
+            for t in (ex.lora_gate_up_a, ex.lora_gate_up_b, ex.lora_down_a, ex.lora_down_b)
+        )
+
+    def expert_slot_bytes(self) -> int:
+        """What the expert LoRA stacks of all slots take once allocated: slots x experts x
+        (2 x rank x (hidden + 2 x intermediate) + rank x (intermediate + hidden)) per routed
+        layer, in the model's dtype."""
+        s, r = self.max_loras, self.max_rank
+        per = sum(ex.num_experts * (2 * r * (ex.hidden + 2 * ex.inter) + r * (ex.inter + ex.hidden))
+                  for ex in self.experts if ex is not None)  # fmt: skip
+        return s * per * self.dtype.itemsize
+
+    def _expert_stacks(self) -> None:
+        """Allocate every routed layer's expert LoRA stacks (all slots), once."""
+        ex0 = next(ex for ex in self.experts if ex is not None)
+        if ex0.lora_gate_up_a is not None:
+            return
+        log.info(
+            "expert LoRA slots allocated: %.1f MiB for %d slots of rank %d",
+            self.expert_slot_bytes() / 2**20, self.max_loras, self.max_rank,
+        )  # fmt: skip
+        s, r, dev = self.max_loras, self.max_rank, self.model.device
+        for ex in self.experts:
+            if ex is None:
+                continue
+            e, h, i = ex.num_experts, ex.hidden, ex.inter
+            z = dict(dtype=self.dtype, device=dev)
+            ex.lora_gate_up_a = torch.zeros(s, e, 2 * r, h, **z)
+            ex.lora_gate_up_b = torch.zeros(s, e, 2 * r, 2 * i, **z)
+            ex.lora_down_a = torch.zeros(s, e, r, i, **z)
+            ex.lora_down_b = torch.zeros(s, e, r, h, **z)
+            ex.lora_widths = [0] * s
 
     # ------------------------------------------------------------ host tier
     def acquire(self, lora: LoRARequest) -> None:
@@ -208,16 +278,20 @@ class AdapterManager:
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.counters.slot_writes += 1
+        if adapter.experts:
+            self._expert_stacks()
         with torch.no_grad():
             for layer, mods in enumerate(self.modules):
+                if self.experts[layer] is not None:
+                    self._write_experts(self.experts[layer], slot, layer, adapter)
                 for name, mod in mods.items():
                     old = mod.lora_widths[slot]
                     mod.lora_a[slot, :old].zero_()
                     mod.lora_b[slot, :old].zero_()
                     width = 0
-                    for target, (group, idx) in GROUPS.items():
+                    for idx, target in enumerate(self.slices[layer][name]):
                         w = adapter.weights.get((layer, target))
-                        if group != name or w is None:
+                        if w is None:
                             continue
                         a, b = w  # [r, in], [out_i, r]
                         r = a.shape[0]
@@ -229,3 +303,28 @@ class AdapterManager:
                         )
                         width += r
                     mod.lora_widths[slot] = width
+
+    def _write_experts(self, ex: Experts, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        """Expert LoRA into slot `slot`: gate and up stacked along the rank (their B rows in
+        the gate and up halves of the output), down on its own; zeros where not targeted."""
+        if ex.lora_gate_up_a is None:
+            return
+        if ex.lora_widths[slot]:
+            for t in (ex.lora_gate_up_a, ex.lora_gate_up_b, ex.lora_down_a, ex.lora_down_b):
+                t[slot].zero_()
+        width, i = 0, ex.inter
+        for proj, a_t, b_t, col in (("gate_proj", ex.lora_gate_up_a, ex.lora_gate_up_b, 0),
+                                    ("up_proj", ex.lora_gate_up_a, ex.lora_gate_up_b, i),
+                                    ("down_proj", ex.lora_down_a, ex.lora_down_b, 0)):  # fmt: skip
+            w = adapter.experts.get((layer, proj))
+            if w is None:
+                continue
+            a, b = w  # [experts, r, in], [experts, out, r]
+            r = a.shape[1]
+            off = width if proj != "down_proj" else 0
+            a_t[slot, :, off : off + r].copy_(a, non_blocking=True)
+            b_t[slot, :, off : off + r, col : col + b.shape[1]].copy_(
+                b.transpose(1, 2), non_blocking=True
+            )
+            width += r
+        ex.lora_widths[slot] = width

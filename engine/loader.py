@@ -58,11 +58,39 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, slice | None, str] | None:
-    """Our parameter (and row slice of it) for a checkpoint tensor name."""
+# Mixtral's names for the sparse block and its experts' projections
+_MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _expert_target(model: DecoderLM, parts: list[str]):
+    """`...mlp.experts.<e>.<gate|up|down>_proj.weight` (one tensor per expert, as published):
+    expert e's rows of our fused [experts, out, in] parameter."""
+    experts = model.get_submodule(".".join(parts[:-3]))
+    e, proj = int(parts[-3]), parts[-2]
+    if e >= experts.num_experts:
+        return None
+    i = experts.inter
+    if proj == "down_proj":
+        param, rows = experts.down_proj, slice(None)
+    elif proj in ("gate_proj", "up_proj"):
+        param = experts.gate_up_proj
+        rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
+    else:
+        return None
+    pname = ".".join(parts[:-3]) + (".down_proj" if proj == "down_proj" else ".gate_up_proj")
+    return param, (e, rows), pname
+
+
+def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, object, str] | None:
+    """Our parameter (and the part of it: rows, or expert and rows) for a checkpoint tensor."""
     if name.startswith("language_model."):
         name = name[len("language_model.") :]
-    parts = name.split(".")
+    parts = [_MIXTRAL.get(p, p) for p in name.split(".")] if model.spec.is_moe else name.split(".")
+    if len(parts) >= 5 and parts[-4] == "experts" and parts[-3].isdigit():
+        try:
+            return _expert_target(model, parts)
+        except AttributeError:
+            return None
     if len(parts) >= 2 and parts[-2] in FUSED:
         fused, idx = FUSED[parts[-2]]
         owner = model.get_submodule(".".join(parts[:-2] + [fused]))
@@ -70,6 +98,7 @@ def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, slice | None, st
         param = getattr(owner, parts[-1])
         pname = ".".join(parts[:-2] + [fused, parts[-1]])
         return param, slice(start, start + owner.out_sizes[idx]), pname
+    name = ".".join(parts)
     try:
         return model.get_parameter(name), None, name
     except AttributeError:

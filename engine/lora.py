@@ -10,18 +10,30 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplex.engine.models.spec import FUSED, PARENTS, PROJECTIONS, ModelSpec
+from loraplex.engine.models.spec import (
+    EXPERT_PROJECTIONS,
+    FUSED,
+    PARENTS,
+    PROJECTIONS,
+    ROUTER,
+    SHARED_EXPERT,
+    ModelSpec,
+)
 
 GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
 TARGETS = tuple(GROUPS)  # the split names; a family's own: ModelSpec.lora_targets
-_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
+# Mixtral's (transformers 4) names for its sparse block and expert projections
+_MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# PEFT `target_parameters` on transformers 5's fused experts: parameter -> our projections
+EXPERT_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class AdapterError(ValueError):
@@ -37,10 +49,14 @@ class LoRAAdapter:
     # names (q_proj, ...) also when the adapter targets a fused module (Phi-3's qkv_proj),
     # whose slices then share one A
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, gate_proj | up_proj | down_proj) -> (A [experts, r, in], B [experts, out, r] with
+    # the scale folded in): LoRA on a mixture-of-experts layer's experts
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        tensors = {id(t): t for ab in self.weights.values() for t in ab}
+        pairs = [*self.weights.values(), *self.experts.values()]
+        tensors = {id(t): t for ab in pairs for t in ab}
         return sum(t.nbytes for t in tensors.values())
 
 
@@ -60,17 +76,17 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def _check_patterns(cfg: dict, path: Path) -> None:
-    for field, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
-        pat = cfg.get(field) or {}
+    for key_name, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        pat = cfg.get(key_name) or {}
         if not isinstance(pat, dict):
-            raise AdapterError(f"{path}: {field} must be an object of module name -> value")
+            raise AdapterError(f"{path}: {key_name} must be an object of module name -> value")
         for key, value in pat.items():
             if not _PLAIN_NAME.match(key):
                 raise AdapterError(
-                    f"{path}: {field} key {key[:60]!r}: only plain module names are supported"
+                    f"{path}: {key_name} key {key[:60]!r}: only plain module names are supported"
                 )
             if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-                raise AdapterError(f"{path}: {field}[{key!r}] must be a positive number")
+                raise AdapterError(f"{path}: {key_name}[{key!r}] must be a positive number")
 
 
 def read_adapter_config(folder: Path) -> dict:
@@ -122,7 +138,26 @@ def _matches(entry: str, module: str) -> bool:
 
 def _parent(target: str) -> str:
     """The decoder-layer module (self_attn | mlp) that holds a PEFT target, split or fused."""
+    if target == ROUTER or target.startswith(SHARED_EXPERT + "."):
+        return "mlp"
     return PARENTS[target] if target in PARENTS else FUSED[target][0]
+
+
+def _layer_modules(spec: ModelSpec, layer: int) -> list[str]:
+    """The LoRA-targetable linear modules of one decoder layer, by full name: a dense layer's
+    projections; a routed layer's router, each expert's projections as transformers 4 named
+    them (`mlp.experts.<e>.gate_proj`) and the shared expert's."""
+    pre = f"model.layers.{layer}"
+    dense_mlp = {p for p, parent in PARENTS.items() if parent == "mlp"} | {"gate_up_proj"}
+    names = [f"{pre}.{_parent(m)}.{m}" for m in spec.lora_targets
+             if m != ROUTER and not (spec.is_sparse(layer) and m in dense_mlp)]  # fmt: skip
+    if spec.is_sparse(layer):
+        names.append(f"{pre}.mlp.{ROUTER}")
+        names += [f"{pre}.mlp.experts.{e}.{p}" for e in range(spec.num_experts)
+                  for p in EXPERT_PROJECTIONS]  # fmt: skip
+        if spec.shared_expert_size:
+            names += [f"{pre}.mlp.{SHARED_EXPERT}.{p}" for p in EXPERT_PROJECTIONS]
+    return names
 
 
 def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None:
@@ -143,8 +178,7 @@ def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
         raise AdapterError(f"{path}: target_modules must be a non-empty list of module names")
     supported = ", ".join(spec.lora_targets)
-    modules = [f"model.layers.{i}.{_parent(m)}.{m}" for i in range(spec.num_layers)
-               for m in spec.lora_targets]  # fmt: skip
+    modules = [m for i in range(spec.num_layers) for m in _layer_modules(spec, i)]
     for entry in targets:
         if not _PLAIN_NAME.match(entry):
             raise AdapterError(f"{path}: target_modules entry {entry[:80]!r} is not a module name")
@@ -160,6 +194,77 @@ def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None
             f"({spec.family}, {spec.num_layers} layers); its LoRA targets: {supported}"
         )
     return targets
+
+
+def _classify(path: str, layer: int, spec: ModelSpec, where: str):
+    """A weight's module path inside decoder layer `layer` -> what it adapts:
+    ("module", PEFT target), ("expert", (expert, projection)) or ("experts", nesting depth)
+    for PEFT's `target_parameters` on the fused experts (`experts.base_layer.lora_A` wraps
+    one parameter, `experts.lora_A` the next)."""
+    parts = [_MIXTRAL.get(p, p) for p in path.split(".")]
+    supported = ", ".join(spec.lora_targets)
+    sparse = spec.is_sparse(layer)
+    if len(parts) >= 2 and parts[0] == "mlp" and parts[1] == "experts" and sparse:
+        rest = parts[2:]
+        if rest and rest[0].isdigit() and len(rest) == 2 and rest[1] in EXPERT_PROJECTIONS:
+            if int(rest[0]) >= spec.num_experts:
+                raise AdapterError(
+                    f"{where}: expert {rest[0]} but the base model has {spec.num_experts}"
+                )
+            return "expert", (int(rest[0]), rest[1])
+        if all(p == "base_layer" for p in rest):
+            return "experts", len(rest)
+    shared = len(parts) == 3 and parts[:2] == ["mlp", SHARED_EXPERT]
+    if shared and spec.shared_expert_size and parts[2] in EXPERT_PROJECTIONS:
+        return "module", f"{SHARED_EXPERT}.{parts[2]}"
+    if len(parts) == 2:
+        parent, module = parts
+        if module == ROUTER and parent == "mlp" and sparse:
+            return "module", ROUTER
+        if module in spec.lora_targets and module != ROUTER and parent == _parent(module):
+            if parent == "mlp" and sparse:
+                raise AdapterError(
+                    f"{where}: layer {layer} of this {spec.family} model is a mixture of "
+                    f"experts: it has no mlp.{module} (its experts are targeted per expert "
+                    "or with target_parameters)"
+                )
+            return "module", module
+    raise AdapterError(
+        f"{where}: target module {'.'.join(parts)!r} is not supported ({spec.family}); "
+        f"supported: {supported}"
+        + (", the experts (per expert or target_parameters) and the router" if spec.is_moe else "")
+    )
+
+
+def _module_in_out(spec: ModelSpec, module: str) -> tuple[int, int]:
+    if module.startswith(SHARED_EXPERT + "."):
+        h, i = spec.hidden_size, spec.shared_expert_size
+        return (i, h) if module.endswith("down_proj") else (h, i)
+    return spec.lora_in_out(module)
+
+
+def _check_factors(where: str, a: torch.Tensor, b: torch.Tensor, fin: int, fout: int) -> int:
+    for t in (a, b):
+        if t.dtype not in _FLOAT or t.dim() != 2:
+            raise AdapterError(f"{where}: expected 2-D float tensors, got {t.dtype} {t.dim()}-D")
+    r = a.shape[0]
+    if a.shape[1] != fin or b.shape[0] != fout or b.shape[1] != r:
+        raise AdapterError(
+            f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+            f"base model (expected [r, {fin}] and [{fout}, r]): wrong base model?"
+        )
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterError(f"{where}: weights contain NaN or Inf")
+    return r
+
+
+def _declared_parameters(cfg: dict, path: Path) -> list[str]:
+    params = cfg.get("target_parameters") or []
+    if not isinstance(params, list) or not all(
+        isinstance(p, str) and _PLAIN_NAME.match(p) for p in params
+    ):
+        raise AdapterError(f"{path}: target_parameters must be a list of parameter names")
+    return params
 
 
 def load_adapter(
@@ -180,8 +285,8 @@ def load_adapter(
         raise AdapterError(f"{folder}: adapter_model.safetensors is missing")
 
     supported = ", ".join(spec.lora_targets)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    parents: dict[str, str] = {}
+    # (layer, kind, key) -> {"A": tensor, "B": tensor}; kinds as _classify returns them
+    pairs: dict[tuple[int, str, object], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(wpath), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -191,53 +296,43 @@ def load_adapter(
                         f"{wpath.name}: tensor {key!r} is not a LoRA weight of a supported "
                         f"module; supported targets: {supported}"
                     )
-                layer, parent, module, ab = int(m[1]), m[2], m[3], m[4]
-                if module not in spec.lora_targets or parent != _parent(module):
-                    raise AdapterError(
-                        f"{wpath.name}: target module {module!r} is not supported "
-                        f"({spec.family}); supported: {supported}"
-                    )
+                layer, path, ab = int(m[1]), m[2], m[3]
                 if layer >= spec.num_layers:
                     raise AdapterError(
                         f"{key}: layer {layer} but the base model has {spec.num_layers} layers"
                     )
-                parents[module] = parent
-                pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+                kind, what = _classify(path, layer, spec, wpath.name)
+                pairs.setdefault((layer, kind, what), {})[ab] = f.get_tensor(key)
     except SafetensorError as e:
         raise AdapterError(f"{wpath}: unreadable safetensors file ({e})") from None
     if not pairs:
         raise AdapterError(f"{wpath}: holds no LoRA weights")
     declared = declared_targets(cfg, folder / "adapter_config.json", spec)
-    if declared is not None:
-        for layer, module in sorted(pairs):
-            full = f"model.layers.{layer}.{parents[module]}.{module}"
-            if not any(_matches(entry, full) for entry in declared):
+    params = _declared_parameters(cfg, folder / "adapter_config.json")
+    for (layer, kind, what), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"layers.{layer}.{kind} {what}: needs both lora_A and lora_B")
+        if kind == "experts":
+            if not any(p.endswith(tuple(EXPERT_PARAMETERS)) for p in params):
                 raise AdapterError(
-                    f"{wpath.name}: holds weights for layers.{layer}.{module}, which "
-                    f"adapter_config.json's target_modules {declared} does not declare"
+                    f"{wpath.name}: holds expert weights for layer {layer}, which "
+                    "adapter_config.json's target_parameters does not declare"
                 )
+            continue
+        full = (f"model.layers.{layer}.mlp.experts.{what[0]}.{what[1]}" if kind == "expert"
+                else f"model.layers.{layer}.{_parent(what)}.{what}")  # fmt: skip
+        if kind == "module" and what == ROUTER and any(p.endswith("gate.weight") for p in params):
+            continue  # the router targeted as a parameter
+        if declared is not None and not any(_matches(entry, full) for entry in declared):
+            raise AdapterError(
+                f"{wpath.name}: holds weights for {full.removeprefix('model.')}, which "
+                f"adapter_config.json's target_modules {declared} does not declare"
+            )
 
     r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
     rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, module), ab in sorted(pairs.items()):
-        where = f"layers.{layer}.{module}"
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{where}: needs both lora_A and lora_B")
-        a, b = ab["A"], ab["B"]
-        for t in (a, b):
-            if t.dtype not in _FLOAT or t.dim() != 2:
-                raise AdapterError(
-                    f"{where}: expected 2-D float tensors, got {t.dtype} {t.dim()}-D"
-                )
-        r = a.shape[0]
-        fin, fout = spec.lora_in_out(module)
-        if a.shape[1] != fin or b.shape[0] != fout or b.shape[1] != r:
-            raise AdapterError(
-                f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
-                f"base model (expected [r, {fin}] and [{fout}, r]): wrong base model?"
-            )
-        full_name = f"model.layers.{layer}.{parents[module]}.{module}"
+
+    def scaled(where: str, full_name: str, r: int, b: torch.Tensor) -> torch.Tensor:
         r_cfg = _pattern_value(rank_pat, full_name, r_default)
         if r != r_cfg:
             raise AdapterError(f"{where}: rank {r} but adapter_config.json says {r_cfg}")
@@ -245,13 +340,33 @@ def load_adapter(
             raise AdapterError(
                 f"{where}: rank {r} exceeds max_lora_rank {max_rank}; raise max_lora_rank"
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"{where}: weights contain NaN or Inf")
         alpha = _pattern_value(alpha_pat, full_name, alpha_default)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         if not math.isfinite(scale):
             raise AdapterError(f"{where}: lora_alpha {alpha!r} gives a non-finite scale")
-        a, b = a.to(dtype), (b.float() * scale).to(dtype)
+        return (b.float() * scale).to(dtype)
+
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, kind, what), ab in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+        a, b = ab["A"], ab["B"]
+        if kind == "expert":
+            e, proj = what
+            where = f"layers.{layer}.mlp.experts.{e}.{proj}"
+            r = _check_factors(where, a, b, *spec.expert_in_out(proj))
+            b = scaled(where, f"model.layers.{layer}.mlp.experts.{e}.{proj}", r, b)
+            per_expert.setdefault((layer, proj), {})[e] = (a.to(dtype), b)
+            continue
+        if kind == "experts":
+            _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype)
+            continue
+        module = what
+        where = f"layers.{layer}.{module}"
+        fin, fout = _module_in_out(spec, module)
+        r = _check_factors(where, a, b, fin, fout)
+        full_name = f"model.layers.{layer}.{_parent(module)}.{module}"
+        a, b = a.to(dtype), scaled(where, full_name, r, b)
         if module in FUSED and FUSED[module][1] != (module,):
             # A fused target's B rows are our slices' B rows, in our slice order (q|k|v,
             # gate|up, as the checkpoint's own fused weight): each slice gets its rows and
@@ -261,6 +376,58 @@ def load_adapter(
                 weights[(layer, p)] = (a, rows)
         else:
             weights[(layer, module)] = (a, b)
-    targets = tuple(t for t in spec.lora_targets if any(m == t for _, m in pairs))
-    rank = max(a.shape[0] for a, _ in weights.values())
-    return LoRAAdapter(name=name or folder.name, rank=rank, targets=targets, weights=weights)
+    for (layer, proj), by_expert in per_expert.items():
+        # Experts a transformers-4 adapter left out get zero factors: no delta.
+        ranks = {a.shape[0] for a, _ in by_expert.values()}
+        if len(ranks) != 1:
+            raise AdapterError(
+                f"layers.{layer}.mlp.experts.*.{proj}: the experts' ranks differ ({sorted(ranks)})"
+            )
+        r, (fin, fout) = ranks.pop(), spec.expert_in_out(proj)
+        a_all = torch.zeros(spec.num_experts, r, fin, dtype=dtype)
+        b_all = torch.zeros(spec.num_experts, fout, r, dtype=dtype)
+        for e, (a, b) in by_expert.items():
+            a_all[e], b_all[e] = a, b
+        experts[(layer, proj)] = (a_all, b_all)
+    targets = tuple(dict.fromkeys(
+        [t for t in spec.lora_targets if any(m == t for _, m in weights)]
+        + sorted({m for _, m in weights if m.startswith(SHARED_EXPERT + ".")})
+        + [f"experts.{p}" for p in EXPERT_PROJECTIONS if any(q == p for _, q in experts)]
+    ))  # fmt: skip
+    rank = max(
+        [a.shape[0] for a, _ in weights.values()] + [a.shape[1] for a, _ in experts.values()]
+    )
+    return LoRAAdapter(
+        name=name or folder.name, rank=rank, targets=targets, weights=weights, experts=experts
+    )
+
+
+def _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype) -> None:
+    """PEFT's `target_parameters` LoRA on a fused [experts, out, in] parameter: lora_A
+    [r * experts, in] holds expert e's A in rows e*r:(e+1)*r; lora_B [out, r * experts] holds
+    its B in columns e, e + experts, e + 2 * experts, ... (peft reshapes it to [out, r,
+    experts]). Which parameter it is follows from the shapes (gate|up: in = hidden, out =
+    2 x intermediate; down: in = intermediate, out = hidden)."""
+    h, i, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    where = f"layers.{layer}.mlp.experts"
+    if a.dim() != 2 or b.dim() != 2 or a.dtype not in _FLOAT or b.dtype not in _FLOAT:
+        raise AdapterError(f"{where}: expected 2-D float tensors")
+    fits = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    param = next((p for p, (fin, fout) in fits.items()
+                  if a.shape[1] == fin and b.shape[0] == fout), None)  # fmt: skip
+    if param is None or a.shape[0] % n or b.shape[1] != a.shape[0]:
+        raise AdapterError(
+            f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} fit neither "
+            f"gate_up_proj nor down_proj of {n} experts: wrong base model?"
+        )
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterError(f"{where}.{param}: weights contain NaN or Inf")
+    r = a.shape[0] // n
+    a3 = a.reshape(n, r, a.shape[1]).to(dtype)
+    b3 = b.reshape(b.shape[0], r, n).permute(2, 0, 1)  # [experts, out, r]
+    b3 = scaled(f"{where}.{param}", f"model.layers.{layer}.mlp.experts.{param}", r, b3)
+    if (layer, EXPERT_PARAMETERS[param][0]) in experts:
+        raise AdapterError(f"{where}.{param}: targeted twice")
+    sizes = [b3.shape[1] // len(EXPERT_PARAMETERS[param])] * len(EXPERT_PARAMETERS[param])
+    for proj, rows in zip(EXPERT_PARAMETERS[param], b3.split(sizes, dim=1), strict=True):
+        experts[(layer, proj)] = (a3, rows.contiguous())

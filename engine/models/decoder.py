@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2 and Gemma 3 text.
+"""One decoder-only transformer for every supported family (dense and mixture of experts).
 
 Module names follow the Hugging Face checkpoints (fused projections aside) so weights load by
 name. The forward pass runs over a flat batch of new tokens from many sequences.
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from loraplex.engine.models.layers import MLP, Attention, ForwardContext, RMSNorm
+from loraplex.engine.models.moe import SparseMoE
 from loraplex.engine.models.spec import ModelSpec
 
 
@@ -18,7 +19,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, g = spec.rms_norm_eps, spec.gemma
         self.self_attn = Attention(spec, layer)
-        self.mlp = MLP(spec)
+        self.mlp = SparseMoE(spec) if spec.is_sparse(layer) else MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, g)
         if g:  # Gemma normalises both sides of each sublayer

@@ -246,9 +246,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
-        i = spec.intermediate_size
+        i = intermediate_size or spec.intermediate_size
         self.gate_up_proj = LoRALinear(spec.hidden_size, [i, i], spec.mlp_bias)
         self.down_proj = LoRALinear(i, [spec.hidden_size], spec.mlp_bias)
         self.act = (

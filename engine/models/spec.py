@@ -16,6 +16,9 @@ SUPPORTED = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # The one description of every supported family's layer layout: our fused module -> (its
 # parent in a decoder layer, the HF projections it fuses, in slice order). q|k|v and gate|up
@@ -32,12 +35,20 @@ PROJECTIONS = {p: (fused, i) for fused, (_, ps) in FUSED.items() for i, p in enu
 # HF projection name -> its parent module in a decoder layer (`model.layers.N.<parent>.<p>`)
 PARENTS = {p: FUSED[fused][0] for p, (fused, _) in PROJECTIONS.items()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
-                "qwen3": "qwen3", "phi3": "phi3"}  # fmt: skip
+                "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3_moe",
+                "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}  # fmt: skip
 # Families whose checkpoints (and so PEFT adapters) hold q|k|v and gate|up as one module each,
 # in our slice order; the others name every projection on its own.
 FUSED_CHECKPOINT = {"phi3"}
 SPLIT_TARGETS = tuple(PROJECTIONS)  # q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, ...
 FUSED_TARGETS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj
+# A mixture-of-experts layer (`mlp` = SparseMoE in engine/models/moe.py): the router `gate`
+# (a linear layer, a LoRA target like any other) and per-expert gate/up/down projections held
+# as 3-D tensors [experts, out, in]; their LoRA weights live in per-slot expert stacks.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ROUTER = "gate"
+# Qwen2-MoE's always-on expert beside the routed ones: a dense MLP and a sigmoid gate.
+SHARED_EXPERT = "shared_expert"
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,20 @@ class ModelSpec:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3; Gemma has its own)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # mixture of experts (0 experts: every layer is dense)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert's intermediate size (0: none)
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
 
     @property
     def q_size(self) -> int:
@@ -101,8 +126,11 @@ class ModelSpec:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The PEFT target module names this family's checkpoints have."""
-        return FUSED_TARGETS if self.family in FUSED_CHECKPOINT else SPLIT_TARGETS
+        """The PEFT target module names (linear layers) this family's checkpoints have; on a
+        mixture of experts the router too (the experts are targeted as parameters or per
+        expert: engine/lora.py)."""
+        base = FUSED_TARGETS if self.family in FUSED_CHECKPOINT else SPLIT_TARGETS
+        return base + (ROUTER,) if self.is_moe else base
 
     def lora_in_out(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a PEFT target module name such as `q_proj`."""
@@ -117,7 +145,13 @@ class ModelSpec:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
+            ROUTER: (h, self.num_experts),
         }[module]
+
+    def expert_in_out(self, projection: str) -> tuple[int, int]:
+        """(in, out) of one expert's gate_proj, up_proj or down_proj."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (i, h) if projection == "down_proj" else (h, i)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -198,7 +232,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)
         ]
-    if layer_types is None and family in ("qwen2", "qwen3"):
+    if layer_types is None and family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         use = cfg.get("use_sliding_window", False)
         first = cfg.get("max_window_layers", n_layers)
         layer_types = [
@@ -237,6 +271,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
     if activation is None:
         raise ValueError(f"activation {act!r} is not supported")
     attention_bias = bool(cfg.get("attention_bias", False))
+    moe = _moe_fields(family, cfg, n_layers)
     return ModelSpec(
         family=family,
         vocab_size=cfg["vocab_size"],
@@ -249,7 +284,7 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=family == "qwen2" or attention_bias,
+        qkv_bias=family == "qwen2" or attention_bias or bool(cfg.get("qkv_bias", False)),
         o_bias=attention_bias and family != "qwen2",
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         activation=activation,
@@ -257,7 +292,31 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         windows=windows,
         ropes=ropes,
         gemma=gemma,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         attn_softcap=cfg.get("attn_logit_softcapping"),
         final_softcap=cfg.get("final_logit_softcapping"),
+        **moe,
+    )
+
+
+def _moe_fields(family: str, cfg: dict, n_layers: int) -> dict:
+    """The mixture-of-experts switches of a config, as transformers reads them."""
+    if family not in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        return {}
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family == "mixtral":  # every layer routed; softmax, top-k, renormalised
+        sparse = (experts > 0,) * n_layers
+        return dict(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    sparse_layers=sparse)  # fmt: skip
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    return dict(
+        num_experts=experts,
+        top_k=int(cfg.get("num_experts_per_tok", 1)),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )

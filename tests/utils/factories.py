@@ -52,6 +52,8 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 KINDS = ("llama", "mistral", "qwen2", "gemma3")
 FAMILY_KINDS = ("qwen3", "qwen3_yarn", "phi3", "phi3_longrope", "llama3")
+# Mixture-of-experts kinds, built on demand by the engine's MoE tests
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # Families whose checkpoints fuse projections: a split PEFT target name -> the module it is in.
 _FUSED_TARGETS = {
     "phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -233,8 +235,25 @@ def _config(kind: str, vocab_size: int, num_layers: int, tie: bool | None, overr
         kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 32}  # fmt: skip
+    elif kind == "qwen3_moe":
+        # Layer 1 is dense (mlp_only_layers), the others routed: 8 experts, top 2, renormalised
+        cls = transformers.Qwen3MoeConfig
+        kw.update(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[1] if num_layers > 2 else [])  # fmt: skip
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    elif kind == "qwen2_moe":  # a shared expert beside the routed ones; top-k not renormalised
+        cls = transformers.Qwen2MoeConfig
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=False)  # fmt: skip
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    elif kind == "mixtral":
+        cls = transformers.MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
     else:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS + FAMILY_KINDS}")
+        kinds = KINDS + FAMILY_KINDS + MOE_KINDS
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {kinds}")
     if tie is not None:
         kw["tie_word_embeddings"] = tie
     kw.update(overrides)
@@ -316,6 +335,7 @@ def make_adapter(
     use_rslora: bool = False,
     seed: int = 0,
     init_std: float = 0.1,
+    target_parameters: tuple[str, ...] = (),
 ) -> Path:
     """Save a PEFT LoRA adapter for `base_dir` with random (non-zero) A and B into `out_dir`.
 
@@ -330,7 +350,8 @@ def make_adapter(
     lora_config = LoraConfig(
         r=r,
         lora_alpha=alpha,
-        target_modules=list(targets),
+        target_modules=list(targets) or None,
+        target_parameters=list(target_parameters) or None,
         use_rslora=use_rslora,
         lora_dropout=0.0,
         bias="none",
@@ -342,6 +363,57 @@ def make_adapter(
         if "lora_A" in name or "lora_B" in name:
             param.copy_(init_std * torch.randn(param.shape, generator=gen))
     peft_model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+# PEFT target_parameters on transformers 5's fused experts -> transformers 4's per-expert names
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def split_expert_adapter(base_dir: Path, fused_dir: Path, out_dir: Path) -> Path:
+    """The adapter in `fused_dir` (made with `target_parameters` on the fused experts) as a
+    transformers 4.x user trained it: one LoRA per expert `Linear` (`mlp.experts.<e>.gate_proj`
+    ... with their own A; gate and up here share the fused adapter's A, which is the same math),
+    so transformers + peft on `fused_dir` is the reference for it."""
+    base_dir, fused_dir, out_dir = Path(base_dir), Path(fused_dir), Path(out_dir)
+    base_cfg = json.loads((base_dir / "config.json").read_text())
+    n = base_cfg.get("num_experts") or base_cfg["num_local_experts"]
+    inter = base_cfg["moe_intermediate_size"]
+    cfg = json.loads((fused_dir / "adapter_config.json").read_text())
+    params = cfg.get("target_parameters") or []
+    tensors = load_file(fused_dir / "adapter_model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    experts_params = [p for p in params if p in EXPERT_PARAMETERS]
+    for key, t in tensors.items():
+        if ".mlp.experts." not in key or ".lora_A." not in key:
+            if ".mlp.experts." not in key:
+                out[key] = t
+            continue
+        prefix, _, _ = key.partition(".mlp.experts.")
+        depth = key.count(".base_layer.")
+        param = experts_params[len(experts_params) - 1 - depth]  # peft nests in list order
+        a = t
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        r = a.shape[0] // n
+        a3 = a.reshape(n, r, a.shape[1])
+        b3 = b.reshape(b.shape[0], r, n).permute(2, 0, 1)  # [experts, out, r]
+        for e in range(n):
+            if param.endswith("down_proj"):
+                parts = {"down_proj": b3[e]}
+            else:
+                parts = {"gate_proj": b3[e, :inter], "up_proj": b3[e, inter:]}
+            for proj, rows in parts.items():
+                name = f"{prefix}.mlp.experts.{e}.{proj}"
+                out[f"{name}.lora_A.weight"] = a3[e].clone()
+                out[f"{name}.lora_B.weight"] = rows.clone()
+    modules = list(cfg.get("target_modules") or [])
+    cfg["target_modules"] = modules + [
+        p for p in ("gate_proj", "up_proj", "down_proj") if p not in modules
+    ]
+    cfg["target_parameters"] = [p for p in params if p not in EXPERT_PARAMETERS] or None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(out, out_dir / "adapter_model.safetensors")
     return out_dir
 
 

@@ -1,0 +1,162 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral), with LoRA on the experts.
+
+A token's router picks `top_k` experts; each (token, expert) pair is one row of work. The rows
+are sorted by expert once per layer, so every expert's rows go through one matmul: a grouped
+matmul over all experts (`dispatch.grouped_mm`: torch's grouped GEMM on the CPU, a Triton
+grouped GEMM over sorted row blocks on CUDA), never a loop over tokens or experts in Python.
+
+Expert LoRA takes the same path. Each adapter slot holds, per expert, the A and B of the
+expert's gate|up and down projections (`lora_gate_up_a` [slots, experts, width, hidden], ...).
+A row with adapter slot s routed to expert e belongs to the "virtual expert" s * experts + e,
+so one grouped matmul over slots x experts applies every row's own adapter delta (shrink, then
+expand) without building any weight per token; rows without an expert adapter skip it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine.models.layers import MLP, LoRABatch, LoRALinear
+from loraplex.engine.models.spec import ModelSpec
+from loraplex.kernels import dispatch
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] sorted by group, w [groups, in, out], offs [groups] int32 cumulative row
+    ends -> [rows, out]: rows offs[g-1]:offs[g] times w[g]."""
+    op = getattr(dispatch, "grouped_mm", None)
+    if op is not None:
+        return op(x, w, offs)
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[-1])
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+def row_slots(lora: LoRABatch, rows: int, device: torch.device) -> torch.Tensor:
+    """The adapter slot of every row [rows] int64 (-1: none), built once per step."""
+    key = ("row_slots", rows)
+    if key not in lora.plans:
+        slots = torch.full((rows,), -1, dtype=torch.int64)
+        for start, end, slot in lora.segments:
+            slots[start:end] = slot
+        lora.plans[key] = slots.to(device)
+    return lora.plans[key]
+
+
+class Experts(nn.Module):
+    """Every expert's gate|up [experts, 2 * inter, hidden] and down [experts, hidden, inter]
+    weights (transformers 5's fused layout), and the adapter slots' expert LoRA stacks, which
+    the adapter manager allocates on the first expert adapter it installs."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        self.num_experts, self.hidden, self.inter = e, h, i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = F.silu
+        # [slots, experts, width, in] and [slots, experts, width, out]; width = 2 * max rank
+        # for gate|up (the two slices' ranks stacked), max rank for down
+        self.lora_gate_up_a: torch.Tensor | None = None
+        self.lora_gate_up_b: torch.Tensor | None = None
+        self.lora_down_a: torch.Tensor | None = None
+        self.lora_down_b: torch.Tensor | None = None
+        self.lora_widths: list[int] = []  # per slot: its expert LoRA rows (0: none)
+
+    def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Quantized experts (engine/quantization.py) replace the two base products."""
+        return grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
+
+    def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x, self.down_proj.transpose(1, 2), offs)
+
+    @staticmethod
+    def _lora(y: torch.Tensor, x: torch.Tensor, virt: tuple | None,
+              a: torch.Tensor | None, b: torch.Tensor | None) -> None:  # fmt: skip
+        """y[rows] += B_v A_v x[rows] for each row's virtual expert v (see the module doc);
+        `virt` = (rows that have one, their order by v, v's cumulative row ends). A slot's
+        unused width is zeros, so it adds nothing; views, so no stack is copied."""
+        if virt is None or a is None:
+            return
+        rows, order, offs = virt
+        s, e, width = a.shape[:3]
+        xa = x[rows[order]]
+        wa = a.view(s * e, width, a.shape[-1]).transpose(1, 2)
+        wb = b.view(s * e, width, b.shape[-1])
+        delta = grouped_mm(grouped_mm(xa, wa, offs), wb, offs)
+        y.index_add_(0, rows[order], delta.to(y.dtype))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                slots: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """x [tokens, hidden], experts/weights [tokens, top_k], slots [tokens] (adapter slot
+        per token, -1 none; None: no adapter in the batch) -> [tokens, hidden]."""
+        tokens, top_k = experts.shape
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs by expert; a token's in expert order
+        token = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[token]
+        virt = self._virtual(flat[order], slots, token) if slots is not None else None
+        h = self.base_gate_up(xs, offs)
+        self._lora(h, xs, virt, self.lora_gate_up_a, self.lora_gate_up_b)
+        gate, up = h.chunk(2, dim=-1)
+        a = self.act(gate) * up
+        y = self.base_down(a, offs)
+        self._lora(y, a, virt, self.lora_down_a, self.lora_down_b)
+        y = y * weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(x)
+        # In expert order for every token: the sum runs as transformers' loop over experts.
+        return out.index_add_(0, token, y)
+
+    def _virtual(self, expert: torch.Tensor, slots: torch.Tensor, token: torch.Tensor):
+        """For pairs sorted by expert: which have an expert adapter, sorted by virtual expert
+        (slot * experts + expert), and the cumulative row ends of every virtual expert."""
+        if self.lora_gate_up_a is None or not any(self.lora_widths):
+            return None
+        has = torch.tensor([w > 0 for w in self.lora_widths], device=slots.device)
+        slot = slots[token]
+        rows = torch.nonzero((slot >= 0) & has[slot.clamp(min=0)]).flatten()
+        if rows.numel() == 0:
+            return None
+        v = slot[rows] * self.num_experts + expert[rows]
+        order = torch.argsort(v, stable=True)
+        n_virtual = len(self.lora_widths) * self.num_experts
+        offs = torch.bincount(v, minlength=n_virtual).cumsum(0).to(torch.int32)
+        return rows, order, offs
+
+
+class SparseMoE(nn.Module):
+    """The `mlp` of a routed layer: router `gate` (a LoRA target), `experts`, and Qwen2-MoE's
+    `shared_expert` with its sigmoid `shared_expert_gate`."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = spec.top_k, spec.norm_topk_prob
+        self.gate = LoRALinear(spec.hidden_size, [spec.num_experts], bias=False)
+        self.experts = Experts(spec)
+        self.shared_expert = None
+        if spec.shared_expert_size:
+            self.shared_expert = MLP(spec, spec.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor, lora: LoRABatch | None):
+        """As transformers: softmax in float32 over all experts, top-k, optionally
+        renormalised, back to the activations' dtype."""
+        logits = self.gate(x, lora)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        weights, experts = self.route(x, lora)
+        slots = row_slots(lora, x.shape[0], x.device) if lora is not None else None
+        out = self.experts(x, experts, weights, slots)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, lora)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
