@@ -28,7 +28,14 @@ from loraplex.kernels.reference import (
     write_kv_cache,
 )
 
-__all__ = ["int4_matmul", "int8_matmul", "lora_apply", "paged_attention", "write_kv_cache"]
+__all__ = [
+    "grouped_mm",
+    "int4_matmul",
+    "int8_matmul",
+    "lora_apply",
+    "paged_attention",
+    "write_kv_cache",
+]
 
 # How the CPU path computes attention without a softcap: "sdpa" (torch's fused CPU kernel) or
 # "matmul" (two batched matmuls in the input dtype, softmax in float32). Which is faster
@@ -396,3 +403,42 @@ def lora_apply(
         b = lora_b[:, :width].index_select(0, slots)  # [S, w, out]
         delta = torch.bmm(torch.bmm(x[rows], a.transpose(1, 2)), b)  # [S, L, out]
         y.index_add_(0, flat_rows, delta[valid])
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm needs a unit stride in each matrix and its other strides a multiple
+    of 16 bytes."""
+    align = 16 // t.element_size()
+    strides = list(t.stride())
+    unit = -1 if strides[-1] == 1 else -2
+    if strides[unit] != 1:
+        return False
+    del strides[unit]
+    return all(s % align == 0 for s in strides)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`reference.grouped_mm` with torch's grouped matmul.
+
+    torch._grouped_mm's CPU form pays a small fixed cost for every group, empty or not: when
+    most groups are empty (LoRA over adapter slots x experts) it runs over the non-empty
+    groups only, whose weights it gathers (small then: rank x features each). Shapes it
+    cannot take (a rank below 16 bytes) are zero-padded. Rows from offs[G-1] on are
+    unspecified.
+    """
+    p, (g, k, n) = x.shape[0], w.shape
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    used = counts.nonzero().squeeze(1)  # [groups with rows]
+    if 4 * used.numel() <= g:
+        if used.numel() == 0:
+            return x.new_zeros(p, n)
+        w, offs = w.index_select(0, used), offs.index_select(0, used)
+    if _aligned(x) and _aligned(w):
+        return torch._grouped_mm(x, w, offs=offs)
+    align = 16 // x.element_size()
+    kp, np_ = -(-k // align) * align, -(-n // align) * align
+    xp = x.new_zeros(p, kp)
+    xp[:, :k] = x
+    wp = w.new_zeros(w.shape[0], kp, np_)
+    wp[:, :k, :n] = w
+    return torch._grouped_mm(xp, wp, offs=offs)[:, :n]

@@ -275,3 +275,23 @@ def int4_matmul(
     """
     w = dequantize_int4(qweight, scales, zeros, group_size)  # [N, K] fp32
     return F.linear(x.float(), w).to(x.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped matmul of rows sorted by group (mixture-of-experts; torch._grouped_mm with 2-D
+    x and 3-D w).
+
+    Semantics: y[offs[g-1]:offs[g]] = x[offs[g-1]:offs[g]] @ w[g] (offs[-1] = 0), in float32,
+    rounded once to x's dtype; groups may be empty. Rows from offs[G-1] on are unspecified
+    (zero here).
+
+    Shape: x [P, K]; w [G, K, N] (any strides); offs [G] int32 cumulative row ends,
+    non-decreasing, offs[G-1] <= P. Returns y [P, N] in x's dtype.
+    """
+    y = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            y[start:end] = (x[start:end].float() @ w[g].float()).to(x.dtype)
+        start = end
+    return y
