@@ -1,12 +1,12 @@
-"""`loraplex bench serve` (a trace against an OpenAI-compatible server) and `bench offline`
-(the same trace against our engine in-process, no HTTP).
+"""`loraplex bench serve`: a seeded trace replayed against any OpenAI-compatible server.
 
     loraplex bench serve --url http://127.0.0.1:8000 --api-key $KEY --num-adapters 4 \
         --rate 8 --num-requests 200 --input-len 8:256 --output-len 8:128 --slo-ttft-ms 500
-    loraplex bench offline --model tiny-llama --num-adapters 64 --rate inf
 
-Each run prints a summary and writes bench/results/serve-<tag>.json or engine-<tag>.json
-(+ .png); bench/offline.py's own results are offline-*.json.
+Each run prints a summary and writes serve[-<tag>].json (+ .png) into --out, by default
+`<data dir>/bench-results` (LORAPLEX_DATA_DIR). The trace options and the report are shared
+with the checkout's lab (benchmarks/: the same trace against our engine in-process, adapter
+count scaling, peers).
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from loraplex.bench.metrics import SLO, RequestResult, format_summary, summarize
 from loraplex.bench.trace import LengthDist, TraceConfig, make_trace
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+def default_out() -> Path:
+    """Where results go when --out is not given: under the data dir of the current settings
+    (LORAPLEX_DATA_DIR, LORAPLEX_CONFIG), never inside the installed package."""
+    from loraplex.platform.settings import Settings
+
+    return Settings().data_dir / "bench-results"
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +70,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
         help="cap on requests in flight (default: open loop, none)",
     )
     s.add_argument("--tag", default="", help="suffix of the output file names")
-    s.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for JSON and PNG")
+    s.add_argument("--out", type=Path, default=None,
+                   help="folder for JSON and PNG (default: <data dir>/bench-results)")  # fmt: skip
     s.add_argument("--no-plot", action="store_true")
     s.add_argument("--no-progress", action="store_true")
 
@@ -91,19 +96,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="for servers that refuse the ignore_eos extension",
     )
-    add_trace_args(p)
-
-
-def add_offline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="tiny-llama, demo or a model folder")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-loras", type=int, default=8, help="adapter slots in the batch")
-    p.add_argument("--max-cpu-loras", type=int, default=None, help="host LRU of adapters")
-    p.add_argument("--max-lora-rank", type=int, default=8)
-    p.add_argument("--lora-rank", type=int, default=8, help="rank of the generated adapters")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add_trace_args(p)
 
 
@@ -133,6 +125,8 @@ def model_vocab(model_dir: Path) -> int | None:
 
 def discover_models(url: str, api_key: str | None) -> list[str]:
     """Model ids of /v1/models, base model first (as loraplex and vLLM list them)."""
+    import httpx
+
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=30)
@@ -179,14 +173,15 @@ def report(
     print(f"{kind}: {cfg.describe()}")
     print(format_summary(summary))
     name = kind + (f"-{args.tag}" if args.tag else "")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{name}.json"
+    out = args.out or default_out()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     written = [path]
     if not args.no_plot:
         from loraplex.bench.plots import plot_run
 
-        written.append(plot_run(doc, args.out / f"{name}.png"))
+        written.append(plot_run(doc, out / f"{name}.png"))
     print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
     return doc
 
@@ -218,42 +213,3 @@ def run_serve(args: argparse.Namespace) -> dict:
     )
     info = {"url": args.url, "base_model": base, "adapters": names[: cfg.num_adapters]}
     return report("serve", info, cfg, results, args)
-
-
-def run_offline(args: argparse.Namespace) -> dict:
-    from loraplex.bench import assets
-    from loraplex.bench.replay import run_replay
-    from loraplex.bench.targets import EngineTarget
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model_dir, adapters = assets.prepare(args.model, max(args.num_adapters, 1), rank=args.lora_rank)
-    cfg = trace_config(args, model_vocab(model_dir))
-    target = EngineTarget.build(
-        model_dir,
-        adapters[: args.num_adapters],
-        dtype=args.dtype,
-        max_loras=args.max_loras,
-        max_cpu_loras=args.max_cpu_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-    )
-    results = run_replay(
-        target,
-        make_trace(cfg),
-        max_concurrency=args.max_concurrency,
-        progress=not args.no_progress,
-        desc="bench offline",
-    )
-    info = {
-        "engine": "loraplex (in-process)",
-        "model": str(model_dir),
-        "dtype": args.dtype,
-        "max_loras": args.max_loras,
-        "max_cpu_loras": args.max_cpu_loras,
-        "threads": args.threads,
-    }
-    return report("engine", info, cfg, results, args)  # offline.py owns "offline-*"

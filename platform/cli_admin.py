@@ -5,6 +5,9 @@ no server needs to run (except `--end-streams URL`, which asks that running serv
 streams of a revoked key or suspended tenant at once, through its admin API). Output is a
 table for humans, JSON with `--json` for scripts, in the admin API's shapes. Tenants are
 named by name or id. Reports (adapters, usage) are in `cli_reports.py`, on the helpers here.
+
+Building the parser imports only the standard library (`loraplex --help` answers at once); a
+command imports the registry (SQLAlchemy, pydantic) when it runs.
 """
 
 from __future__ import annotations
@@ -16,23 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-from sqlalchemy.orm import Session
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from sqlalchemy.orm import Session
 
-from loraplex.platform.db import crud
-from loraplex.platform.db.models import Tenant, TenantStatus, utcnow
-from loraplex.platform.db.schemas import (
-    ApiKeyCreated,
-    ApiKeyPublic,
-    QuotaBase,
-    QuotaPublic,
-    TenantPublic,
-)
-from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
-from loraplex.platform.periods import parse_moment
-from loraplex.platform.settings import Settings
+    from loraplex.platform.db.models import Tenant
 
 Columns = Sequence[tuple[str, str]]  # (field, heading)
 END_STREAMS = (
@@ -55,13 +48,22 @@ KEY_COLUMNS = columns(
     "id", "name", "prefix", "state", "created_at=CREATED", "last_used_at=LAST USED",
     "expires_at=EXPIRES",
 )  # fmt: skip
-QUOTA_FIELDS = list(QuotaBase.model_fields)
+# The values of db.models.TenantStatus and the fields of db.schemas.QuotaBase, written out so
+# the parser needs neither module (tests/platform/test_cli_lazy.py checks they agree).
+TENANT_STATUSES = ("active", "suspended")
+QUOTA_FIELDS = [
+    "requests_per_min", "tokens_per_min", "tokens_per_month", "max_adapters", "max_adapter_bytes",
+    "max_rank",
+]  # fmt: skip
 QUOTA_COLUMNS = columns("tenant_id=TENANT", *QUOTA_FIELDS)
 
 
 @contextmanager
 def registry_session() -> Iterator[Session]:
     """A session on the database of the current settings, refusing an unmigrated schema."""
+    from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
+    from loraplex.platform.settings import Settings
+
     settings = Settings()
     db = make_engine(settings.database_url)
     try:
@@ -74,6 +76,8 @@ def registry_session() -> Iterator[Session]:
 
 def resolve_tenant(session: Session, ref: str) -> Tenant:
     """The tenant named `ref`, or numbered `ref` (names may be digits: refuse ambiguity)."""
+    from loraplex.platform.db import crud
+
     by_name = crud.get_tenant_by_name(session, name=ref)
     by_id = crud.get_tenant(session, tenant_id=int(ref)) if ref.isdigit() else None
     if by_name is not None and by_id is not None and by_name.id != by_id.id:
@@ -130,6 +134,9 @@ def emit(
 
 
 def _key_state(key: BaseModel) -> dict[str, str]:
+    from loraplex.platform.db.models import utcnow
+    from loraplex.platform.db.schemas import ApiKeyPublic
+
     assert isinstance(key, ApiKeyPublic)
     if key.revoked_at is not None:
         return {"state": "revoked"}
@@ -141,6 +148,9 @@ def _key_state(key: BaseModel) -> dict[str, str]:
 
 
 def tenants_create(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import TenantPublic
+
     with registry_session() as session:
         tenant = crud.create_tenant(
             session,
@@ -154,6 +164,9 @@ def tenants_create(args: argparse.Namespace) -> int:
 
 
 def tenants_list(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import TenantPublic
+
     with registry_session() as session:
         rows = crud.list_tenants(session, status=args.status)
         emit(args, [TenantPublic.model_validate(t) for t in rows], TENANT_COLUMNS)
@@ -171,6 +184,9 @@ def tenants_update(args: argparse.Namespace) -> int:
         raise ValueError(
             "nothing to update: give --weight, --price-prompt, --price-completion or --status"
         )
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import TenantPublic
+
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id
         tenant = crud.update_tenant(session, tenant_id=tenant_id, **changes)
@@ -184,6 +200,8 @@ def end_streams(urls: list[str] | None, method: str, path: str, body: dict | Non
     if not urls:
         return
     import httpx
+
+    from loraplex.platform.settings import Settings
 
     admin_key = Settings().admin_key
     if admin_key is None:
@@ -203,8 +221,13 @@ def end_streams(urls: list[str] | None, method: str, path: str, body: dict | Non
         print(f"{url}: {ended} running stream(s) ended", file=sys.stderr)
 
 
-def _set_status(status: TenantStatus) -> Callable[[argparse.Namespace], int]:
+def _set_status(value: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
+        from loraplex.platform.db import crud
+        from loraplex.platform.db.models import TenantStatus
+        from loraplex.platform.db.schemas import TenantPublic
+
+        status = TenantStatus(value)
         with registry_session() as session:
             tenant_id = resolve_tenant(session, args.tenant).id
             tenant = crud.update_tenant(session, tenant_id=tenant_id, status=status)
@@ -220,6 +243,11 @@ def _set_status(status: TenantStatus) -> Callable[[argparse.Namespace], int]:
 
 
 def keys_create(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.models import utcnow
+    from loraplex.platform.db.schemas import ApiKeyCreated, ApiKeyPublic
+    from loraplex.platform.periods import parse_moment
+
     expires_at = parse_moment(args.expires, end=True, name="--expires") if args.expires else None
     if expires_at is not None and expires_at <= utcnow():
         raise ValueError(f"--expires {args.expires} is in the past: the key would never work")
@@ -240,6 +268,8 @@ def keys_create(args: argparse.Namespace) -> int:
 
 
 def keys_list(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+
     with registry_session() as session:
         keys = crud.list_keys(session, tenant_id=resolve_tenant(session, args.tenant).id)
         emit(args, keys, KEY_COLUMNS, _key_state)
@@ -247,6 +277,9 @@ def keys_list(args: argparse.Namespace) -> int:
 
 
 def keys_revoke(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import ApiKeyPublic
+
     with registry_session() as session:
         key = ApiKeyPublic.model_validate(crud.revoke_key(session, key_id=args.key_id))
         emit(args, [key], KEY_COLUMNS, _key_state, one=True)
@@ -273,6 +306,9 @@ def _limit(text: str) -> int | None:
 
 
 def quotas_set(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import QuotaPublic
+
     given = {f: getattr(args, f) for f in QUOTA_FIELDS if getattr(args, f) is not _UNSET}
     if not given:
         flags = ", ".join("--" + f.replace("_", "-") for f in QUOTA_FIELDS)
@@ -289,6 +325,9 @@ def quotas_set(args: argparse.Namespace) -> int:
 
 
 def quotas_show(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import QuotaPublic
+
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id
         quota = crud.get_quota(session, tenant_id=tenant_id)
@@ -325,20 +364,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     prices(p, 1.0, "0")
     p.set_defaults(func=tenants_create)
     p = t.add_parser("list", parents=[out], help="list tenants")
-    p.add_argument("--status", choices=[s.value for s in TenantStatus])
+    p.add_argument("--status", choices=TENANT_STATUSES)
     p.set_defaults(func=tenants_list)
     p = t.add_parser("update", parents=[out], help="change weight, prices or status")
     p.add_argument("tenant", help="name or id")
     prices(p, None, None)
-    p.add_argument("--status", choices=[s.value for s in TenantStatus])
+    p.add_argument("--status", choices=TENANT_STATUSES)
     p.set_defaults(func=tenants_update)
     for verb, status, what in (
-        ("suspend", TenantStatus.suspended, "refuse the tenant's keys (401)"),
-        ("activate", TenantStatus.active, "accept the tenant's keys again"),
+        ("suspend", "suspended", "refuse the tenant's keys (401)"),
+        ("activate", "active", "accept the tenant's keys again"),
     ):
         p = t.add_parser(verb, parents=[out], help=what)
         p.add_argument("tenant", help="name or id")
-        if status is TenantStatus.suspended:
+        if status == "suspended":
             p.add_argument("--end-streams", action="append", metavar="URL", help=END_STREAMS)
         p.set_defaults(func=_set_status(status))
 

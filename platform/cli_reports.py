@@ -1,7 +1,8 @@
 """`loraplex adapters list` and `loraplex usage export|summary`: reports over the registry.
 
 `usage export` is the billing export: per tenant, tokens and their cost at the tenant's prices,
-as CSV or JSON (the same rows as the admin API's `/billing`).
+as CSV or JSON (the same rows as the admin API's `/billing`). As in cli_admin.py, building the
+parser imports only the standard library; a command imports the registry when it runs.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
-from loraplex.platform import usage
-from loraplex.platform.adapter_service import collect_unreferenced, store_for
 from loraplex.platform.cli_admin import (
     columns,
     emit,
@@ -25,11 +23,9 @@ from loraplex.platform.cli_admin import (
     registry_session,
     resolve_tenant,
 )
-from loraplex.platform.db import crud
-from loraplex.platform.db.schemas import AdapterPublic
-from loraplex.platform.db.session import make_sessionmaker
-from loraplex.platform.periods import last_day, period
-from loraplex.platform.settings import Settings
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 ADAPTER_COLUMNS = columns(
     "tenant", "name", "rank", "alpha", "targets", "bytes", "status", "sha256", "created_at=CREATED"
@@ -45,16 +41,17 @@ TOTAL_COLUMNS = columns(
 )  # fmt: skip
 
 
-class AdminAdapter(AdapterPublic):
-    tenant: str
-
-
 def _short_sha(adapter: BaseModel) -> dict[str, str]:
-    assert isinstance(adapter, AdminAdapter)
     return {"sha256": adapter.sha256[:12]}  # enough to tell objects apart in a table
 
 
 def adapters_list(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.schemas import AdapterPublic
+
+    class AdminAdapter(AdapterPublic):
+        tenant: str
+
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id if args.tenant else None
         names = {t.id: t.name for t in crud.list_tenants(session)}
@@ -67,9 +64,16 @@ def adapters_list(args: argparse.Namespace) -> int:
 
 
 def adapters_gc(args: argparse.Namespace) -> int:
+    from loraplex.platform.adapter_service import collect_unreferenced, store_for
+    from loraplex.platform.db.session import make_sessionmaker
+    from loraplex.platform.settings import Settings
+
+    settings = Settings()
+    if args.grace_s is None:
+        args.grace_s = settings.store_gc_grace_s
     with registry_session() as session:  # checks the schema first
         sessions = make_sessionmaker(session.get_bind())
-        state = SimpleNamespace(store=store_for(Settings()), sessions=sessions)
+        state = SimpleNamespace(store=store_for(settings), sessions=sessions)
         report = collect_unreferenced(state, grace_s=args.grace_s)
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))
@@ -80,6 +84,9 @@ def adapters_gc(args: argparse.Namespace) -> int:
 
 
 def usage_export(args: argparse.Namespace) -> int:
+    from loraplex.platform import usage
+    from loraplex.platform.periods import last_day, period
+
     start, end = period(args.start, args.end, names=("--from", "--to"))
     with registry_session() as session:
         rows = usage.billing_export(session, start=start, end=end)
@@ -94,6 +101,9 @@ def usage_export(args: argparse.Namespace) -> int:
 
 
 def usage_summary(args: argparse.Namespace) -> int:
+    from loraplex.platform import usage
+    from loraplex.platform.periods import period
+
     start, end = period(args.start, args.end, names=("--from", "--to"))
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id if args.tenant else None
@@ -121,8 +131,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="remove stored objects no adapter names (what a crash mid-upload or mid-delete "
         "leaves; servers also do it every store_gc_interval_s)",
     )
-    p.add_argument("--grace-s", type=float, default=Settings().store_gc_grace_s,
-                   help="keep unnamed objects younger than this (uploads in flight)")  # fmt: skip
+    p.add_argument("--grace-s", type=float, default=None,
+                   help="keep unnamed objects younger than this, in seconds: uploads in flight "
+                   "(default: the store_gc_grace_s setting)")  # fmt: skip
     p.set_defaults(func=adapters_gc)
 
     u = sub.add_parser("usage", help="usage reports and billing exports")

@@ -5,9 +5,8 @@ then run `loraplex <command> --help` for every command and subcommand of the CLI
 
 scripts/smoke_first_run.sh runs it in venvs that hold only the base dependencies, from a folder
 outside the checkout, so a module that imports a package of an extra (`test`, `bench`) at its
-top fails here as it would for a user. Skipped: the bench scripts that run only from a checkout
-(`loraplex.bench.CHECKOUT_SCRIPTS`) and alembic's env.py (it runs only inside alembic;
-`loraplex db upgrade` exercises it).
+top fails here as it would for a user. Skipped: alembic's env.py only (it runs only inside
+alembic; `loraplex db upgrade` exercises it). The lab (benchmarks/) is not in the package.
 """
 
 from __future__ import annotations
@@ -53,9 +52,7 @@ def command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ())
 def check_imports(pyproject: Path) -> list[str]:
     """The modules that fail to import (each reported on stderr)."""
     packages = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]
-    from loraplex.bench import CHECKOUT_SCRIPTS
-
-    skip = NOT_IMPORTABLE | {f"loraplex.bench.{n}" for n in CHECKOUT_SCRIPTS}
+    skip = NOT_IMPORTABLE
     names = [n for n in module_names(packages) if n not in skip]
     failed = []
     for name in names:
@@ -65,7 +62,7 @@ def check_imports(pyproject: Path) -> list[str]:
             failed.append(name)
             last = traceback.format_exception_only(e)[-1].strip()
             print(f"FAIL {name}: {last}", file=sys.stderr)
-    where = Path(importlib.import_module("loraplex.bench").__file__).parent.parent
+    where = Path(importlib.import_module("loraplex.engine").__file__).parent.parent
     print(
         f"imported {len(names) - len(failed)}/{len(names)} modules from {where} "
         f"(skipped {len(skip)}: {', '.join(sorted(skip))})"

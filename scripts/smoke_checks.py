@@ -124,14 +124,14 @@ def chat(path: str, snippet_sh: str, curl_sh: str) -> None:
 
 def _expected(src: Path) -> dict[str, str]:
     """wheel path -> sdist path of every file the package must ship: each file in a folder
-    pyproject maps (bench/: its modules only; its README and results stay in the checkout)."""
+    pyproject maps (the lab, benchmarks/, is not one of them and stays in the checkout)."""
     pyproject = tomllib.loads((src / "pyproject.toml").read_text())
     files = {}
     for package, folder in pyproject["tool"]["setuptools"]["package-dir"].items():
         for path in sorted((src / folder).rglob("*")):
             rel = path.relative_to(src / folder)
             hidden = any(p.startswith(".") or p == "__pycache__" for p in rel.parts)
-            if not path.is_file() or hidden or (folder == "bench" and path.suffix != ".py"):
+            if not path.is_file() or hidden:
                 continue
             files[f"{package.replace('.', '/')}/{rel.as_posix()}"] = f"{folder}/{rel.as_posix()}"
     return files

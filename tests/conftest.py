@@ -14,7 +14,7 @@ if not os.path.exists("/dev/nvidiactl"):
 
 from pathlib import Path  # noqa: E402
 
-from loraplex.bench.assets import import_installed_kernels  # noqa: E402
+from benchmarks.assets import import_installed_kernels  # noqa: E402
 
 # pytest puts the checkout's root on sys.path, where our kernels/ folder (loraplex.kernels)
 # would stand in for Hugging Face's `kernels` package: import the installed one first.

@@ -1,19 +1,18 @@
-"""The bench's assets borrow tests/utils without letting the checkout's kernels/ folder stand
-in for Hugging Face's `kernels` package (transformers >= 5.25 imports it on first use)."""
+"""The lab's assets borrow tests/utils without letting the checkout's kernels/ folder stand in
+for Hugging Face's `kernels` package (transformers >= 5.25 imports it on first use)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from loraplex.bench.assets import REPO_ROOT
+from benchmarks.assets import REPO_ROOT
 
 CHECK = """
 import importlib.metadata, sys
-from loraplex.bench import assets
+from benchmarks import assets
 before = list(sys.path)
-with assets._repo_on_path():
-    from tests.utils.factories import make_tokenizer
+assets.factories().make_tokenizer
 assert sys.path == before, (sys.path, before)
 import transformers
 transformers.LlamaConfig  # imports transformers.activations, which imports `kernels`
@@ -28,7 +27,7 @@ print("ok")
 """
 
 
-def test_repo_on_path_keeps_hf_kernels_when_run_from_the_checkout():
+def test_factories_keep_hf_kernels_when_run_from_the_checkout():
     # cwd = the checkout, whose root `python -c` puts first on sys.path: the worst case.
     out = subprocess.run(
         [sys.executable, "-c", CHECK], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120

@@ -1,11 +1,11 @@
-"""`loraplex bench cliff` on a tiny trace: both loraplex caches run it to the end, at the same
+"""`python -m benchmarks.cliff` on a tiny trace: both loraplex caches run it to the end, at the same
 KV bytes, with the figures the table reports."""
 
 from __future__ import annotations
 
 import argparse
 
-from loraplex.bench import cliff, cliff_trace
+from benchmarks import cliff, cliff_trace
 
 
 def test_trace_is_long_tailed_and_seeded():

@@ -1,4 +1,4 @@
-"""`loraplex bench fleet`: the router's choices, and a tiny fleet of real engines whose cold
+"""`python -m benchmarks.fleet`: the router's choices, and a tiny fleet of real engines whose cold
 loads the bench counts exactly as the adapter managers do."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from loraplex.bench import fleet
-from loraplex.bench.fleet_router import ReplicaView, Router
+from benchmarks import fleet
+from benchmarks.fleet_router import ReplicaView, Router
 from loraplex.bench.trace import TraceRequest
 from loraplex.engine.stats import EngineStats
 
@@ -99,7 +99,7 @@ def test_cold_loads_match_the_adapter_managers(policy, tiny_models, tmp_path):
 def test_replicas_fetch_from_a_real_s3_server_once_per_adapter(tiny_models, tmp_path):
     """--store moto: each replica fetches an adapter into its own disk cache the first time it
     serves it (a real moto S3 server over HTTP), and its engine reads that copy."""
-    from loraplex.bench.fleet_store import open_store
+    from benchmarks.fleet_store import open_store
 
     args = _args(tiny_models["llama"], tmp_path, "--max-cpu-loras", "16", "--store", "moto")
     fleet.apply_quick(args, keep=frozenset({"max_cpu_loras"}))

@@ -8,7 +8,7 @@ import torch
 import transformers
 from peft import PeftModel
 
-from loraplex.bench.peers.hf_server import Generator, Job
+from benchmarks.peers.hf_server import Generator, Job
 
 
 def reference(model_dir, adapter_dir, prompt: list[int], n: int) -> list[int]:

@@ -1,12 +1,13 @@
-"""`loraplex bench long` at a small size: both sides generate every token, and the engine ->
-server step messages stay flat in size as the outputs grow (only what changed goes out)."""
+"""`python -m benchmarks.long_outputs` at a small size: both sides generate every token, and
+the engine -> server step messages stay flat in size as the outputs grow (only what changed
+goes out)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from loraplex.bench import long_outputs
+from benchmarks import long_outputs
 
 
 def test_bench_long_smoke(tmp_path, capsys):

@@ -1,11 +1,11 @@
-"""`bench quant`'s memory table: what a format's smaller weights free at a fixed budget is what
+"""`benchmarks.quant`'s memory table: what a format's smaller weights free at a fixed budget is what
 an engine given those bytes really holds (KV tokens), with adapters sized as the engine holds
 them in host memory."""
 
 from __future__ import annotations
 
-from loraplex.bench.quant_adapters import load_into_slot
-from loraplex.bench.quant_memory import budget_rows
+from benchmarks.quant_adapters import load_into_slot
+from benchmarks.quant_memory import budget_rows
 from loraplex.engine import LLM
 from loraplex.engine.model_runner import kv_block_bytes
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from loraplex.bench.docs import render
-from loraplex.bench.peers.compare import rows_and_ratios
-from loraplex.bench.scaling import table_rows
+from benchmarks.docs import render
+from benchmarks.peers.compare import rows_and_ratios
+from benchmarks.scaling import table_rows
 
 
 def summary(tps: float, ttft_p99: float, errors: int = 0) -> dict:

@@ -10,9 +10,9 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from loraplex.bench import roofline
-from loraplex.bench.docs import render
-from loraplex.bench.peers.compare import compute_summary, rows_and_ratios
+from benchmarks import roofline
+from benchmarks.docs import render
+from benchmarks.peers.compare import compute_summary, rows_and_ratios
 from loraplex.engine.models.packing import cpu_can_prepack_bf16
 from loraplex.engine.models.spec import spec_from_config
 from tests.bench.test_reports import summary

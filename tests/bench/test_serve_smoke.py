@@ -1,4 +1,4 @@
-"""`loraplex bench serve` against a real loraplex server, and `bench offline` in-process.
+"""`loraplex bench serve` against a real loraplex server, and `benchmarks.replay_engine` in-process.
 
 A few requests, seconds: the report's counts and tokens must agree with what the trace asked
 for and with what the server billed. No timing is asserted.
@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from sqlalchemy import select
 
-from loraplex.bench.docs import write_docs
+from benchmarks.docs import write_docs
 from loraplex.bench.replay import run_replay
 from loraplex.bench.targets import EngineTarget
 from loraplex.bench.trace import LengthDist, TraceConfig, make_trace

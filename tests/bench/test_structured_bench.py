@@ -1,5 +1,5 @@
 """The structured-output benchmarks' plan and pages (the runs themselves need the demo model:
-`python -m bench.structured_acceptance`, `python -m bench.structured`)."""
+`python -m benchmarks.structured_acceptance`, `python -m benchmarks.structured`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from loraplex.bench import structured, structured_acceptance
-from loraplex.bench.docs import SECTIONS
+from benchmarks import structured, structured_acceptance
+from benchmarks.docs import SECTIONS
 
 
 def test_the_plan_covers_every_combination_evenly():

@@ -1,5 +1,5 @@
 """The tests' S3 server: `loraplex.bench.moto_server` (the fleet benchmark starts the same)."""
 
-from loraplex.bench.moto_server import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
+from benchmarks.moto_server import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
 
 __all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "free_port", "moto_server"]

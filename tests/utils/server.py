@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from loraplex.bench.server import serve_in_thread
+from benchmarks.server import serve_in_thread
 from loraplex.platform.db import crud
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.settings import Settings
