@@ -100,13 +100,15 @@ class StreamingEngine:
         tenant: str | None = None,
         weight: float = 1.0,
         window: int | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive (each with `delta_text`); the last has finished=True.
 
         Raises ValueError/AdapterError for bad input, AdapterUnavailable when the adapter's
         files cannot be read, before yielding anything. `weight` is the tenant's fair share.
         `window`: pause the request while more than this many of its tokens wait for this
-        iterator to take them (see the module doc); None: never pause.
+        iterator to take them (see the module doc); None: never pause. `priority`: the
+        request's class, 0 interactive, 1 batch (engine/sequence.py).
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
@@ -114,7 +116,7 @@ class StreamingEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), window)
         self._streams[rid] = stream
-        self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight))
+        self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight, priority))
         finished = False
         try:
             while True:

@@ -32,6 +32,7 @@ class AddRequest:
     lora: LoRARequest | None
     tenant: str | None
     weight: float
+    priority: int = 0  # the request's class (engine/sequence.py)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class EngineCore:
                     tenant=cmd.tenant,
                     weight=cmd.weight,
                     wait_for_adapter=False,
+                    priority=cmd.priority,
                 )
             except Exception as e:  # bad input: that caller's error only
                 return [(cmd.request_id, e)]

@@ -135,7 +135,7 @@ def _child_main(
 
 
 class _PipeSource(CommandSource):
-    """Commands as JSON lists: ["add", id, prompt, params, lora, tenant, weight],
+    """Commands as JSON lists: ["add", id, prompt, params, lora, tenant, weight, priority],
     ["abort", id], ["pause", id], ["resume", id], ["stop"]."""
 
     def __init__(self, conn: Connection):
@@ -153,9 +153,9 @@ class _PipeSource(CommandSource):
 
 def _command(cmd: list) -> Command:
     if cmd[0] == "add":
-        _, rid, prompt, params, lora, tenant, weight = cmd
+        _, rid, prompt, params, lora, tenant, weight, priority = cmd
         lora = None if lora is None else LoRARequest(*lora)
-        return AddRequest(rid, prompt, SamplingParams(**params), lora, tenant, weight)
+        return AddRequest(rid, prompt, SamplingParams(**params), lora, tenant, weight, priority)
     if cmd[0] == "abort":
         return AbortRequest(cmd[1])
     if cmd[0] == "pause":
@@ -173,7 +173,7 @@ def _encode_command(command: Command) -> list:
         lora = command.lora
         lora = None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
         return ["add", command.request_id, command.prompt, params, lora, command.tenant,
-                command.weight]  # fmt: skip
+                command.weight, command.priority]  # fmt: skip
     if isinstance(command, AbortRequest):
         return ["abort", command.request_id]
     if isinstance(command, PauseRequest):

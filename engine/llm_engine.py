@@ -146,18 +146,22 @@ class LLMEngine:
         tenant: str | None = None,
         weight: float = 1.0,
         wait_for_adapter: bool = True,
+        priority: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing.
 
         The adapter starts loading now. With `wait_for_adapter` (offline use) this call waits
         for it and raises if it cannot be served; without (servers), it returns at once and a
         failed load finishes the request with an error output at a later step.
+        `priority`: the request's class (0 interactive, 1 batch; engine/sequence.py).
         """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not weight > 0:
             raise ValueError(f"the fair-share weight must be positive, got {weight!r}")
+        if not isinstance(priority, int) or priority < 0:
+            raise ValueError(f"priority must be a non-negative integer, got {priority!r}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -204,6 +208,7 @@ class LLMEngine:
                 lora=lora_request,
                 tenant=tenant,
                 weight=weight,
+                priority=priority,
                 arrival=arrival,
                 processors=processors if index == 0 else [p.fork() for p in processors],
                 index=index,

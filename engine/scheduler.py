@@ -159,16 +159,34 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         if self.swap is not None:
             self.swap.begin_step()
         if self.resumed:
             self._readmit_resumed()
+        # Priority classes, most urgent first (`Sequence.priority`: 0 interactive, 1 batch).
+        # Each class's running sequences, then its admissions; a class is admitted only while
+        # no request of a more urgent one waits ready, so batch work fills what is left.
+        admit = True
+        for cls in sorted({s.priority for s in self.running} | {s.priority for s in self.waiting}):
+            budget = self._schedule_running(cls, out, budget)
+            # A step that had to preempt admits nothing more: blocks are short, and a newer
+            # request must not take the blocks an older one just gave up.
+            if out.preempted:
+                admit = False
+            if admit:
+                budget, admit = self._admit(cls, out, budget)
+        return out
 
-        # Running sequences first, oldest first; preempt from the policy's end on shortage.
-        for seq in list(self.running):
+    def _victim(self) -> Sequence:
+        """Who gives its blocks back: the policy's choice within the least urgent class."""
+        low = max(s.priority for s in self.running)
+        return self.policy.preemption_victim([s for s in self.running if s.priority == low])
+
+    def _schedule_running(self, cls: int, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences of class `cls` first, oldest first; preempt on a shortage."""
+        for seq in [s for s in self.running if s.priority == cls]:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -178,7 +196,7 @@ class Scheduler:
                 seq.spec_tokens = seq.spec_tokens[: max(0, budget - remaining)]
             n = min(remaining + len(seq.spec_tokens), budget)
             while not self._allocate(seq, n):
-                victim = self.policy.preemption_victim(self.running)
+                victim = self._victim()
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim in out.seqs:  # already given tokens this step: take them back
@@ -192,27 +210,62 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+        return budget
 
-        # Then admit waiting sequences, unless this step had to preempt: blocks are short,
-        # and a newer request must not take the blocks an older one just gave up.
-        if out.preempted:
-            return out
+    def _make_room(self, cls: int, out: SchedulerOutput, adapter: int = 0) -> bool:
+        """Preempt a running sequence of a less urgent class than `cls` (with `adapter`: every
+        one of some adapter only such sequences use, freeing its slot). False if none can."""
+        lower = [s for s in self.running if s.priority > cls]
+        if adapter:
+            urgent = {s.adapter_id for s in self.running if s.priority <= cls}
+            spare = {s.adapter_id for s in lower if s.adapter_id} - urgent
+            if not spare:
+                return False
+            # The adapter with the fewest sequences to preempt.
+            a = min(spare, key=lambda a: sum(s.adapter_id == a for s in lower))
+            victims = [s for s in lower if s.adapter_id == a]
+        else:
+            victims = [self._victim()] if lower else []
+        for victim in victims:
+            self._preempt(victim, out)
+            out.preempted.append(victim)
+        return bool(victims)
+
+    def _admit(self, cls: int, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Admit waiting sequences of class `cls`, making room by preempting less urgent
+        ones. Returns the budget left and whether less urgent classes may be admitted (no
+        sequence of this class is left waiting that could run but for room)."""
+        cfg = self.config
+        waiting = [s for s in self.waiting if s.priority == cls]
         adapters = self.running_adapters()
-        for seq in self.policy.admission_order(self.waiting):
+        for seq in self.policy.admission_order(waiting):
             # A request with n > 1 brings its other samples into the running set at once.
-            if budget == 0 or len(self.running) + 1 + len(seq.fork_children) > cfg.max_num_seqs:
+            if budget == 0:
                 break
-            if seq.adapter_id and not self.adapter_loaded(seq.adapter_id):
+            loading = seq.adapter_id and not self.adapter_loaded(seq.adapter_id)
+
+            def over(seq=seq) -> bool:
+                return len(self.running) + 1 + len(seq.fork_children) > cfg.max_num_seqs
+
+            while over() and not loading and self._make_room(cls, out):
+                pass
+            if over():
+                break
+            if loading:
                 continue  # still loading in the background; never wait for it
-            if (
-                seq.adapter_id
-                and seq.adapter_id not in adapters
-                and (len(adapters) >= cfg.max_loras)
-            ):
+            a = seq.adapter_id
+            while a and a not in adapters and len(adapters) >= cfg.max_loras:
+                if not self._make_room(cls, out, adapter=a):
+                    break
+                adapters = self.running_adapters()
+            if a and a not in adapters and len(adapters) >= cfg.max_loras:
                 self.policy.on_blocked(seq)
                 continue  # its adapter needs a slot; others may still fit
             seq.spec_tokens = []
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            while self.admission and not self.admission.fits(seq, self.running, num_cached):
+                if not self._make_room(cls, out):
+                    break
             if self.admission and not self.admission.fits(seq, self.running, num_cached):
                 break  # its expected KV growth does not fit (engine/admission.py)
             # A swapped-out sequence kept its progress; others start at the cached prefix.
@@ -221,7 +274,10 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self._allocate(seq, n, blocks):
+            allocated = self._allocate(seq, n, blocks)
+            while not allocated and self._make_room(cls, out):
+                allocated = self._allocate(seq, n, blocks)
+            if not allocated:
                 break
             self.block_manager.record_prefix_lookup(num_cached)
             if self.swap is not None and self.swap.is_swapped(seq):
@@ -237,7 +293,11 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
-        return out
+        ready = any(
+            s.priority == cls and (not s.adapter_id or self.adapter_loaded(s.adapter_id))
+            for s in self.waiting
+        )
+        return budget, not ready
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Advance progress; append each sequence's new tokens. Returns those that sampled.

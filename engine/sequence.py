@@ -11,6 +11,9 @@ import torch
 from loraplex.engine.outputs import PromptLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 1  # Batch API lines: idle capacity only
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -49,6 +52,9 @@ class Sequence:
     lora: LoRARequest | None = None
     tenant: str | None = None
     weight: float = 1.0  # the tenant's fair-share weight (service is charged / weight)
+    # The request's class, most urgent first: a class is admitted only into capacity the more
+    # urgent ones leave free, and preempted before them (engine/scheduler.py).
+    priority: int = PRIORITY_INTERACTIVE
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
