@@ -12,6 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -21,10 +22,10 @@ from loraplex.engine.async_engine import EngineDeadError
 from loraplex.engine.lora import AdapterError
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.sequence import LoRARequest
+from loraplex.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, LoRARequest
 from loraplex.platform import quotas, tracing, usage
 from loraplex.platform.db import crud
-from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.db.models import AdapterStatus, RequestClass
 from loraplex.platform.errors import APIError
 from loraplex.platform.state import AppState, Caller
 from loraplex.platform.tool_calls import Tool, plain_tool_messages, template_messages
@@ -60,6 +61,18 @@ class StreamCut(APIError):
     """An operator ended the stream (key revoked or tenant suspended with streams cut)."""
 
 
+@dataclass(frozen=True)
+class BatchLine:
+    """Set in `BATCH_LINE` while the batch runner (platform/batches.py) serves one line of a
+    batch through the routes: the request runs in the engine's batch class and is billed as
+    batch usage."""
+
+    request_id: str  # the same on every try of the line: the ledger keeps one record of it
+
+
+BATCH_LINE: ContextVar[BatchLine | None] = ContextVar("loraplex_batch_line", default=None)
+
+
 @dataclass
 class Job:
     """What the route resolved; filled in while the request runs."""
@@ -85,6 +98,7 @@ class Job:
     cached_tokens: int = 0
     status: str = "ok"
     recorded: bool = False
+    request_class: str = RequestClass.interactive.value
 
 
 def _merged(outs: list[RequestOutput]) -> RequestOutput:
@@ -231,8 +245,12 @@ class InferenceService:
             raise APIError(
                 429, decision.reason or "quota exceeded", "rate_limit_exceeded", headers=headers
             )
+        line = BATCH_LINE.get()
         return Job(
-            request_id=f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            request_id=line.request_id
+            if line
+            else f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            request_class=RequestClass.batch.value if line else RequestClass.interactive.value,
             caller=caller,
             route=route,
             model=model,
@@ -275,6 +293,9 @@ class InferenceService:
                 tenant=str(job.caller.tenant.id),
                 weight=job.caller.tenant.weight,  # the registry's fair-share weight
                 window=self.state.settings.stream_window_tokens if stream else None,
+                priority=PRIORITY_BATCH
+                if job.request_class == RequestClass.batch
+                else PRIORITY_INTERACTIVE,
             ):
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
@@ -368,6 +389,7 @@ class InferenceService:
             "model": job.model,
             "end_user": job.end_user,
             "status": status,
+            "request_class": job.request_class,
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": job.sent_tokens,
             "cached_tokens": job.cached_tokens,

@@ -22,7 +22,7 @@ from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from loraplex.platform.db.models import Tenant, UsageRecord, UsageStatus
+from loraplex.platform.db.models import RequestClass, Tenant, UsageRecord, UsageStatus
 
 COST_QUANTUM = Decimal("0.000001")  # costs are rounded half-up to 6 decimal places
 GroupBy = Literal["tenant", "adapter", "day"]
@@ -46,6 +46,7 @@ def record_usage(
     ttft_ms: float | None = None,
     tpot_ms: float | None = None,
     created_at: datetime | None = None,
+    request_class: RequestClass | str = RequestClass.interactive,
 ) -> bool:
     """Write the request's record; True if written, False if `request_id` already had one.
 
@@ -53,6 +54,7 @@ def record_usage(
     cannot bill a request twice. Commits.
     """
     status = UsageStatus(status).value  # ValueError names the bad status
+    request_class = RequestClass(request_class).value
     if min(prompt_tokens, completion_tokens, cached_tokens) < 0:
         raise ValueError(
             f"negative token counts for {request_id}: prompt={prompt_tokens} "
@@ -72,6 +74,7 @@ def record_usage(
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
         status=status,
+        request_class=request_class,
         queue_ms=queue_ms,
         ttft_ms=ttft_ms,
         tpot_ms=tpot_ms,
