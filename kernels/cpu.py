@@ -24,6 +24,7 @@ from loraplex.kernels.reference import (
     int8_matmul,
     sgmv_expand,
     sgmv_shrink,
+    sink_softmax,
     visible,
     write_kv_cache,
 )
@@ -56,17 +57,19 @@ def get_attention_impl() -> str:
     return _attention_impl
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, allowed=None):
+def _attend(
+    q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, allowed=None, sinks=None
+):
     """`reference.attend`'s semantics in one of two forms; both accumulate the matmuls in
     float32 and take the softmax in float32:
 
     - "sdpa": torch's fused attention with a boolean mask and native GQA;
-    - "matmul" (always with a softcap): `reference.attend` itself.
+    - "matmul" (always with a softcap or sinks, which sdpa cannot take): `reference.attend`.
     Which is faster depends on the CPU by up to 10x either way (docs/cpu-path.md).
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
-    if not softcap and (impl or _attention_impl) == "sdpa":
+    if not softcap and sinks is None and (impl or _attention_impl) == "sdpa":
         out = F.scaled_dot_product_attention(
             q.transpose(-3, -2),  # [..., H, n, d]
             k.transpose(-3, -2),  # [..., KVH, L, d]
@@ -76,7 +79,9 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, al
             enable_gqa=True,
         )
         return out.transpose(-3, -2)  # [..., n, H, d]
-    return attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=allowed)
+    return attend(
+        q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=allowed, sinks=sinks
+    )
 
 
 # Sequences with 2 to this many new rows in a step (a token and its speculative proposals,
@@ -84,13 +89,13 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, al
 SHORT_QUERY_ROWS = 8
 
 
-def _decode_matmul(q, k, v, allowed, scale, softcap):
+def _decode_matmul(q, k, v, allowed, scale, softcap, sinks=None):
     """`_attend`'s "matmul" form for one query per sequence, as two plain batched matmuls.
 
-    q [B, H, d]; k, v [B * KVH, L, d] (`_DecodePlan.gather`); allowed [B, 1, L].
-    Returns [B, H, d]. With keys laid out [B * KVH, L, d], q k^T reads k transposed in place:
-    the general form's batch folding copied it element by element, which took most of its
-    time (docs/cpu-path.md).
+    q [B, H, d]; k, v [B * KVH, L, d] (`_DecodePlan.gather`); allowed [B, 1, L];
+    sinks [H] or None. Returns [B, H, d]. With keys laid out [B * KVH, L, d], q k^T reads k
+    transposed in place: the general form's batch folding copied it element by element,
+    which took most of its time (docs/cpu-path.md).
     """
     b, h, d = q.shape
     kvh, length = k.shape[0] // b, k.shape[1]
@@ -99,7 +104,8 @@ def _decode_matmul(q, k, v, allowed, scale, softcap):
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.view(b, kvh * g, length).masked_fill(~allowed, float("-inf"))
-    p = scores.softmax(-1).to(v.dtype).view(b * kvh, g, length)
+    p = sink_softmax(scores, None if sinks is None else sinks.view(1, h, 1))
+    p = p.to(v.dtype).view(b * kvh, g, length)
     return torch.bmm(p, v).view(b, h, d)
 
 
@@ -215,8 +221,11 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     memo: dict | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """`reference.paged_attention`; `memo`: the step's plan cache (see the module doc)."""
+    """`reference.paged_attention`; `memo`: the step's plan cache (see the module doc).
+    Layers with sinks run the "matmul" form (sdpa cannot take them)."""
     ks, vs, dt = (k_scale, v_scale, q.dtype)
     dev = q.device
     key = ("decode_plan", k_cache.shape[1], dev)
@@ -231,9 +240,9 @@ def paged_attention(
     if plan.decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
         allowed = plan.mask(sliding_window)  # [B, 1, L]
-        if softcap or _attention_impl == "matmul":
+        if softcap or sinks is not None or _attention_impl == "matmul":
             k, v = plan.gather(k_cache, ks, dt), plan.gather(v_cache, vs, dt)  # [B * KVH, L, d]
-            o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap)
+            o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap, sinks)
         else:
             k = gather_kv(k_cache, plan.tables, plan.max_len, ks, dt)  # [B, L, KVH, d]
             v = gather_kv(v_cache, plan.tables, plan.max_len, vs, dt)
@@ -256,6 +265,7 @@ def paged_attention(
             sliding_window,
             softcap,
             allowed=short.mask(sliding_window),
+            sinks=sinks,
         )  # [B, n, H, d] fmt: skip
         out[short.rows.flatten()] = o.flatten(0, 1).to(out.dtype)
     decode_set = set(decode)
@@ -268,7 +278,8 @@ def paged_attention(
         v = gather_kv(v_cache, block_tables[i, :nb], length, vs, dt)
         q_pos = torch.arange(length - (e - s), length, device=dev)
         k_pos = torch.arange(length, device=dev)
-        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
+        o = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, sinks=sinks)
+        out[s:e] = o.to(out.dtype)
 
 
 def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:

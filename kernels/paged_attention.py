@@ -11,7 +11,9 @@ so decode (one token per sequence) reads each KV head's cache once for all its q
 and a prefill chunk attends over the cached prefix blocks written by earlier steps (chunked
 prefill, prefix caching) as well as its own new tokens. The softmax is online (running max
 and sum in fp32). Key positions at or beyond a sequence's length are never loaded, so cache
-blocks that were never written are never read.
+blocks that were never written are never read. Layers with attention sinks (gpt-oss) launch
+_paged_attention_sinks_kernel, the same tile code whose running max and sum start from each
+head's sink logit (a key with a zero value).
 """
 
 from __future__ import annotations
@@ -25,24 +27,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    tile_seq_ptr, tile_row_ptr, q_end_ptr, seq_len_ptr,
+def _attention_tile(
+    seq, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    tile_row_ptr, q_end_ptr, seq_len_ptr,
     scale, softcap, window,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
-    part_ptr, ml_ptr, stride_ps, stride_ms, num_heads,
-    k_scale_ptr, v_scale_ptr, stride_ss,
+    part_ptr, ml_ptr, stride_ms, num_heads,
+    k_scale_ptr, v_scale_ptr, stride_ss, sinks_ptr,
     PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr = 1,
-    KV_INT8: tl.constexpr = False,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
+    KV_INT8: tl.constexpr, USE_SINKS: tl.constexpr,
 ):  # fmt: skip
+    """One program's work: query tile program_id(0) of sequence `seq`, KV head
+    program_id(1), key split program_id(2)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    if seq < 0:
-        return
     row0 = tl.load(tile_row_ptr + tile)
     q_end = tl.load(q_end_ptr + seq)
     seq_len = tl.load(seq_len_ptr + seq)
@@ -71,6 +72,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink is one more logit with a zero value: the running max and sum start from
+        # it (in the first key split only, so the merge counts it once).
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        first = tl.program_id(2) == 0
+        m_i = tl.where(first, sink * 1.4426950408889634, m_i)
+        l_i = tl.where(first & (sink > float("-inf")), 1.0, l_i)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if SPLIT_KV > 1:
         # Split-KV (flash-decoding): program_id(2) takes one BLOCK_N-aligned chunk of the keys
@@ -136,6 +144,60 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    tile_seq_ptr, tile_row_ptr, q_end_ptr, seq_len_ptr,
+    scale, softcap, window,
+    stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+    part_ptr, ml_ptr, stride_ps, stride_ms, num_heads,
+    k_scale_ptr, v_scale_ptr, stride_ss,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr = 1,
+    KV_INT8: tl.constexpr = False,
+):  # fmt: skip
+    seq = tl.load(tile_seq_ptr + tl.program_id(0))
+    if seq < 0:
+        return
+    _attention_tile(
+        seq, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        tile_row_ptr, q_end_ptr, seq_len_ptr, scale, softcap, window,
+        stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+        part_ptr, ml_ptr, stride_ms, num_heads, k_scale_ptr, v_scale_ptr, stride_ss, q_ptr,
+        PAGE, GROUP, HEAD_DIM, GP, BLOCK_Q, BLOCK_N, BLOCK_D, USE_SOFTCAP, USE_WINDOW,
+        SPLIT_KV, KV_INT8, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_attention_sinks_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    tile_seq_ptr, tile_row_ptr, q_end_ptr, seq_len_ptr,
+    scale, softcap, window,
+    stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+    part_ptr, ml_ptr, stride_ps, stride_ms, num_heads,
+    k_scale_ptr, v_scale_ptr, stride_ss, sinks_ptr,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr = 1,
+    KV_INT8: tl.constexpr = False,
+):  # fmt: skip
+    """_paged_attention_kernel with a sink logit per query head (gpt-oss): sinks_ptr
+    [num_heads] float32."""
+    seq = tl.load(tile_seq_ptr + tl.program_id(0))
+    if seq < 0:
+        return
+    _attention_tile(
+        seq, out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        tile_row_ptr, q_end_ptr, seq_len_ptr, scale, softcap, window,
+        stride_ot, stride_oh, stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+        part_ptr, ml_ptr, stride_ms, num_heads, k_scale_ptr, v_scale_ptr, stride_ss,
+        sinks_ptr, PAGE, GROUP, HEAD_DIM, GP, BLOCK_Q, BLOCK_N, BLOCK_D, USE_SOFTCAP,
+        USE_WINDOW, SPLIT_KV, KV_INT8, True,
+    )  # fmt: skip
+
+
+@triton.jit
 def _combine_splits_kernel(
     out_ptr, part_ptr, ml_ptr, rows_ptr, stride_ot, stride_oh, stride_ms, num_heads,
     SPLIT_KV: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -189,6 +251,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     memo: dict | None = None,
+    sinks: torch.Tensor | None = None,
     **launch,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
@@ -198,14 +261,15 @@ def paged_attention(
     out[row] = softmax(softcap(scale * q k^T) masked) v over cached key positions p with
     p <= query position and, with a sliding window W, p > query position - W. The new tokens'
     K/V must already be in the cache (write_kv_cache); with scales (int8 caches) keys and
-    values are cache * scale. `out` is written in place.
+    values are cache * scale; with sinks, head h's softmax also counts the logit sinks[h],
+    whose share multiplies no value. `out` is written in place.
 
     Shape: as paged_attention_plan, whose launch parameters `launch` passes on, with `memo`
     (the step's: the tile lists are built and copied to the device once per step).
     """
     paged_attention_plan(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, softcap, k_scale, v_scale, memo=memo, **launch,
+        sliding_window, softcap, k_scale, v_scale, memo=memo, sinks=sinks, **launch,
     )()  # fmt: skip
 
 
@@ -229,6 +293,7 @@ def paged_attention_plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     memo: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Callable[[], None]:
     """paged_attention's launches with their tile lists already on the device: the returned
     function only launches kernels (no host work or copies), so it can be timed alone or
@@ -245,7 +310,7 @@ def paged_attention_plan(
     block_tables [num_seqs, max_blocks] int; query_start_loc: num_seqs + 1 ints;
     seq_lens: num_seqs ints (context length after this step's tokens);
     k_scale, v_scale [num_blocks, block_size, kv_heads] float16 (contiguous) with int8
-    caches, else None.
+    caches, else None; sinks [num_heads] float32 (a logit per head, gpt-oss) or None.
 
     Launch parameters (speed only): block_n keys per step, decode_block_m rows of a decode
     tile, num_warps, num_stages; split_kv > 1 cuts each decode sequence's keys into that many
@@ -259,6 +324,10 @@ def paged_attention_plan(
     assert kv_int8 == (k_cache.dtype == torch.int8) == (v_scale is not None)
     assert not kv_int8 or (k_scale.is_contiguous() and v_scale.is_contiguous())
     scales = (k_scale, v_scale, k_scale.stride(1)) if kv_int8 else (k_cache, v_cache, 0)
+    assert sinks is None or (sinks.shape == (q.shape[1],) and sinks.is_contiguous())
+    # Layers with sinks run their own kernel (the same code with the sink logit).
+    kernel = _paged_attention_kernel if sinks is None else _paged_attention_sinks_kernel
+    extra = () if sinks is None else (sinks,)
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
@@ -304,13 +373,13 @@ def paged_attention_plan(
 
     def run() -> None:
         for tiles, splits, part, ml, rows, stride_ms, block_q, n_seqs in launches:
-            _paged_attention_kernel[(tiles.shape[1], kv_heads, splits)](
+            kernel[(tiles.shape[1], kv_heads, splits)](
                 out, q, k_cache, v_cache, block_tables,
                 tiles[0], tiles[1], q_end, lens,
                 float(scale), float(softcap or 0.0), int(sliding_window or 0),
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1),
                 k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                part, ml, stride_ms * block_d, stride_ms, num_heads, *scales,
+                part, ml, stride_ms * block_d, stride_ms, num_heads, *scales, *extra,
                 PAGE=page, GROUP=group, HEAD_DIM=head_dim,
                 GP=gp, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
                 USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), SPLIT_KV=splits,

@@ -101,12 +101,26 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
     return allowed
 
 
-def attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=None):
-    """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L] -> [..., n, H, d].
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over [scores..., sink] with the sink's probability dropped (gpt-oss attention
+    sinks: the sink takes probability mass but multiplies no value), in float32.
+
+    Shape: scores [..., L] float32; sinks broadcastable to [..., 1] or None (plain softmax).
+    """
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+
+
+def attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=None, sinks=None):
+    """q [..., n, H, d]; k, v [..., L, KVH, d]; q_pos [..., n]; k_pos [L]; sinks [H] or None
+    -> [..., n, H, d].
 
     Scores q k^T in the input dtype (rounded to it, as transformers' eager attention does),
-    scale / softcap / mask / softmax in float32, then probabilities (input dtype) times v.
-    Runs over [..., KVH, G*n, d], so K/V are never repeated per query head.
+    scale / softcap / mask / softmax in float32 (with a sink logit per head: `sink_softmax`),
+    then probabilities (input dtype) times v. Runs over [..., KVH, G*n, d], so K/V are never
+    repeated per query head.
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
@@ -120,7 +134,9 @@ def attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=None):
     scores = scores.unflatten(-2, (g, n)).masked_fill(
         ~allowed.unsqueeze(-3).unsqueeze(-3), float("-inf")
     )  # [..., KVH, G, n, L]
-    out = scores.softmax(-1).flatten(-3, -2).to(v.dtype) @ v  # [..., KVH, G*n, d]
+    if sinks is not None:
+        sinks = sinks.view(kvh, g, 1, 1)  # head h = kv_head * G + g
+    out = sink_softmax(scores, sinks).flatten(-3, -2).to(v.dtype) @ v  # [..., KVH, G*n, d]
     return out.unflatten(-2, (g, n)).movedim(-2, -4).flatten(-3, -2)  # [..., n, H, d]
 
 
@@ -137,6 +153,8 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole cached context.
 
@@ -144,11 +162,15 @@ def paged_attention(
     seq_lens[i] - n_i ... seq_lens[i] - 1, out[row] = softmax(scale * q k^T [masked]) v over
     key positions 0..seq_lens[i]-1 that are <= the query position and, with a sliding window
     W, > query position - W. With scales (int8 caches) keys and values are
-    cache * scale, computed in q's dtype. `out` is written in place.
+    cache * scale, computed in q's dtype. With sinks (gpt-oss), head h's softmax runs over
+    [scores..., sinks[h]] and the sink's share is dropped: out = sum_j p_j v_j with
+    p_j = e^{s_j} / (sum_j' e^{s_j'} + e^{sinks[h]}), the keys those the mask (window
+    included) leaves. `out` is written in place.
 
     Shape: out, q [num_tokens, num_heads, head_dim]; k_cache, v_cache, k_scale, v_scale as
     in write_kv_cache; block_tables [num_seqs, max_blocks] int64; query_start_loc:
-    num_seqs + 1 ints; seq_lens: num_seqs ints (context length after this step's tokens).
+    num_seqs + 1 ints; seq_lens: num_seqs ints (context length after this step's tokens);
+    sinks [num_heads] float32 (a logit per head) or None.
     """
     ks, vs, dt, dev = k_scale, v_scale, q.dtype, q.device
     for i, length in enumerate(seq_lens):
@@ -158,7 +180,8 @@ def paged_attention(
         v = gather_kv(v_cache, block_tables[i, :nb], length, vs, dt)
         q_pos = torch.arange(length - (e - s), length, device=dev)
         k_pos = torch.arange(length, device=dev)
-        out[s:e] = attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
+        o = attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, sinks=sinks)
+        out[s:e] = o.to(out.dtype)
 
 
 def sgmv_shrink(
