@@ -186,3 +186,23 @@ def test_grouped_mm_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("rows", "groups", "k", "n", "used"),
+    [(256, 128, 2048, 768, 128), (4096, 128, 768, 2048, 128),  # experts: decode, prefill
+     (256, 32 * 128, 2048, 16, 256), (256, 32 * 128, 16, 768, 256)],  # LoRA shrink, expand
+)  # fmt: skip
+def test_grouped_mm_bf16_serving_shapes(rows, groups, k, n, used):
+    """Qwen3-30B-A3B-sized experts (top-8 of 128) and rank-16 LoRA over 32 slots x 128
+    experts, in bf16 (the dtype the interpreter cannot check) against torch's CUDA form."""
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, used, (rows,), generator=gen) * (groups // used)
+    offs = torch.bincount(picks, minlength=groups).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(rows, k, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.randn(groups, n, k, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+    got = moe_triton.grouped_mm(x, w, offs)
+    want = torch._grouped_mm(x, w, offs=offs)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.5, rtol=2e-2)
