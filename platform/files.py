@@ -221,11 +221,12 @@ def create_file(
     filename: str,
     data: bytes,
     lines: int = 0,
+    file_id: str | None = None,
 ) -> StoredFile:
     """Store the bytes, then the row (a crash between leaves an object no row names)."""
     key = blobs.put(data)
     row = StoredFile(
-        id=new_file_id(),
+        id=file_id or new_file_id(),
         tenant_id=tenant_id,
         purpose=purpose,
         filename=filename[:256],

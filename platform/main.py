@@ -23,11 +23,13 @@ from loraplex.platform.api.routes import (
     adapters,
     admin,
     admin_ui,
+    batches,
     files,
     health,
     inference,
     lora_admin,
 )
+from loraplex.platform.batches import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key
@@ -142,6 +144,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
                     grace_s=settings.store_gc_grace_s,
                 )
             )
+        runner = BatchRunner(state)  # Batch API jobs, on the capacity interactive work leaves
+        batch_loop = asyncio.create_task(runner.run()) if settings.batch_max_active else None
         if load_model:
             threading.Thread(
                 target=load_engine_or_fail, args=(state, model_dir), daemon=True
@@ -150,6 +154,9 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         watcher.cancel()
         if collector is not None:
             collector.cancel()
+        if batch_loop is not None:
+            batch_loop.cancel()
+            await runner.stop()  # in-flight lines aborted, leases given back
         # Graceful shutdown: refuse new work, let in-flight requests finish for a while.
         state.accepting = False
         deadline = asyncio.get_running_loop().time() + settings.shutdown_grace_s
@@ -171,6 +178,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(lora_admin.router)
     app.include_router(files.router)
+    app.include_router(batches.router)
     admin_ui.mount(app)
     provider = None
     if settings.otlp_traces_endpoint:  # the SDK is imported only here
