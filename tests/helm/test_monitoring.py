@@ -323,8 +323,14 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
     return samples
 
 
-def test_every_query_names_a_metric_the_server_exports(exported):
-    docs = render(ON)
+@pytest.fixture(scope="module")
+def chart_on() -> list[dict]:
+    return render(ON)
+
+
+# chart_on first: without helm the test skips before a server starts.
+def test_every_query_names_a_metric_the_server_exports(chart_on, exported):
+    docs = chart_on
     uses = Uses()
     for query in _dashboard_queries(_dashboard(docs)):
         uses.add(query)
