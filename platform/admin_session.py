@@ -95,3 +95,75 @@ def check_session_request(request: Request, admin_key: str) -> None:
         raise APIError(
             403, f"missing or wrong {CSRF_HEADER} header for a dashboard request", "csrf_failed"
         )
+
+
+# --- the tenant portal ---------------------------------------------------------------------
+# The same scheme for a tenant's session at /portal: `p1.<tenant>.<key>.<expiry>.<nonce>.<mac>`
+# signed under keys of its own purpose (a portal cookie is never an admin one, nor the other
+# way round). It names the API key it was signed in with: every portal request checks that the
+# key still works, so revoking it, its expiry or the tenant's suspension ends the session too.
+
+PORTAL_COOKIE = "lpx_portal"
+PORTAL_PATH = "/portal"
+_PORTAL_VERSION = "p1"
+
+
+def new_portal_session(
+    admin_key: str, tenant_id: int, key_id: int, *, now: float | None = None
+) -> tuple[str, int]:
+    """A signed portal session for the tenant's key, and its expiry (unix seconds)."""
+    expires = int(now if now is not None else time.time()) + SESSION_SECONDS
+    body = f"{_PORTAL_VERSION}.{tenant_id}.{key_id}.{expires}.{secrets.token_urlsafe(16)}"
+    return f"{body}.{_mac(admin_key, 'portal-session', body)}", expires
+
+
+def portal_session(
+    admin_key: str, value: str, *, now: float | None = None
+) -> tuple[int, int, int] | None:
+    """(tenant id, key id, expiry) of a valid, unexpired portal session; None otherwise."""
+    body, _, mac = value.rpartition(".")
+    parts = body.split(".")
+    if len(parts) != 5 or parts[0] != _PORTAL_VERSION or not all(p.isdigit() for p in parts[1:4]):
+        return None
+    if not hmac.compare_digest(mac, _mac(admin_key, "portal-session", body)):
+        return None
+    tenant_id, key_id, expires = (int(p) for p in parts[1:4])
+    if expires <= (now if now is not None else time.time()):
+        return None
+    return tenant_id, key_id, expires
+
+
+def portal_csrf_token(admin_key: str, session_value: str) -> str:
+    return _mac(admin_key, "portal-csrf", session_value)
+
+
+def set_portal_cookie(response: Response, request: Request, value: str) -> None:
+    response.set_cookie(
+        PORTAL_COOKIE,
+        value,
+        max_age=SESSION_SECONDS,
+        path=PORTAL_PATH,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+
+
+def clear_portal_cookie(response: Response) -> None:
+    response.delete_cookie(PORTAL_COOKIE, path=PORTAL_PATH, httponly=True, samesite="strict")
+
+
+def check_portal_request(request: Request, admin_key: str) -> tuple[int, int]:
+    """(tenant id, key id) of a request authenticated by the portal cookie (with its CSRF
+    header when it changes state), or raise 401/403."""
+    value = request.cookies.get(PORTAL_COOKIE, "")
+    found = portal_session(admin_key, value)
+    if found is None:
+        raise APIError(401, "portal session missing or expired: sign in again", "no_session")
+    if request.method not in _SAFE_METHODS:
+        sent = request.headers.get(CSRF_HEADER, "")
+        if not hmac.compare_digest(sent, portal_csrf_token(admin_key, value)):
+            raise APIError(
+                403, f"missing or wrong {CSRF_HEADER} header for a portal request", "csrf_failed"
+            )
+    return found[0], found[1]

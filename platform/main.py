@@ -28,6 +28,7 @@ from loraplex.platform.api.routes import (
     health,
     inference,
     lora_admin,
+    portal,
 )
 from loraplex.platform.batches import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
@@ -180,6 +181,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     admin_ui.mount(app)
+    portal.mount(app)
     provider = None
     if settings.otlp_traces_endpoint:  # the SDK is imported only here
         provider = tracing.make_provider(settings.otlp_traces_endpoint)

@@ -271,3 +271,58 @@ def to_csv(rows: Sequence[Any], *, row_type: type = BillingRow) -> str:
 
 def to_json(rows: Sequence[Any]) -> str:
     return json.dumps(_dicts(rows), indent=2)
+
+
+@dataclass(frozen=True)
+class TenantUsageRow:
+    """One tenant's usage of one adapter on one UTC day, and its cost at the tenant's prices."""
+
+    day: date
+    adapter: str | None  # None: the base model
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    errors: int
+    prompt_cost: Decimal
+    completion_cost: Decimal
+    cost: Decimal
+
+
+def tenant_usage(
+    session: Session, *, tenant_id: int, start: datetime, end: datetime
+) -> list[TenantUsageRow]:
+    """The tenant's usage in [start, end) per UTC day and adapter, oldest day first, with costs
+    at its current prices (each row rounded on its own, so a month's rows may add up to a
+    cent's fraction more or less than its billing export, which rounds the month once)."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise ValueError(f"no tenant with id {tenant_id}")
+    day = _day(session).label("day")
+    keys: list[ColumnElement[Any]] = [day, UsageRecord.adapter_name]
+    query = (
+        select(*keys, *_totals())
+        .where(*_in_period(_as_utc(start), _as_utc(end)), UsageRecord.tenant_id == tenant_id)
+        .group_by(*keys)
+        .order_by(day, UsageRecord.adapter_name.nulls_first())
+    )
+    rows = []
+    for row in session.execute(query).all():
+        m = row._mapping
+        prompt_cost = _cost(int(m["prompt_tokens"]), tenant.price_prompt_per_1k)
+        completion_cost = _cost(int(m["completion_tokens"]), tenant.price_completion_per_1k)
+        rows.append(
+            TenantUsageRow(
+                day=date.fromisoformat(m["day"]),
+                adapter=m["adapter_name"],
+                requests=int(m["requests"]),
+                prompt_tokens=int(m["prompt_tokens"]),
+                completion_tokens=int(m["completion_tokens"]),
+                cached_tokens=int(m["cached_tokens"]),
+                errors=int(m["errors"]),
+                prompt_cost=prompt_cost,
+                completion_cost=completion_cost,
+                cost=prompt_cost + completion_cost,
+            )
+        )
+    return rows
