@@ -313,9 +313,10 @@ class AdapterManager:
             for t in (ex.lora_gate_up_a, ex.lora_gate_up_b, ex.lora_down_a, ex.lora_down_b):
                 t[slot].zero_()
         width, i = 0, ex.inter
-        for proj, a_t, b_t, col in (("gate_proj", ex.lora_gate_up_a, ex.lora_gate_up_b, 0),
-                                    ("up_proj", ex.lora_gate_up_a, ex.lora_gate_up_b, i),
-                                    ("down_proj", ex.lora_down_a, ex.lora_down_b, 0)):  # fmt: skip
+        gate_up, down = (ex.lora_gate_up_a, ex.lora_gate_up_b), (ex.lora_down_a, ex.lora_down_b)
+        places = [("gate_up_proj", gate_up, 0), ("gate_proj", gate_up, 0),
+                  ("up_proj", gate_up, i), ("down_proj", down, 0)]  # fmt: skip
+        for proj, (a_t, b_t), col in places:
             w = adapter.experts.get((layer, proj))
             if w is None:
                 continue

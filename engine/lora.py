@@ -32,8 +32,8 @@ _KEY = re.compile(r"layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 # Mixtral's (transformers 4) names for its sparse block and expert projections
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# PEFT `target_parameters` on transformers 5's fused experts: parameter -> our projections
-EXPERT_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# PEFT `target_parameters` on transformers 5's fused experts
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 class AdapterError(ValueError):
@@ -49,8 +49,9 @@ class LoRAAdapter:
     # names (q_proj, ...) also when the adapter targets a fused module (Phi-3's qkv_proj),
     # whose slices then share one A
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # (layer, gate_proj | up_proj | down_proj) -> (A [experts, r, in], B [experts, out, r] with
-    # the scale folded in): LoRA on a mixture-of-experts layer's experts
+    # (layer, gate_proj | up_proj | gate_up_proj | down_proj) -> (A [experts, r, in],
+    # B [experts, out, r] with the scale folded in): LoRA on a mixture-of-experts layer's
+    # experts; gate_up_proj (PEFT's target_parameters) is gate and up with one shared A
     experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -67,12 +68,21 @@ def _pattern_value(patterns: dict, module: str, default):
     """peft's rule: a key matches a module name that ends with it at a dot boundary.
 
     peft treats keys as regexes; we accept only plain dotted names (checked on load), so an
-    uploaded config cannot make matching run for ever.
+    uploaded config cannot make matching run for ever, and the one regex form peft writes
+    itself, `.*\\.<name>` (for experts it fused on transformers 5), which says the same.
     """
     for key, value in patterns.items():
+        key = _plain_suffix(key)
         if module == key or module.endswith("." + key):
             return value
     return default
+
+
+def _plain_suffix(key: str) -> str:
+    return key[len(_ANY_PREFIX) :] if key.startswith(_ANY_PREFIX) else key
+
+
+_ANY_PREFIX = ".*\\."
 
 
 def _check_patterns(cfg: dict, path: Path) -> None:
@@ -81,7 +91,7 @@ def _check_patterns(cfg: dict, path: Path) -> None:
         if not isinstance(pat, dict):
             raise AdapterError(f"{path}: {key_name} must be an object of module name -> value")
         for key, value in pat.items():
-            if not _PLAIN_NAME.match(key):
+            if not _PLAIN_NAME.match(_plain_suffix(key)):
                 raise AdapterError(
                     f"{path}: {key_name} key {key[:60]!r}: only plain module names are supported"
                 )
@@ -332,13 +342,14 @@ def load_adapter(
     r_default, alpha_default = cfg["r"], cfg.get("lora_alpha", cfg["r"])
     rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
 
-    def scaled(where: str, full_name: str, r: int, b: torch.Tensor) -> torch.Tensor:
+    def scaled(where: str, full_name: str, r: int, b: torch.Tensor, limit: int = 1):
         r_cfg = _pattern_value(rank_pat, full_name, r_default)
         if r != r_cfg:
             raise AdapterError(f"{where}: rank {r} but adapter_config.json says {r_cfg}")
-        if r > max_rank:
+        if r > max_rank * limit:
             raise AdapterError(
-                f"{where}: rank {r} exceeds max_lora_rank {max_rank}; raise max_lora_rank"
+                f"{where}: rank {r} exceeds {'2 x ' if limit == 2 else ''}max_lora_rank "
+                f"{max_rank}; raise max_lora_rank"
             )
         alpha = _pattern_value(alpha_pat, full_name, alpha_default)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -392,7 +403,8 @@ def load_adapter(
     targets = tuple(dict.fromkeys(
         [t for t in spec.lora_targets if any(m == t for _, m in weights)]
         + sorted({m for _, m in weights if m.startswith(SHARED_EXPERT + ".")})
-        + [f"experts.{p}" for p in EXPERT_PROJECTIONS if any(q == p for _, q in experts)]
+        + [f"experts.{p}" for p in ("gate_up_proj", *EXPERT_PROJECTIONS)
+           if any(q == p for _, q in experts)]
     ))  # fmt: skip
     rank = max(
         [a.shape[0] for a, _ in weights.values()] + [a.shape[1] for a, _ in experts.values()]
@@ -425,9 +437,10 @@ def _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype) -> None:
     r = a.shape[0] // n
     a3 = a.reshape(n, r, a.shape[1]).to(dtype)
     b3 = b.reshape(b.shape[0], r, n).permute(2, 0, 1)  # [experts, out, r]
-    b3 = scaled(f"{where}.{param}", f"model.layers.{layer}.mlp.experts.{param}", r, b3)
-    if (layer, EXPERT_PARAMETERS[param][0]) in experts:
+    # gate|up share one A (peft fuses a transformers-4 config's gate and up ranks into one of
+    # twice the rank), so it may use both slices' width
+    limit = 2 if param == "gate_up_proj" else 1
+    b3 = scaled(f"{where}.{param}", f"model.layers.{layer}.mlp.experts.{param}", r, b3, limit)
+    if (layer, param) in experts:
         raise AdapterError(f"{where}.{param}: targeted twice")
-    sizes = [b3.shape[1] // len(EXPERT_PARAMETERS[param])] * len(EXPERT_PARAMETERS[param])
-    for proj, rows in zip(EXPERT_PARAMETERS[param], b3.split(sizes, dim=1), strict=True):
-        experts[(layer, proj)] = (a3, rows.contiguous())
+    experts[(layer, param)] = (a3, b3.contiguous())

@@ -25,7 +25,7 @@ from loraplex.engine.quantization import (
 )
 from loraplex.kernels import dispatch
 from tests.conftest import ADAPTER_SPECS
-from tests.engine.test_parity import _check, _hf_reference, _run
+from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.utils.factories import make_adapter, make_tiny_model
 from tests.utils.quant_checkpoints import (
     assert_fast_path_close,
@@ -119,12 +119,12 @@ def test_checkpoint_matches_reference_dequantization_with_mixed_adapters(
     case, wide, tmp_path, reference_mode
 ):
     quantized, reference, adapters = _folders(wide, "llama", case, tmp_path)
-    _check(_run(_llm(quantized), adapters), _hf_reference(reference, adapters))
+    check_rows(run_rows(_llm(quantized), adapters), hf_reference(reference, adapters))
 
 
 def test_gemma3_gptq_act_order_with_tied_head(wide, tmp_path, reference_mode):
     quantized, reference, adapters = _folders(wide, "gemma3", "gptq-v2-g32-act-order", tmp_path)
-    _check(_run(_llm(quantized), adapters), _hf_reference(reference, adapters))
+    check_rows(run_rows(_llm(quantized), adapters), hf_reference(reference, adapters))
 
 
 def test_fast_cpu_path_tracks_the_exact_one(wide, tmp_path):

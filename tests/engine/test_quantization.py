@@ -45,7 +45,7 @@ from loraplex.engine.quantization import (
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 from tests.engine.heldout_texts import HELDOUT_TEXTS
-from tests.engine.test_parity import _check, _hf_reference, _run
+from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.utils.quant_checkpoints import assert_fast_path_close
 
 BENCH_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -283,7 +283,7 @@ def test_lora_on_quantized_base_matches_peft_on_dequantized_weights(
     fp_bytes = LLM(str(tiny_models[kind]), dtype="float32").engine.model
     assert resident_weight_bytes(llm.engine.model) < resident_weight_bytes(fp_bytes)
     folder = _dequantized_folder(llm, tiny_models[kind], tmp_path / "dequantized")
-    _check(_run(llm, adapters), _hf_reference(folder, adapters))
+    check_rows(run_rows(llm, adapters), hf_reference(folder, adapters))
 
 
 def test_fast_cpu_path_tracks_the_exact_one(tiny_models, tiny_adapters):

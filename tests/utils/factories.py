@@ -240,7 +240,7 @@ def _config(kind: str, vocab_size: int, num_layers: int, tie: bool | None, overr
         cls = transformers.Qwen3MoeConfig
         kw.update(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                   norm_topk_prob=True, decoder_sparse_step=1,
-                  mlp_only_layers=[1] if num_layers > 2 else [])  # fmt: skip
+                  mlp_only_layers=[1] if num_layers >= 2 else [])  # fmt: skip
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
     elif kind == "qwen2_moe":  # a shared expert beside the routed ones; top-k not renormalised
         cls = transformers.Qwen2MoeConfig
@@ -378,20 +378,19 @@ def split_expert_adapter(base_dir: Path, fused_dir: Path, out_dir: Path) -> Path
     base_dir, fused_dir, out_dir = Path(base_dir), Path(fused_dir), Path(out_dir)
     base_cfg = json.loads((base_dir / "config.json").read_text())
     n = base_cfg.get("num_experts") or base_cfg["num_local_experts"]
-    inter = base_cfg["moe_intermediate_size"]
+    inter = base_cfg.get("moe_intermediate_size") or base_cfg["intermediate_size"]
     cfg = json.loads((fused_dir / "adapter_config.json").read_text())
     params = cfg.get("target_parameters") or []
     tensors = load_file(fused_dir / "adapter_model.safetensors")
     out: dict[str, torch.Tensor] = {}
-    experts_params = [p for p in params if p in EXPERT_PARAMETERS]
     for key, t in tensors.items():
         if ".mlp.experts." not in key or ".lora_A." not in key:
             if ".mlp.experts." not in key:
                 out[key] = t
             continue
         prefix, _, _ = key.partition(".mlp.experts.")
-        depth = key.count(".base_layer.")
-        param = experts_params[len(experts_params) - 1 - depth]  # peft nests in list order
+        # which parameter from the shapes: gate|up reads the hidden state, down the expert's
+        param = "gate_up_proj" if t.shape[1] == base_cfg["hidden_size"] else "down_proj"
         a = t
         b = tensors[key.replace(".lora_A.", ".lora_B.")]
         r = a.shape[0] // n

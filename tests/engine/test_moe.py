@@ -1,0 +1,202 @@
+"""Mixture-of-experts bases against transformers + peft (float32): Qwen3-MoE, Qwen2-MoE (shared
+expert), Mixtral, with attention adapters, expert adapters in both formats that exist (PEFT's
+`target_parameters` on transformers 5's fused experts, and one LoRA per expert `Linear` as
+trained on transformers 4) and the router as a target, mixed in one batch; also under chunked
+prefill, preemption, prefix-cache hits and fewer slots than adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex.engine import LLM
+from loraplex.engine.lora import AdapterError, load_adapter
+from loraplex.engine.models.spec import spec_from_config
+from tests.engine.test_parity import check_rows, hf_reference, run_rows
+from tests.utils.factories import (
+    EXPERT_PARAMETERS,
+    MOE_KINDS,
+    make_adapter,
+    make_tiny_model,
+    split_expert_adapter,
+)
+
+EXPERTS = ("gate_up_proj", "down_proj")
+# name -> make_adapter arguments. Every target_parameters adapter in one peft model must name
+# the same parameters; the router's adapter has a reference of its own.
+MOE_ADAPTERS = {
+    "qv4": dict(r=4, alpha=8, targets=("q_proj", "v_proj")),
+    "exp8": dict(r=8, alpha=16, targets=("q_proj",), target_parameters=EXPERTS),
+    "exp4": dict(r=4, alpha=4, targets=("o_proj",), target_parameters=EXPERTS, use_rslora=True),
+    # a transformers-4 style config: peft 0.21 turns gate/up/down into target_parameters on
+    # the fused experts with gate|up at twice the rank (a `.*\\.gate_up_proj` rank_pattern)
+    "mlp16": dict(r=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj", "k_proj")),
+}
+ROUTER = {"router": dict(r=4, alpha=8, targets=("v_proj",),
+                         target_parameters=(*EXPERT_PARAMETERS, "mlp.gate.weight"))}  # fmt: skip
+SPLIT = {"exp8split": "exp8"}  # per-expert format -> the fused adapter with its weights
+ROWS = ["exp8", None, "qv4", "exp8split", "exp4", "mlp16", "exp8"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """kind -> (base folder, adapters name -> folder)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for i, kind in enumerate(MOE_KINDS):
+        base = make_tiny_model(kind, root / kind, seed=40 + i)
+        adapters = {
+            name: make_adapter(base, root / f"{kind}-{name}", seed=50 + j, **spec)
+            for j, (name, spec) in enumerate({**MOE_ADAPTERS, **ROUTER}.items())
+        }
+        for name, fused in SPLIT.items():
+            adapters[name] = split_expert_adapter(base, adapters[fused], root / f"{kind}-{name}")
+        out[kind] = (base, adapters)
+    return out
+
+
+_REFS: dict[str, list[dict]] = {}
+
+
+def _reference(moe, kind):
+    if kind not in _REFS:
+        base, adapters = moe[kind]
+        adapters = {n: p for n, p in adapters.items() if n not in ROUTER}
+        _REFS[kind] = hf_reference(base, adapters, ROWS, same_as=SPLIT)
+    return _REFS[kind]
+
+
+def _llm(moe, kind, **kw):
+    args = dict(dtype="float32", max_loras=4, max_lora_rank=16) | kw
+    return LLM(str(moe[kind][0]), **args)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_mixed_expert_adapters_match_hf_peft(kind, moe):
+    llm = _llm(moe, kind)
+    rows = run_rows(llm, moe[kind][1], rows=ROWS)
+    check_rows(rows, _reference(moe, kind), names=ROWS)
+    # the expert adapters act: their rows differ from the same prompt without one
+    assert llm.engine.adapters.slot_bytes > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_router_as_a_target(kind, moe):
+    """PEFT can adapt the router's weight as a parameter: the top-k choice moves with it."""
+    base, adapters = moe[kind]
+    rows = ["router", None, "router"]
+    ref = hf_reference(base, {"router": adapters["router"]}, rows)
+    check_rows(run_rows(_llm(moe, kind), adapters, rows=rows), ref, names=rows)
+    spec = spec_from_config(json.loads((base / "config.json").read_text()))
+    assert "gate" in load_adapter(adapters["router"], spec, 16, torch.float32).targets
+
+
+def test_both_expert_formats_load_the_same_weights(moe):
+    """The fused adapter's gate|up shares one A; the per-expert one has gate and up apart:
+    the same delta B A for every expert."""
+    base, adapters = moe["qwen3_moe"]
+    spec = spec_from_config(json.loads((base / "config.json").read_text()))
+    fused = load_adapter(adapters["exp8"], spec, 16, torch.float32)
+    split = load_adapter(adapters["exp8split"], spec, 16, torch.float32)
+    layers = {layer for layer, _ in fused.experts}
+    assert layers == {0} and {p for _, p in split.experts} == {"gate_proj", "up_proj", "down_proj"}
+    for layer in layers:
+        a, b = fused.experts[(layer, "gate_up_proj")]
+        delta = [split.experts[(layer, p)][1] @ split.experts[(layer, p)][0]
+                 for p in ("gate_proj", "up_proj")]  # fmt: skip
+        torch.testing.assert_close(b @ a, torch.cat(delta, dim=1))
+        a, b = fused.experts[(layer, "down_proj")]
+        a2, b2 = split.experts[(layer, "down_proj")]
+        torch.testing.assert_close(b @ a, b2 @ a2)
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(fused.targets)
+    assert fused.nbytes > 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(max_num_batched_tokens=7),  # chunked prefill
+        dict(max_model_len=80, num_kv_blocks=10, block_size=8),  # preemption
+        dict(max_loras=2),  # five adapters through two slots
+    ],
+    ids=["chunked", "preempt", "slots"],
+)
+def test_qwen3_moe_under_pressure(case, moe):
+    llm = _llm(moe, "qwen3_moe", **case)
+    rows = run_rows(llm, moe["qwen3_moe"][1], rows=ROWS)
+    check_rows(rows, _reference(moe, "qwen3_moe"), full_prefill=False, names=ROWS)
+    if "num_kv_blocks" in case:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if case.get("max_loras") == 2:
+        manager = llm.engine.adapters  # five adapters went through two slots
+        assert len(manager.slots) == 2 and manager.slot_writes >= 5
+
+
+def test_prefix_cache_hits(moe):
+    llm = _llm(moe, "qwen3_moe", block_size=8)
+    check_rows(run_rows(llm, moe["qwen3_moe"][1], rows=ROWS), _reference(moe, "qwen3_moe"),
+               names=ROWS)  # fmt: skip
+    hits = llm.engine.block_manager.prefix_hits
+    rows = run_rows(llm, moe["qwen3_moe"][1], rows=ROWS)
+    assert llm.engine.block_manager.prefix_hits > hits
+    check_rows(rows, _reference(moe, "qwen3_moe"), full_prefill=False, names=ROWS)
+
+
+def test_expert_slots_are_allocated_on_the_first_expert_adapter(moe):
+    base, adapters = moe["qwen3_moe"]
+    llm = _llm(moe, "qwen3_moe")
+    manager = llm.engine.adapters
+    dense_only = manager.slot_bytes
+    run_rows(llm, adapters, rows=["qv4", None])
+    assert manager.slot_bytes == dense_only  # attention adapters: no expert stacks
+    run_rows(llm, adapters, rows=["exp8", None])
+    assert manager.slot_bytes == dense_only + manager.expert_slot_bytes()
+
+
+def _rewrite(src, dst, tensors=None, cfg=None):
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        save_file(tensors, dst / "adapter_model.safetensors")
+    if cfg is not None:
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_expert_adapters_are_refused(moe, tmp_path):
+    base, adapters = moe["qwen3_moe"]
+    spec = spec_from_config(json.loads((base / "config.json").read_text()))
+    fused = load_file(adapters["exp8"] / "adapter_model.safetensors")
+    split = load_file(adapters["exp8split"] / "adapter_model.safetensors")
+    cfg = json.loads((adapters["exp8"] / "adapter_config.json").read_text())
+
+    key = next(k for k in split if ".experts.3.gate_proj.lora_A" in k)
+    bad_expert = {**split, key.replace(".experts.3.", ".experts.99."): split[key].clone()}
+    nan = {k: (v * float("nan") if ".experts.lora_A" in k else v) for k, v in fused.items()}
+    wrong = {k: (v[:, :-1].contiguous() if ".experts.lora_A" in k else v) for k, v in fused.items()}
+    cases = {
+        "expert 99 but the base model has 8": _rewrite(
+            adapters["exp8split"], tmp_path / "e99", bad_expert
+        ),  # fmt: skip
+        "NaN or Inf": _rewrite(adapters["exp8"], tmp_path / "nan", nan),
+        "fit neither gate_up_proj nor down_proj": _rewrite(
+            adapters["exp8"], tmp_path / "shape", wrong
+        ),  # fmt: skip
+        "target_parameters does not declare": _rewrite(
+            adapters["exp8"], tmp_path / "undeclared", cfg={**cfg, "target_parameters": None}
+        ),
+    }
+    for message, folder in cases.items():
+        with pytest.raises(AdapterError, match=message):
+            load_adapter(folder, spec, 16, torch.float32)
+    # a dense adapter's MLP weights on a routed layer name a module that does not exist
+    dense = make_tiny_model("qwen3", tmp_path / "dense")
+    mlp = make_adapter(dense, tmp_path / "dense-mlp", targets=("gate_proj",))
+    with pytest.raises(AdapterError, match="mixture of experts"):
+        load_adapter(mlp, spec, 16, torch.float32)
