@@ -196,8 +196,9 @@ def section(doc: dict, path: Path, out: Path) -> str:
         f"{len(rows[0]['served_runs'])} run(s) each. Bytes: engine -> server per step with "
         "one message per step, around the early and the late token.\n\n"
     )
-    if doc.get("command"):
-        text += f"`{doc['command']}`\n\n"
+    if doc.get("command"):  # files written before the lab left the package name the old CLI
+        command = doc["command"].replace("loraplex bench long", "python -m benchmarks.long_outputs")
+        text += f"`{command}`\n\n"
     table = [
         "| case | served / offline | one message per step / offline | served tok/s "
         "| offline tok/s | messages (served) | bytes per step, early / late |",

@@ -51,11 +51,11 @@ class EngineConfig:
     quantization: str | None = None
     # How the CPU path computes attention: "sdpa" (torch's fused kernel), "matmul" (batched
     # matmuls, float32 softmax) or "auto": time both on the model's shape at start, keep the
-    # faster (which wins depends on the CPU: 10x either way measured).
+    # faster (which wins depends on the CPU, by a wide margin either way: docs/cpu-path.md).
     cpu_attention: str = "auto"
     # Threads for torch's CPU ops (None: torch's default, one per core). A server should leave
-    # a core to its HTTP loop: busy-waiting compute threads starve it (5x slower per token
-    # measured on 2 cores with 2 threads vs 1).
+    # a core to its HTTP loop: busy-waiting compute threads starve it (docs/benchmarks.md,
+    # "Measurements behind choices in the code").
     num_threads: int | None = None
     seed: int = 0
     # KV cache element type: "auto" (the compute dtype) or "int8" (per-token-per-head float16

@@ -29,12 +29,11 @@ _ARGMAX_BLOCKS = (1024, 512, 256, 128, 64, 32)  # widest first
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, the first one on ties (as argmax). [rows, vocab] -> [rows].
 
-    On the CPU a reduction that tracks indices is slow (64 x 32k float32: argmax 2.3 ms,
-    `max(dim).indices` 2.0 ms) while a plain `amax` takes 0.1 ms. So: the maximum of each
-    block of columns, the first best block per row, then the first best column inside it:
-    0.38 ms there, and 3.5 instead of 18 ms at Gemma's 262k vocabulary. The widest block
-    that divides the vocabulary wins, in bf16 most (1 thread, 32 x 262k: 5.7 ms with blocks
-    of 128, 2.7 ms with 1024; 32 x 32k: 0.68 -> 0.50 ms with 256).
+    On the CPU a reduction that tracks indices is several times slower than a plain `amax`.
+    So: the maximum of each block of columns, the first best block per row, then the first
+    best column inside it. The widest block that divides the vocabulary is the cheapest,
+    in bf16 most. (Figures: docs/benchmarks.md, "Measurements behind choices in the code";
+    `python -m benchmarks.cpu_micro argmax` measures them again.)
     """
     rows, vocab = x.shape
     width = next((w for w in _ARGMAX_BLOCKS if vocab % w == 0 and vocab >= 4 * w), None)
@@ -251,7 +250,8 @@ def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> to
 
 # top_p without top_k first tries this many best tokens per row (then 16 times as many):
 # when they already hold the mass top_p keeps, the rest would be dropped anyway and a partial
-# sort replaces a full one (a 262k vocabulary's sort costs ~30x a topk(1024): docs/cpu-path.md).
+# sort replaces a full one (a full sort of a large vocabulary costs far more than a topk of
+# 1024: docs/cpu-path.md).
 TOP_P_CANDIDATES = 1024
 
 

@@ -91,7 +91,7 @@ def _normalise(type_: str, value: Any) -> Any:
 
 def _grammar(spec: dict):
     """The xgrammar Grammar of a spec (not yet compiled for a tokenizer)."""
-    import xgrammar as xgr  # ~1 s to import: only requests that use it pay
+    import xgrammar as xgr  # slow to import: only requests that use it pay
 
     type_, value = spec.get("type"), spec.get("value")
     try:
@@ -229,11 +229,11 @@ def _mask_sparse_rows(
     """Mask the rows whose grammar allows few tokens; return the others (the dense rows).
 
     xgrammar's CPU kernel skips words whose 32 tokens are all allowed but writes -inf token by
-    token elsewhere: ~1 ms a row at a 262k vocabulary, where a grammar between JSON values
+    token elsewhere, which is slow at a large vocabulary where a grammar between JSON values
     allows a handful of tokens. Such rows are cheaper refilled: keep the allowed logits, set
-    the row to -inf, put them back (measured: 29 -> 2 ms a step at batch 32; bench/structured).
-    In numpy, not torch: these small ops in torch's thread pool wait on its barrier, which on
-    a busy machine cost 40-90 ms a step instead of 2 (bench/structured, 2 threads, 2 cores).
+    the row to -inf, put them back. In numpy, not torch: these small ops in torch's thread
+    pool wait on its barrier, which a busy machine stretches. (Figures and the command that
+    measures them: docs/benchmarks.md, "Measurements behind choices in the code".)
     """
     x = logits.numpy()  # a view: writes reach the tensor
     rows_a = np.asarray(rows)

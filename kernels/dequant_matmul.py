@@ -158,9 +158,8 @@ def _dequant_gemv_kernel(
         tl.atomic_add(y_ptrs, out, mask=mask)
 
 
-# Default form and launch parameters. Measured on an H200 (bench/results/kernel-sweep.log:
-# triton 3.6, bf16 x, L2 flushed; shapes N x K 4096x4096, 28672x4096, 4096x14336; M = 1
-# and M = 16 only, nothing in between).
+# Default form and launch parameters: the winners of a GPU launch-configuration sweep at M = 1
+# and M = 16 only, nothing in between (docs/gpu.md; `python -m benchmarks.kernel_sweep`).
 GEMV_MAX_M = 1  # the GEMV form up to this many rows, the tensor-core dot form above
 # The int4 layers above this many weights take the narrower, split GEMV tile.
 INT4_GEMV_SMALL = 4096 * 4096

@@ -161,7 +161,7 @@ def _launch_opts(num_warps: int | None, num_stages: int | None) -> dict[str, int
     return {k: v for k, v in opts.items() if v is not None}
 
 
-# Default launch parameters, from an H200 sweep (docs/gpu.md): only decode-shaped tiles
+# Default launch parameters, from a GPU sweep (docs/gpu.md): only decode-shaped tiles
 # (block_m <= 16, every segment <= 16 rows) take the measured choice.
 DECODE_BLOCK_M = 16
 
@@ -179,7 +179,7 @@ def shrink_params(
     """sgmv_shrink's launch parameters: the given ones, the default for the others.
 
     Decode tiles: block_k 128 for K <= 4096, else 64; split K up to ~512 programs, at most
-    32 splits and one block_k per split. Prefill tiles keep the earlier rule. The H200
+    32 splits and one block_k per split. Prefill tiles keep the earlier rule. The
     measurements behind it are in docs/gpu.md ("Default launch parameters").
     """
     block_r = block_r or _rank_block(max_width)
@@ -207,8 +207,8 @@ def expand_params(
 ) -> dict[str, int]:
     """sgmv_expand's launch parameters: the given ones, the default for the others.
 
-    block_n 128 for decode tiles with >= 512 programs at that width (about 4 per SM of an
-    H200), else 64: fewer, wider programs only pay when the GPU stays full (docs/gpu.md).
+    block_n 128 for decode tiles with >= 512 programs at that width (a few per SM of a large
+    GPU), else 64: fewer, wider programs only pay when the GPU stays full (docs/gpu.md).
     """
     block_r = block_r or _rank_block(max_width)
     if block_n is None:
@@ -280,8 +280,8 @@ def sgmv_expand(
     Off unless given: the promise holds for an adapter the engine installed only when it
     targets every slice of the module at one rank (q|k|v all rank r gives w_s = 3r), not for
     one that targets q and v only, or mixes ranks, and the engine's call (`lora_apply`:
-    segments and widths) does not carry the slice ranks. Measured gain where it holds (H200,
-    kernel-sweep.log, b64, block_n 128): qkv 15.7 -> 9.8 us, gate_up 32.5 -> 22.7 us.
+    segments and widths) does not carry the slice ranks. What it gains where it holds:
+    docs/gpu.md (`python -m benchmarks.kernel_sweep`).
     """
     assert y.stride(1) == 1 and lora_b.stride(2) == 1 and t.stride(1) == 1
     num_tiles, max_width, n = meta.tile_slot.shape[0], lora_b.shape[1], y.shape[1]
