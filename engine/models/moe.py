@@ -23,17 +23,6 @@ from loraplex.engine.models.spec import ModelSpec
 from loraplex.kernels import dispatch
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] sorted by group, w [groups, in, out], offs [groups] int32 cumulative row
-    ends -> [rows, out]: rows offs[g-1]:offs[g] times w[g]."""
-    op = getattr(dispatch, "grouped_mm", None)
-    if op is not None:
-        return op(x, w, offs)
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[-1])
-    return torch._grouped_mm(x, w, offs=offs)
-
-
 def row_slots(lora: LoRABatch, rows: int, device: torch.device) -> torch.Tensor:
     """The adapter slot of every row [rows] int64 (-1: none), built once per step."""
     key = ("row_slots", rows)
@@ -67,10 +56,10 @@ class Experts(nn.Module):
 
     def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Quantized experts (engine/quantization.py) replace the two base products."""
-        return grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
+        return dispatch.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
 
     def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(x, self.down_proj.transpose(1, 2), offs)
+        return dispatch.grouped_mm(x, self.down_proj.transpose(1, 2), offs)
 
     @staticmethod
     def _lora(y: torch.Tensor, x: torch.Tensor, virt: tuple | None,
@@ -85,7 +74,7 @@ class Experts(nn.Module):
         xa = x[rows[order]]
         wa = a.view(s * e, width, a.shape[-1]).transpose(1, 2)
         wb = b.view(s * e, width, b.shape[-1])
-        delta = grouped_mm(grouped_mm(xa, wa, offs), wb, offs)
+        delta = dispatch.grouped_mm(dispatch.grouped_mm(xa, wa, offs), wb, offs)
         y.index_add_(0, rows[order], delta.to(y.dtype))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
