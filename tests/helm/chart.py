@@ -60,6 +60,22 @@ def helm() -> str:
     return found
 
 
+@functools.cache
+def _promtool() -> str | tools.Unavailable:
+    try:
+        return str(tools.ensure_promtool())
+    except tools.Unavailable as e:
+        return e
+
+
+def promtool() -> str:
+    """promtool's path; the calling test skips, saying why, where it cannot be had."""
+    found = _promtool()
+    if isinstance(found, tools.Unavailable):
+        pytest.skip(f"promtool is not available: {found}")
+    return found
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML that refuses duplicate keys (Kubernetes would keep only the last silently)."""
 

