@@ -196,9 +196,16 @@ class BillingRow:
     cached_tokens: int
     price_prompt_per_1k: Decimal
     price_completion_per_1k: Decimal
-    prompt_cost: Decimal
-    completion_cost: Decimal
-    cost: Decimal  # prompt_cost + completion_cost, so the columns add up
+    prompt_cost: Decimal  # interactive prompt tokens at the tenant's price
+    completion_cost: Decimal  # interactive completion tokens at the tenant's price
+    # The Batch API's part of the totals above, priced at the tenant's prices times its
+    # batch_price_factor.
+    batch_requests: int = 0
+    batch_prompt_tokens: int = 0
+    batch_completion_tokens: int = 0
+    batch_price_factor: Decimal = Decimal("0.5")
+    batch_cost: Decimal = Decimal(0)
+    cost: Decimal = Decimal(0)  # prompt_cost + completion_cost + batch_cost: the columns add up
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -213,16 +220,33 @@ def _cost(tokens: int, price_per_1k: Decimal) -> Decimal:
 def billing_export(session: Session, *, start: datetime, end: datetime) -> list[BillingRow]:
     """Per tenant with usage in [start, end): tokens and their cost at the tenant's prices.
 
-    Uses the prices current at export time (the registry keeps no price history).
+    Uses the prices current at export time (the registry keeps no price history). Batch API
+    tokens are in the totals and, apart, in the batch columns, at the batch price.
     """
     start, end = _as_utc(start), _as_utc(end)
     tenants = {t.id: t for t in session.scalars(select(Tenant))}
+    batch = {
+        row.tenant_id: row
+        for row in session.execute(
+            select(UsageRecord.tenant_id, *_totals()[:3])
+            .where(*_in_period(start, end), UsageRecord.request_class == RequestClass.batch.value)
+            .group_by(UsageRecord.tenant_id)
+        )
+    }
     rows = []
     for s in usage_summary(session, start=start, end=end, group_by="tenant"):
         assert s.tenant_id is not None and s.tenant is not None
         tenant = tenants[s.tenant_id]
-        prompt_cost = _cost(s.prompt_tokens, tenant.price_prompt_per_1k)
-        completion_cost = _cost(s.completion_tokens, tenant.price_completion_per_1k)
+        b = batch.get(s.tenant_id)
+        b_requests, b_prompt, b_completion = (
+            (int(b.requests), int(b.prompt_tokens), int(b.completion_tokens)) if b else (0, 0, 0)
+        )
+        factor = tenant.batch_price_factor
+        prompt_cost = _cost(s.prompt_tokens - b_prompt, tenant.price_prompt_per_1k)
+        completion_cost = _cost(s.completion_tokens - b_completion, tenant.price_completion_per_1k)
+        batch_cost = _cost(b_prompt, tenant.price_prompt_per_1k * factor) + _cost(
+            b_completion, tenant.price_completion_per_1k * factor
+        )
         rows.append(
             BillingRow(
                 tenant_id=s.tenant_id,
@@ -237,7 +261,12 @@ def billing_export(session: Session, *, start: datetime, end: datetime) -> list[
                 price_completion_per_1k=tenant.price_completion_per_1k,
                 prompt_cost=prompt_cost,
                 completion_cost=completion_cost,
-                cost=prompt_cost + completion_cost,
+                batch_requests=b_requests,
+                batch_prompt_tokens=b_prompt,
+                batch_completion_tokens=b_completion,
+                batch_price_factor=factor,
+                batch_cost=batch_cost,
+                cost=prompt_cost + completion_cost + batch_cost,
             )
         )
     return rows
