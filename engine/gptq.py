@@ -24,6 +24,9 @@ import torch
 from torch import nn
 
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
+from loraplex.engine.models.spec import ROUTER
+
+ROUTER_SUFFIX = f"mlp.{ROUTER}"
 
 # Of the mean diagonal of H. Beyond keeping the Cholesky stable, a strong damping keeps the
 # compensation from fitting the small calibration set: 0.1 beat 0.01 and 0.03 on held-out text.
@@ -160,7 +163,9 @@ def calibrate_and_quantize(
         shape = (len(lens), width, model.spec.num_kv_heads, model.spec.head_dim)
         a.k_cache = torch.empty(shape, dtype=x.dtype, device=device)
         a.v_cache = torch.empty_like(a.k_cache)
-        targets = [(name, mod) for name, mod in layer.named_modules() if type(mod) is LoRALinear]
+        # a mixture of experts' router stays in floating point (engine/quantization.py)
+        targets = [(name, mod) for name, mod in layer.named_modules()
+                   if type(mod) is LoRALinear and not name.endswith(ROUTER_SUFFIX)]  # fmt: skip
         stand_ins = {}
         for name, mod in targets:
             parent, _, child = name.rpartition(".")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.calibration import CALIBRATION_TEXTS
-from loraplex.engine.gptq import calibrate_and_quantize, gptq_int4
+from loraplex.engine.gptq import ROUTER_SUFFIX, calibrate_and_quantize, gptq_int4
 from loraplex.engine.int4_layout import (
     cpu_int4_block,
     dequantize_cpu_int4,
@@ -54,6 +54,7 @@ from loraplex.engine.int4_layout import (
     to_cpu_int4_layout,
 )
 from loraplex.engine.models.layers import LoRALinear
+from loraplex.engine.models.moe import Experts
 from loraplex.engine.rotation import hadamard, rotate_groups, rotate_xtx
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
@@ -363,17 +364,69 @@ def quantize_model(
             sum(map(len, calibration)),
             time.perf_counter() - start,
         )
+        quantize_experts(model, method)
         return
     cls = _CLASSES[method]
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, LoRALinear) and not isinstance(mod, QuantizedLoRALinear)
+        if isinstance(mod, LoRALinear)
+        and not isinstance(mod, QuantizedLoRALinear)
+        and not name.endswith(ROUTER_SUFFIX)
     ]
     with torch.no_grad():
         for name, mod in targets:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, cls(mod))
+    quantize_experts(model, method)
+
+
+class QuantizedExperts(Experts):
+    """Routed experts whose weights are int8 / int4 / fp8 per expert (round to nearest: GPTQ's
+    calibration has too few tokens per expert to estimate each one's inputs). Each expert's
+    rows go through that expert's quantized matmul; expert LoRA is unchanged."""
+
+    def __init__(self, ex: Experts, cls: type[QuantizedLoRALinear]):
+        nn.Module.__init__(self)
+        for name in ("num_experts", "hidden", "inter", "act", "lora_gate_up_a", "lora_gate_up_b",
+                     "lora_down_a", "lora_down_b", "lora_widths"):  # fmt: skip
+            setattr(self, name, getattr(ex, name))
+
+        def quantized(w: torch.Tensor) -> QuantizedLoRALinear:
+            lin = LoRALinear(w.shape[1], [w.shape[0]], bias=False)
+            lin.weight = nn.Parameter(w.detach(), requires_grad=False)
+            return cls(lin)
+
+        self.gate_up_q = nn.ModuleList(quantized(w) for w in ex.gate_up_proj)
+        self.down_q = nn.ModuleList(quantized(w) for w in ex.down_proj)
+        self.gate_up_proj = self.down_proj = None
+
+    @staticmethod
+    def _per_expert(mods: nn.ModuleList, x: torch.Tensor, offs: torch.Tensor, out: int):
+        y = x.new_empty(x.shape[0], out)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:
+                y[start:end] = mods[e].base(x[start:end])
+            start = end
+        return y
+
+    def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self._per_expert(self.gate_up_q, x, offs, 2 * self.inter)
+
+    def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self._per_expert(self.down_q, x, offs, self.hidden)
+
+
+def quantize_experts(model: nn.Module, method: str) -> int:
+    """Swap every float `Experts` of `model` for QuantizedExperts; returns how many."""
+    cls = _CLASSES[method]
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is Experts]
+    with torch.no_grad():
+        for name, mod in targets:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, QuantizedExperts(mod, cls))
+    return len(targets)
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
