@@ -28,8 +28,8 @@ CONFIGS = {
 
 
 def _run(model: Path, data: Path, tokens: int, stall_s: float, overrides: dict) -> dict:
-    from benchmarks.server import free_port, serve_in_thread
     from loraplex.platform.settings import Settings
+    from tests.utils.server import free_port, serve_in_thread
 
     port = free_port()
     settings = Settings(

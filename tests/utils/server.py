@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +12,6 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.server import serve_in_thread
 from loraplex.platform.db import crud
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.settings import Settings
@@ -42,6 +43,46 @@ class RunningServer:
                 crud.set_quota(session, tenant_id=tenant.id, **quota)
             secret, _ = crud.create_key(session, tenant_id=tenant.id)
             return tenant.id, secret
+
+
+@contextmanager
+def serve_in_thread(settings, timeout_s: float = 120) -> Iterator[tuple[object, str]]:
+    """(app, url) of a server on `settings` running in a thread of this process, with the
+    listening socket `loraplex serve` makes (its send buffer bounds streams); stopped on exit.
+    For the tests' `run_server` and the lab's benchmarks/stalled_stream.py, which need the
+    app's state at hand."""
+    import threading
+
+    import uvicorn
+
+    from loraplex.platform.cli import serve_socket
+    from loraplex.platform.db.session import upgrade
+    from loraplex.platform.main import create_app
+
+    upgrade(settings.database_url)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning", loop="asyncio"))  # fmt: skip
+    sock = serve_socket(server.config, settings.stream_send_buffer_bytes)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://{settings.host}:{settings.port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {url} did not become ready")
+            time.sleep(0.1)
+        yield app, url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 @contextmanager

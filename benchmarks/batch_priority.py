@@ -1,0 +1,205 @@
+"""Interactive TTFT beside a Batch API job, and what the batch adds to the machine's throughput.
+
+    python -m benchmarks.batch_priority [--duration 20] [--rate 4] [--batch-lines 2000]
+                                        [--concurrency 8 32] [--model tiny|demo]
+
+One engine (the real `LLMEngine` on this machine's CPU, tiny random Llama by default) serves a
+trace of interactive requests from three tenants (Poisson arrivals, `--rate` per second, for
+`--duration` seconds), first alone, then beside one tenant's batch of `--batch-lines` lines
+fed as the server's batch runner feeds them: at most `--concurrency` lines in the engine at a
+time (the `batch_concurrency` setting), in the batch class (priority 1), and once more in the
+interactive class to show what the class does. Every scenario sees the same arrivals.
+
+Prints and writes (docs/batch-priority.md, docs/batch-priority.png): interactive TTFT p50/p99
+(from each request's arrival in the trace to its first token) and the machine's output tokens
+per second over the trace (every class).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+TENANTS = ("alice", "bob", "carol")
+
+
+@dataclass
+class Result:
+    name: str
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    interactive: int
+    tokens_per_s: float
+    batch_lines_done: int
+
+
+def trace(args, vocab: int) -> list[tuple[float, str, list[int]]]:
+    """(arrival s, tenant, prompt ids): the same for every scenario."""
+    rng = random.Random(args.seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(args.rate)
+        if t >= args.duration:
+            return out
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(32, 97))]
+        out.append((t, rng.choice(TENANTS), prompt))
+
+
+def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | None) -> Result:
+    """One scenario; `priority` None: no batch."""
+    vocab = engine.vocab_size
+    arrivals = trace(args, vocab)
+    rng = random.Random(args.seed + 1)
+    batch = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(args.batch_lines)]
+    interactive = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    lines = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    arrived: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    in_engine: set[str] = set()
+    next_line = done_lines = tokens = 0
+    i = 0
+    t0 = time.perf_counter()
+    while True:
+        now = time.perf_counter() - t0
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            at, tenant, prompt = arrivals[i]
+            rid = f"i{i}"
+            engine.add_request(rid, prompt, interactive, tenant=tenant,
+                               priority=PRIORITY_INTERACTIVE)  # fmt: skip
+            arrived[rid] = at
+            i += 1
+        while priority is not None and len(in_engine) < concurrency and next_line < len(batch):
+            rid = f"b{next_line}"
+            engine.add_request(rid, batch[next_line], lines, tenant="batch", priority=priority)
+            in_engine.add(rid)
+            next_line += 1
+        if not engine.has_unfinished():
+            if i >= len(arrivals):
+                break
+            time.sleep(min(0.005, max(0.0, arrivals[i][0] - now)))
+            continue
+        for out in engine.step():
+            now = time.perf_counter() - t0
+            new = len(out.delta_token_ids)
+            if now <= args.duration:
+                tokens += new
+            if out.request_id in arrived and out.request_id not in ttft and new:
+                ttft[out.request_id] = now - arrived[out.request_id]
+            if out.finished and out.request_id in in_engine:
+                in_engine.discard(out.request_id)
+                done_lines += 1
+        if i >= len(arrivals) and len(ttft) == len(arrivals):
+            break  # every interactive request has its first token; the batch may go on
+    for rid in list(in_engine):  # the rest of the batch is not part of this measurement
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    samples = sorted(ttft.values())
+    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+    return Result(name, statistics.median(samples) * 1000, p99 * 1000, len(samples),
+                  tokens / args.duration, done_lines)  # fmt: skip
+
+
+def model_dir(kind: str) -> str:
+    from benchmarks import assets
+
+    return str(assets.tiny_llama() if kind == "tiny" else assets.demo_model())
+
+
+def write(results: list[Result], args, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = results[0]
+    rows = [
+        "| scenario | interactive TTFT p50 (ms) | p99 (ms) | p99 vs alone | tokens/s (all) "
+        "| throughput vs alone | batch lines done |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.name} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | "
+            f"{r.ttft_p99_ms / base.ttft_p99_ms:.2f}x | {r.tokens_per_s:.0f} | "
+            f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.batch_lines_done} |"
+        )
+    table = "\n".join(rows)
+    print(table)
+    DOCS.mkdir(exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r.name for r in results]
+    x = range(len(results))
+    a.bar([p - 0.2 for p in x], [r.ttft_p50_ms for r in results], 0.4, label="p50")
+    a.bar([p + 0.2 for p in x], [r.ttft_p99_ms for r in results], 0.4, label="p99")
+    a.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    a.set_ylabel("interactive TTFT (ms)")
+    a.legend()
+    b.bar(list(x), [r.tokens_per_s for r in results], color="tab:green")
+    b.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    b.set_ylabel("output tokens/s, every class")
+    fig.suptitle(f"{args.batch_lines}-line batch beside {args.rate}/s interactive ({args.model})")
+    fig.tight_layout()
+    fig.savefig(DOCS / "batch-priority.png", dpi=110)
+    (DOCS / "batch-priority.md").write_text(
+        "# Batch API lines beside interactive traffic\n\n"
+        "Written by `benchmarks/batch_priority.py` (its docstring says what it runs); the "
+        f"command:\n\n    {command}\n\n{table}\n\n"
+        "TTFT runs from a request's arrival in the trace to its first token; tokens/s counts "
+        "every output token the engine made during the trace, interactive and batch. A batch "
+        "line in the batch class is admitted only into seats interactive requests leave free "
+        "and gives its seat, KV blocks and adapter slot back first; it still makes every step "
+        "it joins larger, which on a CPU costs time per step: `batch_concurrency` (lines in "
+        "the engine at once) is the knob between the two columns.\n\n"
+        "![TTFT and throughput](batch-priority.png)\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("tiny", "demo"), default="tiny")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of interactive trace")
+    p.add_argument("--rate", type=float, default=4.0, help="interactive requests per second")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--batch-lines", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    config = EngineConfig(model=model_dir(args.model), dtype="float32", max_num_seqs=64,
+                          max_model_len=512, scheduling_policy="vtc",
+                          num_threads=args.threads)  # fmt: skip
+    engine = LLMEngine(config)
+    warm = SamplingParams(max_tokens=4)
+    for k in range(4):  # first steps allocate; keep them out of the measurement
+        engine.add_request(f"w{k}", [5 + k] * 40, warm)
+    while engine.has_unfinished():
+        engine.step()
+    results = [run(engine, args, "interactive alone", 0, None)]
+    for c in args.concurrency:
+        results.append(run(engine, args, f"+ batch, class, {c} at once", c, PRIORITY_BATCH))
+    c = max(args.concurrency)
+    results.append(run(engine, args, f"+ batch, no class, {c} at once", c, PRIORITY_INTERACTIVE))
+    if args.no_write:
+        for r in results:
+            print(r)
+        return
+    import shlex
+    import sys
+
+    write(results, args, "python -m benchmarks.batch_priority " + shlex.join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
