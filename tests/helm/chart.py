@@ -76,6 +76,11 @@ def promtool() -> str:
     return found
 
 
+def prometheus() -> str:
+    """The Prometheus server from the same Debian package as promtool (or a skip)."""
+    return str(Path(promtool()).with_name("prometheus"))
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML that refuses duplicate keys (Kubernetes would keep only the last silently)."""
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import time
 
 import httpx
 import promql_parser
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helm.chart import SECRETS, kinds, render
+from tests.helm.chart import SECRETS, kinds, prometheus, render
 from tests.utils.factories import make_adapter, make_tiny_model
-from tests.utils.server import run_server, upload_adapter
+from tests.utils.server import free_port, run_server, upload_adapter
 
 ON = {
     "secrets": SECRETS,
@@ -299,9 +302,14 @@ def test_by_default_the_alerts_read_the_service_monitors_targets():
 
 # ------------------------------------------------------------------------ a live server
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict[str, set[str]]:
-    """Sample name -> label names, from /metrics of a real server that served one request
-    (with an adapter, so the request, token, latency and adapter series all exist)."""
+def chart_on() -> list[dict]:
+    return render(ON)
+
+
+@pytest.fixture(scope="module")
+def server(chart_on, tmp_path_factory):
+    """A real server that served one request with an adapter, so the request, token, latency
+    and adapter series all exist. (chart_on first: without helm, no server starts.)"""
     root = tmp_path_factory.mktemp("monitoring")
     model = make_tiny_model("llama", root / "model")
     adapter = make_adapter(model, root / "adapter", r=4)
@@ -315,7 +323,13 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
             timeout=120,
         )
         assert r.status_code == 200, r.text
-        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def exported(server) -> dict[str, set[str]]:
+    """Sample name -> label names, from the server's /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
     samples: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -323,20 +337,95 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
     return samples
 
 
-@pytest.fixture(scope="module")
-def chart_on() -> list[dict]:
-    return render(ON)
-
-
-# chart_on first: without helm the test skips before a server starts.
 def test_every_query_names_a_metric_the_server_exports(chart_on, exported):
-    docs = chart_on
     uses = Uses()
-    for query in _dashboard_queries(_dashboard(docs)):
+    for query in _dashboard_queries(_dashboard(chart_on)):
         uses.add(query)
-    for rule in _rules(docs):
+    for rule in _rules(chart_on):
         uses.add(rule["expr"])
     assert len(uses.selectors) >= 20  # the dashboard and the rules were read
     assert uses.problems(exported) == []
     # What is named but not exported is exactly the known gap (see NOT_YET_EXPORTED).
     assert {n for n in uses.selectors if n not in exported} == PROMETHEUS_SERIES | NOT_YET_EXPORTED
+
+
+@pytest.fixture(scope="module")
+def prometheus_query(server, tmp_path_factory):
+    """A real Prometheus (Debian's, beside promtool) scraping the server twice a second, with
+    the target labels a ServiceMonitor of release "prod" in "serving" gives; yields a
+    function that runs an instant query and returns its result."""
+    binary = prometheus()
+    root = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    target = server.url.removeprefix("http://")
+    (root / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{
+            "job_name": "prod-loraplex",
+            "static_configs": [{"targets": [target], "labels": {"namespace": "serving"}}],
+        }],
+    }))  # fmt: skip
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+
+    def query(expr: str) -> list:
+        body = httpx.get(api, params={"query": expr}, timeout=10).json()
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
+
+    with open(root / "prometheus.log", "w") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={root / 'prometheus.yml'}",
+             f"--storage.tsdb.path={root / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            # Three scrapes: enough for rate() and deriv() over the window.
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, (root / "prometheus.log").read_text()[-2000:]
+                try:
+                    seen = query('count_over_time(up{job="prod-loraplex"}[5m])')
+                except httpx.TransportError:
+                    seen = []
+                if seen and float(seen[0]["value"][1]) >= 3:
+                    break
+                assert time.monotonic() < deadline, (root / "prometheus.log").read_text()[-2000:]
+                time.sleep(0.5)
+            yield query
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_prometheus_scraping_a_live_server_answers_every_query(chart_on, prometheus_query):
+    """What Grafana would show: every panel's query, as Grafana sends it for this job and all
+    replicas, runs in Prometheus against real scrapes and returns series."""
+    dashboard = _dashboard(chart_on)
+    empty = []
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            expr = _grafana_to_promql(target["expr"])
+            expr = expr.replace("$job", "prod-loraplex").replace("$instance", ".*")
+            if not prometheus_query(expr):
+                empty.append(f"{panel['title']}/{target['refId']}")
+    # No request failed, so there is no status="error" series to divide: the only empty one.
+    assert empty == ["Server error ratio/A"]
+    # The variables offer this job and the replica Prometheus scraped.
+    (up,) = prometheus_query('up{job="prod-loraplex"}')
+    assert up["value"][1] == "1"
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        label = re.fullmatch(r"label_values\(.+,\s*(\w+)\)", variable["query"]["query"])[1]
+        selector = _variable_query(variable["query"]["query"]).replace("$job", "prod-loraplex")
+        values = {s["metric"][label] for s in prometheus_query(selector)}
+        assert values == {up["metric"][label]}, variable["name"]
+    # Every alert's expression runs; a replica that serves is not down.
+    for rule in _rules(chart_on):
+        result = prometheus_query(rule["expr"])
+        if rule["alert"] == "LoraplexEngineDown":
+            assert result == []
