@@ -27,14 +27,19 @@ function meter(id, label, fmt, limit, used, left) {
   return h("section", { class: "card tile", id }, ...body);
 }
 
+// Prices are exact decimal strings ("0.500000000"): shown without their trailing zeros.
+function price(text) {
+  return text.includes(".") ? text.replace(/0+$/, "").replace(/\.$/, "") : text;
+}
+
 export async function accountPage(main) {
   const a = await api.get("/account");
   const t = a.tenant;
   main.append(
     h("h1", {}, `Account ${t.name}`),
     h("section", { class: "card" }, h("h2", {}, "Prices"),
-      h("p", {}, `Prompt tokens ${t.price_prompt_per_1k} and completion tokens `,
-        `${t.price_completion_per_1k} per 1,000. `,
+      h("p", { id: "prices" }, `Prompt tokens ${price(t.price_prompt_per_1k)} and completion tokens `,
+        `${price(t.price_completion_per_1k)} per 1,000. `,
         h("span", { class: "muted" }, `Monthly budgets restart ${when(a.month_resets_at)}.`))),
     h("h2", {}, "Quotas"),
     h("div", { class: "tiles", id: "quotas" },
