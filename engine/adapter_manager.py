@@ -30,7 +30,7 @@ from loraplex.engine.lora import LoRAAdapter, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE
-from loraplex.engine.models.spec import FUSED, ROUTER, SHARED_EXPERT
+from loraplex.engine.models.spec import FUSED, SHARED_EXPERT
 from loraplex.engine.sequence import LoRARequest
 
 log = logging.getLogger("loraplex.engine")
@@ -47,7 +47,8 @@ def layer_modules(layer) -> dict[str, tuple[LoRALinear, tuple[str, ...]]]:
             continue
         mods[name] = (getattr(owner, name), slices)
     if isinstance(layer.mlp, SparseMoE):
-        mods[ROUTER] = (layer.mlp.gate, (ROUTER,))
+        name = layer.mlp.router_name
+        mods[name] = (getattr(layer.mlp, name), (name,))
         if layer.mlp.shared_expert is not None:
             for name in ("gate_up_proj", "down_proj"):
                 targets = tuple(f"{SHARED_EXPERT}.{p}" for p in FUSED[name][1])

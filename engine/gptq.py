@@ -26,7 +26,7 @@ from torch import nn
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
 from loraplex.engine.models.spec import ROUTER
 
-ROUTER_SUFFIX = f"mlp.{ROUTER}"
+ROUTER_SUFFIX = (f"mlp.{ROUTER}", "mlp.router")  # gpt-oss names its router `router`
 
 # Of the mean diagonal of H. Beyond keeping the Cholesky stable, a strong damping keeps the
 # compensation from fitting the small calibration set: 0.1 beat 0.01 and 0.03 on held-out text.

@@ -105,6 +105,54 @@ def _target(model: DecoderLM, name: str) -> tuple[torch.Tensor, object, str] | N
         return None
 
 
+# FP4 (e2m1) code -> value, the MXFP4 element format (OCP Microscaling spec)
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 [..., groups, 16] uint8 blocks (two FP4 codes a byte, low nibble first) and
+    [..., groups] uint8 power-of-two scales (exponent + 127) -> float32 [..., groups * 32]."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales "
+            f"{tuple(scales.shape)}"
+        )
+    lut = torch.tensor(_FP4, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., groups, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., groups, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
+    return values.flatten(-2)
+
+
+def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss' gate|up rows [g0, u0, g1, u1, ...] (dim 1) -> [g0, g1, ..., u0, u1, ...]."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def _gpt_oss_experts(name: str, t: torch.Tensor, parts: dict[str, torch.Tensor]):
+    """A gpt-oss expert tensor -> (our parameter's name, the tensor in our layout), or None
+    while an MXFP4 pair is incomplete. Ours: [experts, out, in], gate rows then up rows;
+    gpt-oss stores float weights [experts, in, out] with gate and up interleaved, and MXFP4
+    ones as `<param>_blocks` / `<param>_scales` in [experts, out, in] order."""
+    for suffix in ("_blocks", "_scales"):
+        if name.endswith(suffix):
+            base = name.removesuffix(suffix)
+            other = base + ("_scales" if suffix == "_blocks" else "_blocks")
+            if other not in parts:
+                parts[name] = t
+                return None
+            blocks, scales = (t, parts.pop(other)) if suffix == "_blocks" else (parts.pop(other), t)
+            w = dequantize_mxfp4(blocks, scales)
+            return base, _deinterleave_rows(w) if base.endswith("gate_up_proj") else w
+    if name.endswith("experts.gate_up_proj"):
+        return name, _deinterleave_rows(t.transpose(1, 2))
+    if name.endswith("experts.down_proj"):
+        return name, t.transpose(1, 2)
+    if name.endswith("experts.gate_up_proj_bias"):
+        return name, _deinterleave_rows(t)
+    return name, t
+
+
 def load_model(
     folder: str | Path,
     dtype: torch.dtype,
@@ -131,6 +179,11 @@ def load_model(
                 f"{rope.original_max_position} tokens (where transformers uses the short "
                 f"factors); set max_model_len <= {rope.original_max_position}"
             )
+    qc = config.get("quantization_config") or {}
+    if spec.family == "gpt_oss" and str(qc.get("quant_method", "")).lower() == "mxfp4":
+        # gpt-oss as published: only the experts are MXFP4, dequantized as they load
+        # (_gpt_oss_experts); everything else is a float checkpoint
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
     stored = checkpoint_quantization(config)
     if stored is not None and quantization is not None:
         raise ValueError(
@@ -156,6 +209,7 @@ def load_model(
     expected = {n: p.numel() for n, p in model.named_parameters()}
     loaded: dict[str, int] = dict.fromkeys(expected, 0)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized module -> suffix -> tensor
+    mxfp4_parts: dict[str, torch.Tensor] = {}  # gpt-oss: an MXFP4 tensor's blocks or scales
     bar = tqdm(total=len(files), desc="loading weights", disable=not progress, unit="file")
     with torch.no_grad():
         for path in files:
@@ -171,6 +225,12 @@ def load_model(
                     if module in quantized and suffix != "bias":
                         pending.setdefault(module, {})[suffix] = f.get_tensor(name)
                         continue
+                    src = None
+                    if spec.family == "gpt_oss" and ".mlp.experts." in name:
+                        got = _gpt_oss_experts(name, f.get_tensor(name), mxfp4_parts)
+                        if got is None:  # the other half of an MXFP4 pair is still to come
+                            continue
+                        name, src = got
                     hit = _target(model, name)
                     if module in quantized and (hit is None or hit[0] is None):
                         # GPTQ packers write a bias for every layer; zeros are no bias.
@@ -181,7 +241,7 @@ def load_model(
                         raise ValueError(f"{path.name}: unexpected tensor {name!r}")
                     param, rows, pname = hit
                     dst = param.data[rows] if rows is not None else param.data
-                    src = f.get_tensor(name)
+                    src = f.get_tensor(name) if src is None else src
                     if tuple(src.shape) != tuple(dst.shape):
                         raise ValueError(
                             f"{name}: checkpoint shape {tuple(src.shape)} != model shape "
@@ -191,6 +251,8 @@ def load_model(
                     loaded[pname] += src.numel()
             bar.update(1)
     bar.close()
+    if mxfp4_parts:
+        raise ValueError(f"{folder}: MXFP4 tensors without their pair: {sorted(mxfp4_parts)[:3]}")
     missing = [n for n, k in expected.items() if loaded[n] != k]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for {missing[:5]}")

@@ -32,6 +32,7 @@ _KEY = re.compile(r"layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 # Mixtral's (transformers 4) names for its sparse block and expert projections
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+GPT_OSS_ROUTER = "router"
 # PEFT `target_parameters` on transformers 5's fused experts
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -148,7 +149,7 @@ def _matches(entry: str, module: str) -> bool:
 
 def _parent(target: str) -> str:
     """The decoder-layer module (self_attn | mlp) that holds a PEFT target, split or fused."""
-    if target == ROUTER or target.startswith(SHARED_EXPERT + "."):
+    if target in (ROUTER, GPT_OSS_ROUTER) or target.startswith(SHARED_EXPERT + "."):
         return "mlp"
     return PARENTS[target] if target in PARENTS else FUSED[target][0]
 
@@ -159,10 +160,10 @@ def _layer_modules(spec: ModelSpec, layer: int) -> list[str]:
     them (`mlp.experts.<e>.gate_proj`) and the shared expert's."""
     pre = f"model.layers.{layer}"
     dense_mlp = {p for p, parent in PARENTS.items() if parent == "mlp"} | {"gate_up_proj"}
-    names = [f"{pre}.{_parent(m)}.{m}" for m in spec.lora_targets
-             if m != ROUTER and not (spec.is_sparse(layer) and m in dense_mlp)]  # fmt: skip
+    skip = {spec.router_name} | (dense_mlp if spec.is_sparse(layer) else set())
+    names = [f"{pre}.{_parent(m)}.{m}" for m in spec.lora_targets if m not in skip]
     if spec.is_sparse(layer):
-        names.append(f"{pre}.mlp.{ROUTER}")
+        names.append(f"{pre}.mlp.{spec.router_name}")
         names += [f"{pre}.mlp.experts.{e}.{p}" for e in range(spec.num_experts)
                   for p in EXPERT_PROJECTIONS]  # fmt: skip
         if spec.shared_expert_size:
@@ -229,9 +230,9 @@ def _classify(path: str, layer: int, spec: ModelSpec, where: str):
         return "module", f"{SHARED_EXPERT}.{parts[2]}"
     if len(parts) == 2:
         parent, module = parts
-        if module == ROUTER and parent == "mlp" and sparse:
-            return "module", ROUTER
-        if module in spec.lora_targets and module != ROUTER and parent == _parent(module):
+        if module == spec.router_name and parent == "mlp" and sparse:
+            return "module", module
+        if module in spec.lora_targets and module != spec.router_name and parent == _parent(module):
             if parent == "mlp" and sparse:
                 raise AdapterError(
                     f"{where}: layer {layer} of this {spec.family} model is a mixture of "
@@ -331,7 +332,12 @@ def load_adapter(
             continue
         full = (f"model.layers.{layer}.mlp.experts.{what[0]}.{what[1]}" if kind == "expert"
                 else f"model.layers.{layer}.{_parent(what)}.{what}")  # fmt: skip
-        if kind == "module" and what == ROUTER and any(p.endswith("gate.weight") for p in params):
+        router_param = f"{spec.router_name}.weight"
+        if (
+            kind == "module"
+            and what == spec.router_name
+            and any(p.endswith(router_param) for p in params)
+        ):
             continue  # the router targeted as a parameter
         if declared is not None and not any(_matches(entry, full) for entry in declared):
             raise AdapterError(
@@ -414,6 +420,11 @@ def load_adapter(
     )
 
 
+def _deinterleave(n: int) -> torch.Tensor:
+    """Row order that turns gpt-oss' interleaved gate/up ([g0, u0, g1, u1, ...]) into ours."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
 def _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype) -> None:
     """PEFT's `target_parameters` LoRA on a fused [experts, out, in] parameter: lora_A
     [r * experts, in] holds expert e's A in rows e*r:(e+1)*r; lora_B [out, r * experts] holds
@@ -437,6 +448,9 @@ def _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype) -> None:
     r = a.shape[0] // n
     a3 = a.reshape(n, r, a.shape[1]).to(dtype)
     b3 = b.reshape(b.shape[0], r, n).permute(2, 0, 1)  # [experts, out, r]
+    if param == "gate_up_proj" and spec.family == "gpt_oss":
+        # gpt-oss interleaves gate and up outputs; our rows are gate, then up (engine/loader.py)
+        b3 = b3[:, _deinterleave(b3.shape[1])]
     # gate|up share one A (peft fuses a transformers-4 config's gate and up ranks into one of
     # twice the rank), so it may use both slices' width
     limit = 2 if param == "gate_up_proj" else 1

@@ -201,6 +201,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, gemma=spec.gemma)
         self.rotary = Rotary(spec.ropes[layer], spec.head_dim)
         self.window = spec.windows[layer]
+        # gpt-oss: a learned logit per head that takes part in the softmax and attends to nothing
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         # int8 caches only: [num_blocks, block_size, kv_heads] float16, and the rotation
@@ -239,6 +241,7 @@ class Attention(nn.Module):
             s.attn_softcap,
             **scales,
             memo=ctx.memo,
+            **({} if self.sinks is None else {"sinks": self.sinks.float()}),
         )
         if rot is not None:
             out = (out.float() @ rot.T).to(x.dtype)

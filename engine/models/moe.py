@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral), with LoRA on the experts.
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss), with LoRA on the experts.
 
 A token's router picks `top_k` experts; each (token, expert) pair is one row of work. The rows
 are sorted by expert once per layer, so every expert's rows go through one matmul: a grouped
@@ -45,7 +45,12 @@ class Experts(nn.Module):
         self.num_experts, self.hidden, self.inter = e, h, i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.act = F.silu
+        if spec.expert_bias:  # gpt-oss
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.limit, self.alpha = spec.swiglu_limit, spec.swiglu_alpha
         # [slots, experts, width, in] and [slots, experts, width, out]; width = 2 * max rank
         # for gate|up (the two slices' ranks stacked), max rank for down
         self.lora_gate_up_a: torch.Tensor | None = None
@@ -89,16 +94,28 @@ class Experts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         xs = x[token]
         virt = self._virtual(flat[order], slots, token) if slots is not None else None
+        sorted_experts = flat[order]
         h = self.base_gate_up(xs, offs)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[sorted_experts]
         self._lora(h, xs, virt, self.lora_gate_up_a, self.lora_gate_up_b)
-        gate, up = h.chunk(2, dim=-1)
-        a = self.act(gate) * up
+        a = self.activation(*h.chunk(2, dim=-1))
         y = self.base_down(a, offs)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[sorted_experts]
         self._lora(y, a, virt, self.lora_down_a, self.lora_down_b)
         y = y * weights.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(x)
         # In expert order for every token: the sum runs as transformers' loop over experts.
         return out.index_add_(0, token, y)
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        # gpt-oss: gate clamped above, up both ways, then (up + 1) * gate * sigmoid(alpha gate)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def _virtual(self, expert: torch.Tensor, slots: torch.Tensor, token: torch.Tensor):
         """For pairs sorted by expert: which have an expert adapter, sorted by virtual expert
@@ -118,13 +135,16 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The `mlp` of a routed layer: router `gate` (a LoRA target), `experts`, and Qwen2-MoE's
-    `shared_expert` with its sigmoid `shared_expert_gate`."""
+    """The `mlp` of a routed layer: the router (`gate`; gpt-oss: `router`, a LoRA target like
+    any linear), `experts`, and Qwen2-MoE's `shared_expert` with its `shared_expert_gate`."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.top_k, self.norm_topk_prob = spec.top_k, spec.norm_topk_prob
-        self.gate = LoRALinear(spec.hidden_size, [spec.num_experts], bias=False)
+        self.softmax_after_topk = spec.softmax_after_topk
+        self.router_name = spec.router_name
+        router = LoRALinear(spec.hidden_size, [spec.num_experts], bias=spec.router_bias)
+        setattr(self, spec.router_name, router)
         self.experts = Experts(spec)
         self.shared_expert = None
         if spec.shared_expert_size:
@@ -133,8 +153,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, lora: LoRABatch | None):
         """As transformers: softmax in float32 over all experts, top-k, optionally
-        renormalised, back to the activations' dtype."""
-        logits = self.gate(x, lora)
+        renormalised, back to the activations' dtype; gpt-oss: top-k logits, then their
+        softmax in the logits' dtype."""
+        logits = getattr(self, self.router_name)(x, lora)
+        if self.softmax_after_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

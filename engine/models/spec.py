@@ -19,6 +19,7 @@ SUPPORTED = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # The one description of every supported family's layer layout: our fused module -> (its
 # parent in a decoder layer, the HF projections it fuses, in slice order). q|k|v and gate|up
@@ -36,7 +37,7 @@ PROJECTIONS = {p: (fused, i) for fused, (_, ps) in FUSED.items() for i, p in enu
 PARENTS = {p: FUSED[fused][0] for p, (fused, _) in PROJECTIONS.items()}
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3",
                 "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3_moe",
-                "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}  # fmt: skip
+                "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}  # fmt: skip
 # Families whose checkpoints (and so PEFT adapters) hold q|k|v and gate|up as one module each,
 # in our slice order; the others name every projection on its own.
 FUSED_CHECKPOINT = {"phi3"}
@@ -104,6 +105,16 @@ class ModelSpec:
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP
     shared_expert_size: int = 0  # Qwen2-MoE's shared expert's intermediate size (0: none)
+    # gpt-oss: the router is `mlp.router` with a bias and takes the softmax of the top-k
+    # logits; experts have biases and a clamped SwiGLU ((up + 1) * gate * sigmoid(alpha *
+    # gate)); checkpoints interleave gate and up columns; attention has per-head sinks
+    router_name: str = ROUTER
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]
@@ -130,7 +141,7 @@ class ModelSpec:
         mixture of experts the router too (the experts are targeted as parameters or per
         expert: engine/lora.py)."""
         base = FUSED_TARGETS if self.family in FUSED_CHECKPOINT else SPLIT_TARGETS
-        return base + (ROUTER,) if self.is_moe else base
+        return base + (self.router_name,) if self.is_moe else base
 
     def lora_in_out(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a PEFT target module name such as `q_proj`."""
@@ -145,7 +156,7 @@ class ModelSpec:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
-            ROUTER: (h, self.num_experts),
+            self.router_name: (h, self.num_experts),
         }[module]
 
     def expert_in_out(self, projection: str) -> tuple[int, int]:
@@ -232,6 +243,9 @@ def spec_from_config(cfg: dict) -> ModelSpec:
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)
         ]
+    if layer_types is None and family == "gpt_oss":  # as GptOssConfig fills it in
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                       for i in range(n_layers)]  # fmt: skip
     if layer_types is None and family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         use = cfg.get("use_sliding_window", False)
         first = cfg.get("max_window_layers", n_layers)
@@ -253,6 +267,9 @@ def spec_from_config(cfg: dict) -> ModelSpec:
         ropes = tuple(local if t == "sliding_attention" else glob for t in layer_types)
     else:
         params = dict(rope_params or cfg.get("rope_scaling") or {})
+        if family == "gpt_oss" and not params:  # GptOssConfig's default
+            params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
         if family == "phi3" and params.get("rope_type", params.get("type")) in ("su", "yarn"):
             params["rope_type"] = "longrope"  # as Phi3Config reads its older names
         r = _rope(params, theta, cfg)
@@ -301,9 +318,17 @@ def spec_from_config(cfg: dict) -> ModelSpec:
 
 def _moe_fields(family: str, cfg: dict, n_layers: int) -> dict:
     """The mixture-of-experts switches of a config, as transformers reads them."""
-    if family not in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    if family not in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
         return {}
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family == "gpt_oss":
+        return dict(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]),
+                    sparse_layers=(True,) * n_layers, router_name="router", router_bias=True,
+                    softmax_after_topk=True, expert_bias=True,
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    attention_sinks=True)  # fmt: skip
     if family == "mixtral":  # every layer routed; softmax, top-k, renormalised
         sparse = (experts > 0,) * n_layers
         return dict(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),

@@ -257,3 +257,38 @@ def test_expert_adapters_on_a_quantized_moe_base(method, moe, tmp_path, referenc
     ref_adapters = {n: p for n, p in adapters.items() if n not in ROUTER}
     ref = hf_reference(folder, ref_adapters, rows, same_as=SPLIT)
     check_rows(run_rows(llm, adapters, rows=rows), ref, names=rows)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt-oss")
+    base = make_tiny_model("gpt_oss", root / "base", seed=60, num_layers=3)
+    specs = {
+        "qv4": MOE_ADAPTERS["qv4"],
+        "exp8": dict(
+            r=8, alpha=16, targets=("o_proj",), target_parameters=(*EXPERTS, "mlp.router.weight")
+        ),  # fmt: skip
+        "exp4": dict(
+            r=4,
+            alpha=8,
+            targets=("q_proj", "k_proj"),
+            target_parameters=(*EXPERTS, "mlp.router.weight"),
+        ),  # fmt: skip
+    }
+    adapters = {n: make_adapter(base, root / n, seed=70 + j, **spec)
+                for j, (n, spec) in enumerate(specs.items())}  # fmt: skip
+    return base, adapters
+
+
+GPT_OSS_ROWS = ["exp8", None, "qv4", "exp4", "exp8"]
+
+
+def test_gpt_oss_matches_hf_peft(gpt_oss):
+    """Attention sinks, alternating sliding windows, biased router with softmax over the top-k,
+    biased experts with the clamped SwiGLU, interleaved gate|up — and expert + router LoRA."""
+    base, adapters = gpt_oss
+    spec = spec_from_config(json.loads((base / "config.json").read_text()))
+    assert spec.attention_sinks and spec.windows[0] == 8 and spec.windows[1] is None
+    llm = LLM(str(base), dtype="float32", max_loras=4, max_lora_rank=16)
+    ref = hf_reference(base, adapters, GPT_OSS_ROWS)
+    check_rows(run_rows(llm, adapters, rows=GPT_OSS_ROWS), ref, names=GPT_OSS_ROWS)

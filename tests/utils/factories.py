@@ -251,8 +251,18 @@ def _config(kind: str, vocab_size: int, num_layers: int, tie: bool | None, overr
         cls = transformers.MixtralConfig
         kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    elif kind == "gpt_oss":
+        # sliding and full layers alternate (window 8); YaRN without truncation; a SwiGLU
+        # limit low enough that the clamps act on these small activations
+        cls = transformers.GptOssConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                  sliding_window=8, swiglu_limit=0.05, attention_bias=True,
+                  rms_norm_eps=1e-5)  # fmt: skip
+        kw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 32}  # fmt: skip
     else:
-        kinds = KINDS + FAMILY_KINDS + MOE_KINDS
+        kinds = KINDS + FAMILY_KINDS + MOE_KINDS + ("gpt_oss",)
         raise ValueError(f"unknown model kind {kind!r}; expected one of {kinds}")
     if tie is not None:
         kw["tie_word_embeddings"] = tie
@@ -274,6 +284,8 @@ def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
             param.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
         elif name.endswith("bias"):
             param.copy_(0.1 * noise)
+        elif name.endswith("sinks"):  # gpt-oss: logits on the scale of the attention scores
+            param.copy_(noise)
         else:
             param.copy_(std * noise)
 
