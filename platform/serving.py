@@ -241,6 +241,7 @@ class InferenceService:
             "quota", charging, time.monotonic(), allowed=decision.allowed, reserved=estimate
         )
         if not decision.allowed:
+            usage.count_refusal(caller.tenant.id)
             headers = {"Retry-After": str(decision.retry_after_s)} if decision.retry_after_s else {}
             raise APIError(
                 429, decision.reason or "quota exceeded", "rate_limit_exceeded", headers=headers

@@ -7,7 +7,7 @@ half-open in UTC and the current month by default.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -20,6 +20,7 @@ from loraplex.platform import usage
 from loraplex.platform.api.deps import SessionDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
+from loraplex.platform.db.models import utcnow
 from loraplex.platform.periods import last_day, period
 from loraplex.platform.usage import BillingRow, GroupBy, UsageSummary
 
@@ -106,3 +107,78 @@ def billing(
     # --format json` always agree to the character.
     body = report.model_dump(mode="json") | {"data": json.loads(usage.to_json(rows))}
     return JSONResponse(body)
+
+
+# Overview windows: their length and the bucket of their latency series (about 60 points).
+WINDOWS = {
+    "1h": (3600, 60),
+    "6h": (6 * 3600, 360),
+    "24h": (86400, 1800),
+    "7d": (7 * 86400, 3 * 3600),
+}
+
+
+def _stats(s: usage.LatencyStats) -> dict:
+    return {
+        "requests": s.requests,
+        "errors": s.errors,
+        "aborted": s.aborted,
+        "ttft_p50_ms": s.ttft_p50,
+        "ttft_p99_ms": s.ttft_p99,
+        "tpot_p50_ms": s.tpot_p50,
+        "tpot_p99_ms": s.tpot_p99,
+        "queue_p99_ms": s.queue_p99,
+    }
+
+
+@router.get("/latency")
+def latency(
+    session: SessionDep,
+    window: Literal["1h", "6h", "24h", "7d"] = "1h",
+    tenant_id: int | None = None,
+    adapter: Annotated[str | None, Query(max_length=128)] = None,
+) -> dict:
+    """p50/p99 TTFT and TPOT over the last `window` from the usage ledger (every replica),
+    per time bucket for all requests, one tenant, or one adapter name (`adapter=` empty:
+    the base model); and per tenant: requests, errors, p99 TTFT now and in the window before
+    (which tenant's p99 rose), and quota refusals (429) counted by the replica that answered."""
+    length, bucket = WINDOWS[window]
+    _check_tenant(session, tenant_id)
+    end = utcnow()
+    start = end - timedelta(seconds=length)
+    chosen = dict(tenant_id=tenant_id, adapter=adapter or None, base_model=adapter == "")
+    series = usage.latency_stats(
+        session, start=start, end=end, by="time", bucket_s=bucket, **chosen
+    )
+    now = {s.key: s for s in usage.latency_stats(session, start=start, end=end, by="tenant")}
+    before = {
+        s.key: s
+        for s in usage.latency_stats(
+            session, start=start - timedelta(seconds=length), end=start, by="tenant"
+        )
+    }
+    refused = usage.refusals_since(start)
+    names = {t.id: t.name for t in crud.list_tenants(session)}
+    tenants = []
+    for tid in sorted(set(now) | set(refused), key=lambda t: names.get(t, "")):
+        s = now.get(tid) or usage.LatencyStats(tid, 0, 0, 0, None, None, None, None, None)
+        asked = s.requests + refused.get(tid, 0)
+        tenants.append(
+            {
+                "tenant_id": tid,
+                "tenant": names.get(tid, str(tid)),
+                **_stats(s),
+                "refused": refused.get(tid, 0),
+                "error_rate": s.errors / s.requests if s.requests else None,
+                "refused_rate": refused.get(tid, 0) / asked if asked else None,
+                "ttft_p99_before_ms": before[tid].ttft_p99 if tid in before else None,
+            }
+        )
+    return {
+        "window": window,
+        "bucket_s": bucket,
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "series": [{"t": s.key.isoformat(), **_stats(s)} for s in series],
+        "tenants": tenants,
+    }
