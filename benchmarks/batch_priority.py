@@ -12,7 +12,8 @@ interactive class to show what the class does. Every scenario sees the same arri
 
 Prints and writes (docs/batch-priority.md, docs/batch-priority.png): interactive TTFT p50/p99
 (from each request's arrival in the trace to its first token) and the machine's output tokens
-per second over the trace (every class).
+per second from the trace's start until its last interactive request is answered (every
+class).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | No
     lines = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     arrived: dict[str, float] = {}
     ttft: dict[str, float] = {}
+    finished = 0  # interactive requests
     in_engine: set[str] = set()
     next_line = done_lines = tokens = 0
     i = 0
@@ -90,16 +92,17 @@ def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | No
             continue
         for out in engine.step():
             now = time.perf_counter() - t0
-            new = len(out.delta_token_ids)
-            if now <= args.duration:
-                tokens += new
-            if out.request_id in arrived and out.request_id not in ttft and new:
+            tokens += len(out.delta_token_ids)
+            if out.request_id in arrived and out.request_id not in ttft and out.delta_token_ids:
                 ttft[out.request_id] = now - arrived[out.request_id]
             if out.finished and out.request_id in in_engine:
                 in_engine.discard(out.request_id)
                 done_lines += 1
-        if i >= len(arrivals) and len(ttft) == len(arrivals):
-            break  # every interactive request has its first token; the batch may go on
+            elif out.finished and out.request_id in arrived:
+                finished += 1
+        if i >= len(arrivals) and finished == len(arrivals):
+            break  # every interactive request is answered; the rest of the batch is not timed
+    elapsed = time.perf_counter() - t0
     for rid in list(in_engine):  # the rest of the batch is not part of this measurement
         engine.abort(rid)
     while engine.has_unfinished():
@@ -107,7 +110,7 @@ def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | No
     samples = sorted(ttft.values())
     p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
     return Result(name, statistics.median(samples) * 1000, p99 * 1000, len(samples),
-                  tokens / args.duration, done_lines)  # fmt: skip
+                  tokens / elapsed, done_lines)  # fmt: skip
 
 
 def model_dir(kind: str) -> str:
@@ -156,7 +159,8 @@ def write(results: list[Result], args, command: str) -> None:
         "Written by `benchmarks/batch_priority.py` (its docstring says what it runs); the "
         f"command:\n\n    {command}\n\n{table}\n\n"
         "TTFT runs from a request's arrival in the trace to its first token; tokens/s counts "
-        "every output token the engine made during the trace, interactive and batch. A batch "
+        "every output token the engine made from the trace's start until its last interactive "
+        "request was answered, interactive and batch. A batch "
         "line in the batch class is admitted only into seats interactive requests leave free "
         "and gives its seat, KV blocks and adapter slot back first; it still makes every step "
         "it joins larger, which on a CPU costs time per step: `batch_concurrency` (lines in "
@@ -169,15 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("tiny", "demo"), default="tiny")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of interactive trace")
-    p.add_argument("--rate", type=float, default=4.0, help="interactive requests per second")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rate", type=float, default=1.0, help="interactive requests per second")
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch-lines", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--threads", type=int, default=1, help="engine threads (torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
-    config = EngineConfig(model=model_dir(args.model), dtype="float32", max_num_seqs=64,
+    config = EngineConfig(model=model_dir(args.model), dtype="float32", max_num_seqs=32,
                           max_model_len=512, scheduling_policy="vtc",
                           num_threads=args.threads)  # fmt: skip
     engine = LLMEngine(config)
