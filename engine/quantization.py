@@ -388,8 +388,9 @@ class QuantizedExperts(Experts):
 
     def __init__(self, ex: Experts, cls: type[QuantizedLoRALinear]):
         nn.Module.__init__(self)
-        for name in ("num_experts", "hidden", "inter", "act", "lora_gate_up_a", "lora_gate_up_b",
-                     "lora_down_a", "lora_down_b", "lora_widths"):  # fmt: skip
+        for name in ("num_experts", "hidden", "inter", "limit", "alpha", "gate_up_proj_bias",
+                     "down_proj_bias", "lora_gate_up_a", "lora_gate_up_b", "lora_down_a",
+                     "lora_down_b", "lora_widths"):  # fmt: skip
             setattr(self, name, getattr(ex, name))
 
         def quantized(w: torch.Tensor) -> QuantizedLoRALinear:

@@ -292,3 +292,49 @@ def test_gpt_oss_matches_hf_peft(gpt_oss):
     llm = LLM(str(base), dtype="float32", max_loras=4, max_lora_rank=16)
     ref = hf_reference(base, adapters, GPT_OSS_ROWS)
     check_rows(run_rows(llm, adapters, rows=GPT_OSS_ROWS), ref, names=GPT_OSS_ROWS)
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., k] float -> MXFP4 blocks [..., k / 32, 16] uint8 and scales [..., k / 32] uint8:
+    a power-of-two scale per 32 values, each value the nearest FP4 (e2m1) code."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    g = w.float().unflatten(-1, (-1, 32))
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = g / torch.exp2(exp).unsqueeze(-1)
+    code = (scaled.abs().unsqueeze(-1) - values).abs().argmin(-1) + 8 * (scaled < 0)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(gpt_oss, tmp_path):
+    """gpt-oss as published: MXFP4 expert blocks and scales, dequantized at load; the reference
+    is a float checkpoint holding transformers' own dequantization of the same blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    base, adapters = gpt_oss
+    mx, ref = tmp_path / "mxfp4", tmp_path / "float"
+    shutil.copytree(base, mx)
+    shutil.copytree(base, ref)
+    tensors = load_file(base / "model.safetensors")
+    mx_tensors, ref_tensors = {}, dict(tensors)
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mx_tensors[name] = t
+            continue
+        blocks, scales = _to_mxfp4(t.transpose(1, 2))  # stored [experts, out, in]
+        mx_tensors[name + "_blocks"], mx_tensors[name + "_scales"] = blocks, scales
+        ref_tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert (ref_tensors[name] - t).abs().max() < t.abs().max()  # a fair copy of t
+    save_file(mx_tensors, mx / "model.safetensors")
+    save_file(ref_tensors, ref / "model.safetensors")
+    cfg = json.loads((mx / "config.json").read_text())
+    keep = ["self_attn", "router", "lm_head"]
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+    (mx / "config.json").write_text(json.dumps(cfg))
+    rows = GPT_OSS_ROWS[:3]
+    llm = LLM(str(mx), dtype="float32", max_loras=4, max_lora_rank=16)
+    check_rows(run_rows(llm, adapters, rows=rows), hf_reference(ref, adapters, rows), names=rows)
+    # and into our int4 layers
+    int4 = LLM(str(mx), dtype="float32", quantization="int4", max_loras=2, max_lora_rank=16)
+    assert isinstance(int4.engine.model.model.layers[0].mlp.experts, QuantizedExperts)
