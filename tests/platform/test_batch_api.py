@@ -189,3 +189,42 @@ def test_cancel_keeps_what_finished_and_another_tenant_sees_nothing(server, tena
     assert len(lines_of(c, b.output_file_id)) == done
     assert c.batches.cancel(b.id).status == "cancelled"  # again: no change
     assert c.files.delete(f.id).deleted
+
+
+def test_cli_submits_and_downloads(server, tenant, tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from loraplex.platform import cli_batches
+
+    parser = argparse.ArgumentParser()
+    cli_batches.add_parser(parser.add_subparsers(dest="cmd"))
+
+    def cli(*argv: str) -> str:
+        args = parser.parse_args(["batches", *argv])
+        assert args.func(args) == 0
+        return capsys.readouterr().out
+
+    monkeypatch.setenv("LORAPLEX_API_KEY", tenant)
+    requests = tmp_path / "r.jsonl"
+    requests.write_bytes(jsonl([{"custom_id": f"k{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": "qv4", "prompt": "hi", "max_tokens": 2}}
+                                for i in range(2)]))  # fmt: skip
+    out = cli("submit", str(requests), "--endpoint", "/v1/completions", "--url", server.url,
+              "--metadata", "team=eval")  # fmt: skip
+    batch_id = out.split()[0]
+    wait(client(server, tenant), batch_id)
+    assert "completed" in cli("status", batch_id, "--url", server.url)
+    dest = tmp_path / "o.jsonl"
+    cli("download", batch_id, "--url", server.url, "--output", str(dest))
+    assert sorted(json.loads(x)["custom_id"] for x in dest.read_text().splitlines()) == [
+        "k0", "k1"]  # fmt: skip
+    # The admin's price factor, on the database.
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", server.settings.database_url)
+    with server.sessions() as session:
+        from loraplex.platform.db.models import Batch, Tenant
+
+        name = session.get(Tenant, session.get(Batch, batch_id).tenant_id).name
+    assert "0.25" in cli("price-factor", name, "0.25")
+    with server.sessions() as session:
+        assert str(session.get(Tenant, session.get(Batch, batch_id).tenant_id).batch_price_factor) \
+            == "0.2500"  # fmt: skip
