@@ -70,6 +70,9 @@ class Metrics:
         self.adapter_loads = Gauge(
             "loraplex_adapter_loads", "Adapters loaded from disk", registry=r
         )
+        self.adapter_load_failures = Gauge(
+            "loraplex_adapter_load_failures", "Adapter loads that failed", registry=r
+        )
         self.adapter_slots = Gauge(
             "loraplex_adapter_slots_used", "Device adapter slots used", registry=r
         )
@@ -181,6 +184,7 @@ class Metrics:
         self.kv_usage.set(stats.kv_usage)
         self.adapter_hits.set(stats.adapter_hits)
         self.adapter_loads.set(stats.adapter_loads)
+        self.adapter_load_failures.set(stats.adapter_load_failures)
         self.adapter_slots.set(stats.adapter_slots_used)
         self.preemptions.set(stats.preemptions)
         self.kv_swaps.labels("out").set(stats.swapped_out)
