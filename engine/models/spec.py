@@ -1,7 +1,8 @@
 """What the decoder needs to know about an architecture, read from a HF `config.json`.
 
-Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 text differ only in the switches below, so one
-decoder implementation serves them all.
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 text and the mixtures of experts (Qwen3-MoE,
+Qwen2-MoE, Mixtral, gpt-oss) differ only in the switches below, so one decoder implementation
+serves them all.
 """
 
 from __future__ import annotations
