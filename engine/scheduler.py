@@ -14,6 +14,14 @@ adapter a step needs fits in a device slot and no adapter in use is ever evicted
 Adapters load in the background: a waiting sequence whose adapter is not in host memory yet
 is skipped by admission (the step goes on without it) and admitted once the load is done.
 
+Priority classes (`Sequence.priority`: 0 interactive, 1 the Batch API's lines): each step
+serves the classes in order, each one's running sequences and then its admissions. A class is
+admitted only while no more urgent sequence waits that could run; when one waits for a seat,
+KV blocks or an adapter slot, the least urgent running sequences are preempted for it (an
+adapter slot: every sequence of an adapter that only less urgent ones use), and on a KV
+shortage the victim comes from the least urgent class. A step that computes a more urgent
+prompt carries nothing of less urgent classes. Within a class the policy orders as always.
+
 A paused sequence (its stream's reader fell behind) is in neither list: no step spends
 tokens on it and it holds no batch slot, but it keeps its KV blocks, unless blocks run short:
 then paused sequences give theirs back first (they recompute when resumed). Resumed, one that
@@ -170,6 +178,10 @@ class Scheduler:
         # no request of a more urgent one waits ready, so batch work fills what is left.
         admit = True
         for cls in sorted({s.priority for s in self.running} | {s.priority for s in self.waiting}):
+            if out.seqs and any(s.num_computed_tokens < s.num_prompt_tokens for s in out.seqs):
+                # A step that computes a more urgent prompt carries nothing less urgent: the
+                # first token is what batch work would delay most (its tokens lengthen the step).
+                break
             budget = self._schedule_running(cls, out, budget)
             # A step that had to preempt admits nothing more: blocks are short, and a newer
             # request must not take the blocks an older one just gave up.

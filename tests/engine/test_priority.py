@@ -82,6 +82,7 @@ def test_batch_adapter_slot_goes_to_an_interactive_adapter(model_dir):
     add(sim, [5, 6, 8], batch=True, max_tokens=30, adapter=lora(1))
     shared = add(sim, [5, 6, 9], batch=True, max_tokens=30, adapter=lora(2))
     fg2 = add(sim, [9, 9], batch=False, max_tokens=30, adapter=lora(2))
+    sim.step()  # fg2's prompt: a step of its own
     sim.step()
     assert sched.running_adapters() == {1, 2}
     fg3 = add(sim, [8, 8], batch=False, max_tokens=2, adapter=lora(3))
@@ -170,3 +171,16 @@ def test_the_class_crosses_the_engine_process_pipe():
 
     sent = AddRequest("r", [1, 2], SamplingParams(max_tokens=2), None, "t", 1.0, PRIORITY_BATCH)
     assert _command(_encode_command(sent)).priority == PRIORITY_BATCH
+
+
+def test_a_step_with_an_interactive_prompt_carries_no_batch_tokens(model_dir):
+    sched = make_scheduler(model_dir, num_blocks=256, max_num_seqs=16)
+    sim = _Sim(sched)
+    batch = [add(sim, p, batch=True, max_tokens=40) for p in random_prompts(3, 6, 4, 10)]
+    sim.step()
+    assert sim.step().seqs  # the batch decodes
+    fg = add(sim, list(range(5, 40)), batch=False, max_tokens=3)
+    out = sim.step()
+    assert out.seqs == [fg]  # its first token comes from a step as short as alone
+    out = sim.step()
+    assert set(out.seqs) == {fg, *batch}  # decodes share steps again
