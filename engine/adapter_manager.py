@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.lora import LoRAAdapter, load_adapter
+from loraplex.engine.lora import AdapterError, LoRAAdapter, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE
@@ -71,13 +71,19 @@ class AdapterCounters:
     slot_writes: int = 0  # copies from host memory into a slot
 
 
-def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool):
+def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool,
+          expert_lora: bool = True):  # fmt: skip
     """Runs on a loader thread: read + validate, then page-lock for async device copies."""
     start = time.monotonic()
     try:
         adapter = load_adapter(lora.lora_path, spec, max_rank, dtype, name=lora.lora_name)
     except OSError as e:  # an AdapterError (a bad adapter) passes through as it is
         raise AdapterUnavailable(f"adapter '{lora.lora_name}' could not be read: {e}") from e
+    if adapter.experts and not expert_lora:
+        raise AdapterError(
+            f"adapter '{lora.lora_name}' adapts the experts, and this server runs with "
+            "expert_lora off (attention and router adapters only)"
+        )
     if pin:
         adapter.weights = {
             k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.weights.items()
@@ -96,6 +102,7 @@ class AdapterManager:
         max_rank: int,
         max_cpu_loras: int,
         load_workers: int = 2,
+        expert_lora: bool = True,
     ):
         self.model, self.spec = model, model.spec
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
@@ -103,8 +110,7 @@ class AdapterManager:
         self.pin = model.device.type == "cuda"
         self.modules: list[dict[str, LoRALinear]] = []
         self.slices: list[dict[str, tuple[str, ...]]] = []  # per layer: module -> its targets
-        # per layer: the routed experts (None: a dense layer); their LoRA stacks are allocated
-        # on the first expert adapter (see _expert_stacks)
+        # per layer: the routed experts (None: a dense layer)
         self.experts: list[Experts | None] = [
             layer.mlp.experts if isinstance(layer.mlp, SparseMoE) else None
             for layer in model.model.layers
@@ -124,6 +130,11 @@ class AdapterManager:
                 )
                 mod.lora_widths = [0] * max_loras
             self.modules.append(mods)
+        # Expert LoRA stacks for every slot, allocated now so that they come out of the
+        # start's memory budget (engine/llm_engine.py) and never move (CUDA graphs).
+        self.expert_lora = expert_lora and any(ex is not None for ex in self.experts)
+        if self.expert_lora:
+            self._expert_stacks()
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
         self._slot_used = [0] * max_loras  # activation tick, for LRU slot reuse
         self._tick = 0
@@ -168,10 +179,7 @@ class AdapterManager:
         return s * per * self.dtype.itemsize
 
     def _expert_stacks(self) -> None:
-        """Allocate every routed layer's expert LoRA stacks (all slots), once."""
-        ex0 = next(ex for ex in self.experts if ex is not None)
-        if ex0.lora_gate_up_a is not None:
-            return
+        """Allocate every routed layer's expert LoRA stacks (all slots)."""
         log.info(
             "expert LoRA slots allocated: %.1f MiB for %d slots of rank %d",
             self.expert_slot_bytes() / 2**20, self.max_loras, self.max_rank,
@@ -200,7 +208,7 @@ class AdapterManager:
         self.counters.misses += 1
         if lora_id not in self.loading:
             self.loading[lora_id] = self._pool.submit(
-                _read, lora, self.spec, self.max_rank, self.dtype, self.pin
+                _read, lora, self.spec, self.max_rank, self.dtype, self.pin, self.expert_lora
             )
 
     def loaded(self, lora_id: int) -> bool:
@@ -279,8 +287,6 @@ class AdapterManager:
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.counters.slot_writes += 1
-        if adapter.experts:
-            self._expert_stacks()
         with torch.no_grad():
             for layer, mods in enumerate(self.modules):
                 if self.experts[layer] is not None:

@@ -42,6 +42,10 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # None: 4 x max_loras
+    # On a mixture-of-experts base, give every adapter slot room for expert LoRA (slots x
+    # experts x max_lora_rank x (hidden + 3 x expert width) per routed layer, out of the same
+    # budget as the KV cache); False serves attention and router adapters only.
+    expert_lora: bool = True
     scheduling_policy: str = "fcfs"  # or "vtc": weighted fair share across tenants
     # On a CPU without bf16/fp16 matmul instructions, compute in float32 (None: decide from
     # the CPU's flags). Twice the weight memory, several times the speed.

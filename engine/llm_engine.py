@@ -69,16 +69,18 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # Adapter slots first: they come out of the same device budget as the KV pool.
         self.adapters = AdapterManager(
-            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras
-        )
+            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+            expert_lora=config.expert_lora,
+        )  # fmt: skip
         slot_bytes = self.adapters.slot_bytes
         runner_config = config
         if config.num_kv_blocks is None:
             if slot_bytes >= config.kv_cache_bytes:
+                experts = " (or expert_lora=False)" if self.adapters.expert_lora else ""
                 raise ValueError(
                     f"the adapter slots need {slot_bytes} bytes, all of kv_cache_bytes "
                     f"({config.kv_cache_bytes}); raise kv_cache_bytes or lower max_loras / "
-                    "max_lora_rank"
+                    f"max_lora_rank{experts}"
                 )
             runner_config = copy.copy(config)  # the runner sizes its pool from what is left
             runner_config.kv_cache_bytes = config.kv_cache_bytes - slot_bytes

@@ -53,6 +53,7 @@ def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
         max_cpu_loras=settings.max_cpu_loras,
         num_threads=settings.engine_threads or max(1, len(os.sched_getaffinity(0)) - 1),
         max_lora_rank=settings.max_lora_rank,
+        expert_lora=settings.expert_lora,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         num_kv_blocks=settings.num_kv_blocks,

@@ -100,6 +100,11 @@ class Settings(BaseSettings):
         None, ge=1, description="adapters kept in host memory (LRU); default 4 x max_loras"
     )
     max_lora_rank: int = Field(64, ge=1)
+    expert_lora: bool = Field(
+        True,
+        description="mixture-of-experts bases: room in every adapter slot for LoRA on the "
+        "experts (counted in the memory budget); false serves attention and router adapters only",
+    )
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int | None = Field(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine import LLM
+from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import PROJECTIONS, spec_from_config
@@ -152,15 +152,20 @@ def test_prefix_cache_hits(moe):
     check_rows(rows, _reference(moe, "qwen3_moe"), full_prefill=False, names=ROWS)
 
 
-def test_expert_slots_are_allocated_on_the_first_expert_adapter(moe):
+def test_expert_slots_count_against_the_budget_and_can_be_turned_off(moe):
     base, adapters = moe["qwen3_moe"]
-    llm = _llm(moe, "qwen3_moe")
-    manager = llm.engine.adapters
-    dense_only = manager.slot_bytes
-    run_rows(llm, adapters, rows=["qv4", None])
-    assert manager.slot_bytes == dense_only  # attention adapters: no expert stacks
-    run_rows(llm, adapters, rows=["exp8", None])
-    assert manager.slot_bytes == dense_only + manager.expert_slot_bytes()
+    on = _llm(moe, "qwen3_moe").engine
+    off = _llm(moe, "qwen3_moe", expert_lora=False).engine
+    stacks = on.adapters.expert_slot_bytes()
+    assert stacks > 0 and on.memory.adapter_slot_bytes == off.memory.adapter_slot_bytes + stacks
+    rows = run_rows(LLM(str(base), dtype="float32", max_loras=4, max_lora_rank=16,
+                        expert_lora=False), adapters, rows=["qv4", None])  # fmt: skip
+    assert len(rows) == 2  # attention adapters still serve
+    llm = LLM(str(base), dtype="float32", max_loras=4, max_lora_rank=16, expert_lora=False)
+    with pytest.raises(AdapterError, match="expert_lora off"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2),
+                     [LoRARequest("exp8", 1, str(adapters["exp8"]))])  # fmt: skip
+    assert not llm.engine.has_unfinished()
 
 
 def _rewrite(src, dst, tensors=None, cfg=None):
