@@ -203,6 +203,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole CLI's parser. It imports only the standard library (and the small
+    `loraplex.bench` trace options): each command imports the engine, the registry or the
+    server when it runs, so `--help` and the admin commands answer at once."""
     p = _Parser(prog="loraplex", description="multi-tenant LoRA serving")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -275,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_admin.add_commands(sub)  # tenants, keys, quotas
     cli_reports.add_commands(sub)  # adapters, usage
-    cli_bench.add_commands(sub)  # bench serve|offline|scaling|peers|docs
+    cli_bench.add_commands(sub)  # bench serve
     return p
 
 
