@@ -1,0 +1,550 @@
+"""Host time and aten ops per decode step on a skinny 8B-layout Llama: this checkout vs a baseline.
+
+    python -m benchmarks.step                          # vs 9967067; batch 1/16/64 x 0/4/32 adapters
+    python -m benchmarks.step --baseline HEAD~3 --batches 64 --adapters 32 --repeats 7
+    python -m benchmarks.step --no-baseline --layers 2 # this checkout only, quick
+
+The model has Llama-3-8B's layout (32 layers, 32 query / 8 KV heads, SwiGLU, untied) at tiny
+widths (hidden 64, head_dim 8, FFN 128, vocab 512), float32, so a step's compute is negligible
+and its time is the engine's own host work: Python, dispatch, per-step metadata. Adapters are
+PEFT LoRA of rank 16 on all seven projections (q/k/v/o/gate/up/down); row i of a batch uses
+adapter i mod N (N = 0: every row on the base model, LoRA still enabled with 32 slots).
+
+Each configuration and each source tree runs in its own subprocess with one compute thread
+(`torch.set_num_threads(1)`, OMP/MKL threads 1), so the two trees get the same machine and
+neither one's imports, caches or allocator state leak into the other. The baseline commit's
+tree comes out of `git archive` into a temporary folder; a `loraplex` package whose
+subpackages link to that tree's folders (the mapping in its own pyproject.toml) goes first on
+the subprocess's sys.path, and the subprocess reports the file it imported `loraplex.engine`
+from so the run proves which copy it measured. The current tree (uncommitted edits included)
+goes through the same mechanism.
+
+Per subprocess: every row is prefilled, `--warmup` decode steps run, then `--repeats` rounds of
+`--steps` timed `LLMEngine.step()` calls (wall time of the whole step: scheduling, adapter
+bookkeeping, the forward, sampling, outputs); ms/step is the median over rounds of each
+round's median. Then `--profile-steps` more steps run under torch.profiler (CPU) and its aten
+events are counted per step: every dispatched aten op (nested ones included), the same without
+pure view ops (ops whose schema says the result aliases an input: view, reshape, transpose,
+select, slice, expand, ...; when one of them has to copy, the copy is its own op and still
+counts), and the top-level ones (not called from inside another aten op).
+
+Writes benchmarks/results/step-overhead.json, docs/step-overhead.md and docs/step-overhead.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+CACHE_DIR = BENCH_DIR / ".cache"
+RESULTS_JSON = BENCH_DIR / "results" / "step-overhead.json"
+DOC = REPO / "docs" / "step-overhead.md"
+FIGURE = REPO / "docs" / "step-overhead.png"
+DEFAULT_BASELINE = "9967067"  # the checkout before issue 36's step restructuring
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Llama-3-8B's layout at widths where compute is negligible
+SKINNY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=8, vocab_size=512)  # fmt: skip
+SLOTS = 32  # adapter slots of every engine here, whatever the traffic uses
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+RESULT_TAG = "STEP-RESULT "  # the worker's one line of JSON on stdout
+
+
+# ---------------------------------------------------------------- assets
+
+
+def build_assets(layers: int, adapters: int, rank: int, cache: Path = CACHE_DIR):
+    """The skinny model folder and `adapters` PEFT folders for it (built once, cached)."""
+    from benchmarks.assets import import_installed_kernels
+
+    import_installed_kernels()  # transformers' `kernels`, not this checkout's kernels/ folder
+    from tests.utils.factories import make_adapter, make_tiny_model
+
+    root = cache / f"step-skinny-l{layers}"
+    model = root / "model"
+    if not (model / ".done").is_file():
+        shutil.rmtree(model, ignore_errors=True)
+        make_tiny_model("llama", model, num_layers=layers, **SKINNY)
+        (model / ".done").write_text("")
+    paths = []
+    for i in range(adapters):
+        out = root / f"adapter-r{rank}-{i:02d}"
+        paths.append(out)
+        if not (out / ".done").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            # init_std keeps deltas small next to the 0.08-std base weights over 32 layers
+            make_adapter(model, out, r=rank, alpha=2 * rank, targets=TARGETS, seed=1 + i,
+                         init_std=0.02)  # fmt: skip
+            (out / ".done").write_text("")
+    return model, paths
+
+
+# ---------------------------------------------------------------- source trees
+
+
+def resolve_commit(rev: str, repo: Path = REPO) -> str:
+    out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                         capture_output=True, text=True)  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"unknown baseline commit {rev!r}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def package_dirs(root: Path) -> dict[str, str]:
+    """`loraplex.<name>` -> folder, from the tree's own pyproject (its layout at that commit)."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    mapping = project["tool"]["setuptools"]["package-dir"]
+    return {k.split(".", 1)[1]: v for k, v in mapping.items() if k.count(".") == 1}
+
+
+@contextlib.contextmanager
+def source_tree(commit: str, repo: Path = REPO):
+    """The commit's files in a temporary folder. `git archive` reads objects only: the shared
+    checkout's index, worktree list and HEAD stay untouched, and nothing is left behind if the
+    run is killed but a folder in the temp directory."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"step-{commit[:9]}-"))
+    try:
+        archive = subprocess.Popen(["git", "-C", str(repo), "archive", "--format=tar", commit],
+                                   stdout=subprocess.PIPE)  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=archive.stdout, check=True)
+        archive.stdout.close()
+        if archive.wait() != 0:
+            raise RuntimeError(f"git archive {commit} failed")
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_shim(root: Path, shim: Path) -> Path:
+    """A folder holding a `loraplex` package whose subpackages are links to `root`'s folders.
+
+    First on sys.path, it wins over the editable install's finder (a meta-path hook consulted
+    after the path finder), so `import loraplex.engine` gets `root`'s copy."""
+    pkg = shim / "loraplex"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    for name, folder in package_dirs(root).items():
+        (pkg / name).symlink_to(root / folder, target_is_directory=True)
+    return shim
+
+
+# ---------------------------------------------------------------- op counting
+
+
+_VIEW_CACHE: dict[str, bool] = {}
+
+
+def is_view_op(event_name: str) -> bool:
+    """Whether a profiler event's aten op only aliases its input: the schema of every overload
+    that takes tensors marks an argument as aliased by the result and not written
+    (`Tensor(a) self`)."""
+    if event_name in _VIEW_CACHE:
+        return _VIEW_CACHE[event_name]
+    import torch
+
+    view = False
+    if event_name.startswith("aten::"):
+        packet = getattr(torch.ops.aten, event_name[len("aten::") :], None)
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet else []
+        # only the tensor forms: `aten::slice` also has TorchScript list/str overloads
+        tensor_forms = [
+            o
+            for o in overloads
+            if any(str(a.type).startswith("Tensor") for a in o._schema.arguments)
+        ]
+        view = bool(tensor_forms) and all(o.is_view for o in tensor_forms)
+    _VIEW_CACHE[event_name] = view
+    return view
+
+
+def count_ops(events) -> dict[str, int]:
+    """aten op counts of torch.profiler FunctionEvents: all, without views, top-level."""
+    total = no_view = top = 0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        total += 1
+        no_view += not is_view_op(e.name)
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        top += parent is None
+    return {"aten": total, "aten_no_view": no_view, "aten_top": top}
+
+
+# ---------------------------------------------------------------- the worker (one subprocess)
+
+
+def worker(cfg: dict) -> dict:
+    """Build an engine from the `loraplex` on sys.path and measure decode steps."""
+    import importlib.util
+
+    # Which copy `import loraplex.engine` will load, before paying for torch's import
+    spec = importlib.util.find_spec("loraplex.engine")
+    origin = str(Path(spec.origin).resolve()) if spec and spec.origin else str(spec)
+    if not origin.startswith(str(Path(cfg["root"]).resolve()) + os.sep):
+        raise RuntimeError(f"imported loraplex.engine from {origin}, not {cfg['root']}")
+    import torch
+
+    from benchmarks.assets import import_installed_kernels
+
+    import_installed_kernels()  # in case the engine's imports pull in transformers
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set by an earlier import's parallel work
+        torch.set_num_interop_threads(1)
+    import dataclasses
+
+    import loraplex.engine as engine_pkg
+    from loraplex.engine import LLM, LoRARequest, SamplingParams
+    from loraplex.engine.config import EngineConfig
+
+    imported = str(Path(engine_pkg.__file__).resolve())
+    if not imported.startswith(str(Path(cfg["root"]).resolve()) + os.sep):
+        raise RuntimeError(f"imported loraplex.engine from {imported}, not {cfg['root']}")
+    batch = cfg["batch"]
+    steps_needed = cfg["warmup"] + cfg["repeats"] * cfg["steps"] + cfg["profile_steps"]
+    prompt_len = cfg["prompt_len"]
+    options = dict(dtype="float32", device="cpu", max_loras=SLOTS, max_lora_rank=cfg["rank"],
+                   max_num_seqs=max(batch, 1), max_model_len=prompt_len + steps_needed + 32,
+                   max_num_batched_tokens=max(2048, batch * prompt_len), num_threads=1,
+                   kv_cache_bytes=512 << 20, cpu_attention=cfg["cpu_attention"],
+                   enable_prefix_caching=False, seed=0)  # fmt: skip
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    dropped = sorted(k for k in options if k not in known)
+    options = {k: v for k, v in options.items() if k in known}
+    max_loras, max_rank = options.pop("max_loras"), options.pop("max_lora_rank")
+    llm = LLM(cfg["model"], max_loras=max_loras, max_lora_rank=max_rank, **options)
+    engine = llm.engine
+    reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(cfg["adapter_paths"])]
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps_needed + 8, ignore_eos=True)
+    produced = {}
+    for i in range(batch):
+        prompt = torch.randint(10, vocab, (prompt_len,), generator=gen).tolist()
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, params, reqs[i % len(reqs)] if reqs else None)
+        produced[rid] = 0
+
+    def step() -> None:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+
+    for _ in range(200):  # prefill (chunks) until every row has its first token
+        if min(produced.values()) > 0:
+            break
+        step()
+    else:
+        raise RuntimeError("prefill did not finish in 200 steps")
+    for _ in range(cfg["warmup"]):
+        step()
+    rounds = []
+    for _ in range(cfg["repeats"]):
+        times = []
+        for _ in range(cfg["steps"]):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        rounds.append(statistics.median(times))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(cfg["profile_steps"]):
+            step()
+    counts = count_ops(prof.events())
+    if min(produced.values()) < steps_needed:  # every row decoded through every step
+        raise RuntimeError(f"rows stopped early: {min(produced.values())} < {steps_needed}")
+    return {
+        "imported_from": imported,
+        "torch_threads": torch.get_num_threads(),
+        "ms_per_step": statistics.median(rounds) * 1e3,
+        "ms_rounds": [r * 1e3 for r in rounds],
+        "ops_per_step": {k: v / cfg["profile_steps"] for k, v in counts.items()},
+        "dropped_options": dropped,
+    }
+
+
+def run_worker(cfg: dict, shim: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(shim), **THREAD_ENV)
+    env.pop("PYTHONSTARTUP", None)
+    cmd = [sys.executable, "-m", "benchmarks.step", "--worker", json.dumps(cfg)]
+    # cwd: this repository, so `benchmarks.step` itself imports; it holds no `loraplex` folder
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+    return {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class Tree:
+    label: str  # "baseline" | "current"
+    root: Path
+    commit: str  # a commit id, or "working tree at <id>"
+    shim: Path | None = None
+
+
+def cpu_line() -> str:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{model}, {os.cpu_count()} logical CPUs, load average {load} (1 / 5 / 15 min)"
+
+
+def ratio(new, old) -> float | None:
+    return new / old if new is not None and old else None
+
+
+def fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def rows_of(results: list[dict]) -> list[dict]:
+    out = []
+    for r in results:
+        new, old = r.get("current", {}), r.get("baseline", {})
+        row = {"batch": r["batch"], "adapters": r["adapters"]}
+        for key in ("ms", "aten", "aten_no_view"):
+
+            def get(res, key=key):
+                if "error" in res or not res:
+                    return None
+                return res["ms_per_step"] if key == "ms" else res["ops_per_step"][key]
+
+            row[key] = (get(old), get(new), ratio(get(new), get(old)))
+        out.append(row)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    head = (
+        "| batch | adapters | ms/step baseline | ms/step current | ratio | ops/step baseline "
+        "| ops/step current | ratio | non-view ops baseline | non-view ops current | ratio |"
+    )
+    lines = [head, "|" + "---:|" * 11]
+    for row in rows_of(results):
+        cells = [str(row["batch"]), str(row["adapters"])]
+        for key, spec in (("ms", ".2f"), ("aten", ".0f"), ("aten_no_view", ".0f")):
+            old, new, rat = row[key]
+            cells += [fmt(old, spec), fmt(new, spec), fmt(rat, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(results: list[dict], trees: list[Tree], layers: int, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing (pip install -e '.[bench]'): no figure")
+        return False
+    rows = rows_of(results)
+    labels = [f"b{r['batch']}\n{r['adapters']} ad." for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.4
+    xs = range(len(rows))
+    for ax, key, title in ((axes[0], "ms", "host ms per decode step"),
+                           (axes[1], "aten", "aten ops per decode step")):  # fmt: skip
+        for j, tree in enumerate(trees):
+            vals = [r[key][0 if tree.label == "baseline" else 1] for r in rows]
+            vals = [float("nan") if v is None else v for v in vals]  # a failed run: no bar
+            ax.bar([x + (j - (len(trees) - 1) / 2) * width for x in xs], vals, width,
+                   label=f"{tree.label} ({tree.commit})")  # fmt: skip
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_title(title)
+        ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"skinny {layers}-layer Llama (8B layout, tiny widths), one thread, "
+                 "rank-16 adapters on all seven projections")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_doc(report: dict, results: list[dict], figure: Path | None, path: Path) -> None:
+    a = report["args"]
+    trees = ", ".join(f"{t['label']} {t['commit']}" for t in report["trees"])
+    fig = f"\n![ms and ops per step]({figure.name})\n" if figure else ""
+    roots = {}
+    for r in results:
+        for t in report["trees"]:
+            res = r.get(t["label"], {})
+            if "imported_from" in res:  # the engine package's folder, once per tree
+                roots[t["label"]] = str(Path(res["imported_from"]).parent.parent)
+    imported = "; ".join(f"{k}: `{v}`" for k, v in roots.items()) or "nothing ran"
+    text = f"""# Host overhead per decode step (issue 36)
+
+Host time and aten ops per decode step of the engine on a model whose compute is negligible:
+Llama-3-8B's layout (32 layers, 32 query / 8 KV heads, SwiGLU) at tiny widths (hidden 64,
+head_dim 8, FFN 128, vocab 512, float32). Every row decodes; row i uses adapter i mod N of N
+PEFT LoRA adapters of rank 16 on all seven projections (N = 0: base rows, LoRA enabled with
+{SLOTS} slots). Each configuration and each source tree ran in its own subprocess with **one
+compute thread**; the baseline tree is `git archive` of its commit, imported as `loraplex`
+through a package of links placed first on the subprocess's path (each subprocess reports the
+file it imported). Method and definitions: the docstring of `benchmarks/step.py`.
+
+Command: `{report["command"]}`
+
+- Trees: {trees}
+- CPU: {report["cpu"]}
+- torch {report["torch"]}, Python {report["python"]}, {report["date"]}
+- Per subprocess: prompts of {a["prompt_len"]} tokens prefilled, {a["warmup"]} warm-up decode
+  steps, {a["repeats"]} rounds of {a["steps"]} timed `LLMEngine.step()` calls (ms/step: the
+  median of the rounds' medians), then {a["profile_steps"]} steps under torch.profiler for the
+  op counts; {a["layers"]} layers, cpu_attention={a["cpu_attention"]}.
+- Imported from: {imported}
+- ops/step: every aten op the profiler saw (nested ones included); non-view ops leave out ops
+  whose schema returns an alias of an input (view, reshape, transpose, select, slice, ...).
+- ratio: current / baseline. Issue 36 asks for ≤ 0.33 in time and ops at batch 64 with 32
+  adapters.
+
+{table(results)}
+{fig}
+On a shared machine the milliseconds move by tens of per cent between runs (the load average
+above says how busy it was); the op counts do not depend on load.
+"""
+    path.write_text(text)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default=DEFAULT_BASELINE,
+                    help="commit to compare with (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--no-baseline", action="store_true", help="measure this checkout only")
+    ap.add_argument("--current", metavar="REV",
+                    help="measure this commit as 'current' instead of the working tree (a "
+                         "baseline against its own successor shows the noise floor)")  # fmt: skip
+    ap.add_argument("--batches", type=parse_ints, default=[1, 16, 64])
+    ap.add_argument("--adapters", type=parse_ints, default=[0, 4, 32])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per subprocess")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--cpu-attention", default="sdpa",
+                    help="EngineConfig.cpu_attention, the same for both trees (default "
+                         "%(default)s: 'auto' times both forms at start and may pick "
+                         "differently in the two subprocesses)")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
+    ap.add_argument("--json", type=Path, default=RESULTS_JSON)
+    ap.add_argument("--doc", type=Path, default=DOC, help="the page to write ('' for none)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+
+    import torch
+
+    t0 = time.monotonic()
+    model, adapter_paths = build_assets(args.layers, max(args.adapters), args.rank)
+    head = resolve_commit("HEAD")
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "engine",
+                            "kernels"], capture_output=True, text=True).stdout.strip()  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if args.current:  # a commit in place of the working tree
+            commit = resolve_commit(args.current)
+            trees = [Tree("current", stack.enter_context(source_tree(commit)), commit[:9])]
+        else:
+            edits = " + uncommitted engine/kernels edits" if dirty else ""
+            trees = [Tree("current", REPO, head[:9] + edits)]
+        if not args.no_baseline:
+            commit = resolve_commit(args.baseline)
+            root = stack.enter_context(source_tree(commit))
+            trees.insert(0, Tree("baseline", root, commit[:9]))
+        shims = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="step-shim-")))
+        for tree in trees:
+            tree.shim = make_shim(tree.root, shims / tree.label)
+        names = ", ".join(f"{t.label} {t.commit}" for t in trees)
+        print(f"one compute thread per subprocess; trees: {names}")
+        results = []
+        configs = [(b, n) for b in args.batches for n in args.adapters]
+        for k, (batch, n) in enumerate(configs):
+            entry = {"batch": batch, "adapters": n}
+            order = trees if k % 2 == 0 else trees[::-1]  # alternate which tree runs first
+            for tree in order:
+                cfg = dict(root=str(tree.root), model=str(model), batch=batch, adapters=n,
+                           adapter_paths=[str(p) for p in adapter_paths[:n]], rank=args.rank,
+                           prompt_len=args.prompt_len, warmup=args.warmup,
+                           repeats=args.repeats, steps=args.steps,
+                           profile_steps=args.profile_steps,
+                           cpu_attention=args.cpu_attention)  # fmt: skip
+                res = run_worker(cfg, tree.shim, args.timeout)
+                res["load_before"] = os.getloadavg()[0]
+                entry[tree.label] = res
+                if "error" in res:
+                    print(f"  b{batch:<3d} {n:2d} adapters {tree.label}: FAILED {res['error']}")
+                else:
+                    ops = res["ops_per_step"]
+                    print(f"  b{batch:<3d} {n:2d} adapters {tree.label:8s} "
+                          f"{res['ms_per_step']:8.2f} ms/step {ops['aten']:8.0f} ops "
+                          f"{ops['aten_no_view']:8.0f} non-view  "
+                          f"({res['imported_from']})")  # fmt: skip
+            results.append(entry)
+    print()
+    print(table(results))
+    report = {
+        "command": "python -m benchmarks.step " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:]),
+        "cpu": cpu_line(), "torch": torch.__version__, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads_per_subprocess": 1,
+        "trees": [{"label": t.label, "commit": t.commit} for t in trees],
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "doc", "worker")},
+        "model": dict(SKINNY, num_hidden_layers=args.layers), "targets": TARGETS,
+        "results": results, "seconds": time.monotonic() - t0,
+    }  # fmt: skip
+    report["command"] = report["command"].strip()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.json}")
+    if str(args.doc) not in ("", "."):
+        figure = args.doc.with_suffix(".png")
+        drawn = draw(results, trees, args.layers, figure)
+        write_doc(report, results, figure if drawn else None, args.doc)
+        print(f"wrote {args.doc}" + (f" and {figure}" if drawn else ""))
+    print(f"{time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""benchmarks/step.py's pieces: view-op classification, op counting, the baseline tree from
+`git archive` imported through the shim (and not from this checkout), a worker subprocess
+on a 2-layer model (a real profiler trace), and the table and page it makes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from benchmarks import step
+
+pytestmark = pytest.mark.skipif(
+    subprocess.run(["git", "-C", str(step.REPO), "rev-parse", "HEAD"],
+                   capture_output=True).returncode != 0,
+    reason="needs the checkout's git history",
+)  # fmt: skip
+
+
+def test_view_ops_are_told_from_ops_that_compute():
+    for name in ("aten::view", "aten::transpose", "aten::select", "aten::slice", "aten::t",
+                 "aten::expand", "aten::unsqueeze", "aten::as_strided"):  # fmt: skip
+        assert step.is_view_op(name), name
+    for name in ("aten::add", "aten::mm", "aten::copy_", "aten::index_select", "aten::empty",
+                 "aten::clone", "not_an_op", "aten::no_such_op"):  # fmt: skip
+        assert not step.is_view_op(name), name
+
+
+@dataclass
+class Event:  # the two fields of torch.profiler's FunctionEvent that count_ops reads
+    name: str
+    cpu_parent: Event | None = None
+
+
+def test_count_ops_counts_nested_views_and_top_level():
+    step_fn = Event("ProfilerStep#1")
+    linear = Event("aten::linear", step_fn)
+    events = [
+        step_fn,
+        Event("aten::view", step_fn),  # top-level view
+        linear,
+        Event("aten::t", linear),  # nested view
+        Event("aten::addmm", linear),  # nested op
+        Event("aten::add", Event("some_python_function", step_fn)),  # top-level under Python
+        Event("cudaLaunchKernel", linear),  # not an aten op
+    ]
+    assert step.count_ops(events) == {"aten": 5, "aten_no_view": 3, "aten_top": 3}
+
+
+def test_package_dirs_read_the_trees_own_layout():
+    dirs = step.package_dirs(step.REPO)
+    assert dirs["engine"] == "engine" and dirs["kernels"] == "kernels"
+    assert "platform" in dirs and all("." not in k for k in dirs)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return step.build_assets(2, 1, 4, cache=tmp_path_factory.mktemp("step-cache"))
+
+
+def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tmp_path):
+    model, adapters = assets
+    commit = step.resolve_commit("HEAD")
+    with step.source_tree(commit) as root:
+        assert (root / "engine" / "llm_engine.py").is_file()
+        shim = step.make_shim(root, tmp_path / "shim")
+        cfg = dict(root=str(root), model=str(model), batch=3, adapters=1,
+                   adapter_paths=[str(p) for p in adapters], rank=4, prompt_len=4, warmup=1,
+                   repeats=2, steps=2, profile_steps=1, cpu_attention="sdpa")  # fmt: skip
+        res = good = step.run_worker(cfg, shim, timeout=120)
+        assert "error" not in res, res.get("error")
+        assert res["imported_from"].startswith(str(root.resolve()))
+        assert not res["imported_from"].startswith(str(step.REPO / "engine"))
+        assert res["torch_threads"] == 1
+        assert len(res["ms_rounds"]) == 2 and res["ms_per_step"] > 0
+        ops = res["ops_per_step"]
+        # a 2-layer decode step with LoRA: hundreds of aten ops, some of them views
+        assert ops["aten"] > ops["aten_no_view"] > 50 and ops["aten"] >= ops["aten_top"] > 0
+    assert not root.exists()  # the archive's folder is removed after the run
+
+    # A worker pointed at a tree it does not import from refuses to report.
+    bad = dict(cfg, root=str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    res = step.run_worker(bad, step.make_shim(step.REPO, tmp_path / "shim2"), timeout=120)
+    assert "imported loraplex.engine from" in res["error"]
+
+    # The table and the page from those figures (the current side failed).
+    results = [{"batch": 3, "adapters": 1, "baseline": good, "current": {"error": "exit 1"}}]
+    text = step.table(results)
+    assert f"| 3 | 1 | {good['ms_per_step']:.2f} | — | — | {ops['aten']:.0f} | — |" in text
+    report = {"command": "python -m benchmarks.step", "cpu": step.cpu_line(), "torch": "x",
+              "python": sys.version.split()[0], "date": "today",
+              "trees": [{"label": "baseline", "commit": commit[:9]}],
+              "args": dict(warmup=1, repeats=2, steps=2, profile_steps=1, prompt_len=4,
+                           layers=2, cpu_attention="sdpa")}  # fmt: skip
+    step.write_doc(report, results, None, tmp_path / "page.md")
+    page = (tmp_path / "page.md").read_text()
+    assert commit[:9] in page and text in page and str(root) in page
