@@ -30,7 +30,7 @@ from loraplex.platform.api.routes import (
     lora_admin,
     portal,
 )
-from loraplex.platform.batches import BatchRunner
+from loraplex.platform.batch_runner import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.security import new_admin_key

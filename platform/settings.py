@@ -203,7 +203,7 @@ class Settings(BaseSettings):
     adapter_cache_dir: Path | None = Field(None, description="default: <data_dir>/adapter-cache")
     log_json: bool = False
 
-    # The Batch API (platform/batches.py, platform/files.py).
+    # The Batch API (platform/batches.py, platform/batch_runner.py, platform/files.py).
     batch_file_max_bytes: int = Field(
         200 * 1024**2, ge=1, description="largest file POST /v1/files takes (OpenAI's: 200 MB)"
     )

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API: create, retrieve, list, cancel (the runner is platform/batches.py)."""
+"""OpenAI's Batch API: create, retrieve, list, cancel (the runner: platform/batch_runner.py)."""
 
 from __future__ import annotations
 
