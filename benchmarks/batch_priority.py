@@ -19,6 +19,8 @@ class).
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import random
 import statistics
 import time
@@ -119,7 +121,7 @@ def model_dir(kind: str) -> str:
     return str(assets.tiny_llama() if kind == "tiny" else assets.demo_model())
 
 
-def write(results: list[Result], args, command: str) -> None:
+def write(results: list[Result], args, command: str, machine: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,14 +159,17 @@ def write(results: list[Result], args, command: str) -> None:
     (DOCS / "batch-priority.md").write_text(
         "# Batch API lines beside interactive traffic\n\n"
         "Written by `benchmarks/batch_priority.py` (its docstring says what it runs); the "
-        f"command:\n\n    {command}\n\n{table}\n\n"
+        f"command:\n\n    {command}\n\n{machine}\n\n{table}\n\n"
         "TTFT runs from a request's arrival in the trace to its first token; tokens/s counts "
         "every output token the engine made from the trace's start until its last interactive "
         "request was answered, interactive and batch. A batch "
         "line in the batch class is admitted only into seats interactive requests leave free "
         "and gives its seat, KV blocks and adapter slot back first; it still makes every step "
         "it joins larger, which on a CPU costs time per step: `batch_concurrency` (lines in "
-        "the engine at once) is the knob between the two columns.\n\n"
+        "the engine at once) is the knob between the two columns. A request that arrives while "
+        "a step runs waits for its end, so the longer batch steps set the TTFT tail (p99) while "
+        "the median stays where it is alone. The p99 of a few dozen requests is their slowest "
+        "one or two, and a shared machine's load moves it by tens of per cent between runs.\n\n"
         "![TTFT and throughput](batch-priority.png)\n"
     )
 
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(model=model_dir(args.model), dtype="float32", max_num_seqs=32,
                           max_model_len=512, scheduling_policy="vtc",
                           num_threads=args.threads)  # fmt: skip
+    load = os.getloadavg()[0]
     engine = LLMEngine(config)
     warm = SamplingParams(max_tokens=4)
     for k in range(4):  # first steps allocate; keep them out of the measurement
@@ -202,7 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     import shlex
     import sys
 
-    write(results, args, "python -m benchmarks.batch_priority " + shlex.join(sys.argv[1:]))
+    machine = (
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, engine threads {args.threads}, "
+        f"{args.model} model in float32; load average {load:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end (other work shared the machine)."
+    )
+    write(results, args, "python -m benchmarks.batch_priority " + shlex.join(sys.argv[1:]),
+          machine)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from tests.utils.factories import make_adapter
 from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
 from tests.utils.server import ADMIN_KEY, upload_adapter
 
-LINES = 36
+LINES = 24
 CLI = [sys.executable, "-m", "loraplex.platform.cli"]
 
 
@@ -119,7 +119,7 @@ def test_a_batch_survives_sigkills_with_every_line_answered_once(tiny_models, tm
             assert upload_adapter(url, key, "ad", folder).status_code == 201
             items = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
                       "body": {"model": "ad" if i % 2 else "llama", "prompt": f"tale {i}",
-                               "max_tokens": 12, "ignore_eos": True}}
+                               "max_tokens": 8, "ignore_eos": True}}
                      for i in range(LINES)]  # fmt: skip
             headers = {"Authorization": f"Bearer {key}"}
             data = "".join(json.dumps(x) + "\n" for x in items).encode()
