@@ -20,13 +20,15 @@ from so the run proves which copy it measured. The current tree (uncommitted edi
 goes through the same mechanism.
 
 Per subprocess: every row is prefilled, `--warmup` decode steps run, then `--repeats` rounds of
-`--steps` timed `LLMEngine.step()` calls (wall time of the whole step: scheduling, adapter
-bookkeeping, the forward, sampling, outputs); ms/step is the median over rounds of each
-round's median. Then `--profile-steps` more steps run under torch.profiler (CPU) and its aten
-events are counted per step: every dispatched aten op (nested ones included), the same without
-pure view ops (ops whose schema says the result aliases an input: view, reshape, transpose,
-select, slice, expand, ...; when one of them has to copy, the copy is its own op and still
-counts), and the top-level ones (not called from inside another aten op).
+`--steps` timed `LLMEngine.step()` calls (the whole step: scheduling, adapter bookkeeping, the
+forward, sampling, outputs), each timed in wall time and in the process's CPU time (which
+leaves out the time other processes held the core: the steadier figure on a shared machine);
+ms/step is the median over rounds of each round's median. Then `--profile-steps` more steps
+run under torch.profiler (CPU) and its aten events are counted per step: every dispatched aten
+op (nested ones included), the same without pure view ops (ops whose schema says the result
+aliases an input: view, reshape, transpose, select, slice, expand, ...; when one of them has to
+copy, the copy is its own op and still counts), and the top-level ones (not called from inside
+another aten op).
 
 Writes benchmarks/results/step-overhead.json, docs/step-overhead.md and docs/step-overhead.png.
 """
@@ -39,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -252,14 +255,16 @@ def worker(cfg: dict) -> dict:
         raise RuntimeError("prefill did not finish in 200 steps")
     for _ in range(cfg["warmup"]):
         step()
-    rounds = []
+    rounds, cpu_rounds = [], []
     for _ in range(cfg["repeats"]):
-        times = []
+        times, cpu = [], []
         for _ in range(cfg["steps"]):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         rounds.append(statistics.median(times))
+        cpu_rounds.append(statistics.median(cpu))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -273,6 +278,8 @@ def worker(cfg: dict) -> dict:
         "torch_threads": torch.get_num_threads(),
         "ms_per_step": statistics.median(rounds) * 1e3,
         "ms_rounds": [r * 1e3 for r in rounds],
+        "cpu_ms_per_step": statistics.median(cpu_rounds) * 1e3,
+        "cpu_ms_rounds": [r * 1e3 for r in cpu_rounds],
         "ops_per_step": {k: v / cfg["profile_steps"] for k, v in counts.items()},
         "dropped_options": dropped,
     }
@@ -330,12 +337,14 @@ def rows_of(results: list[dict]) -> list[dict]:
     for r in results:
         new, old = r.get("current", {}), r.get("baseline", {})
         row = {"batch": r["batch"], "adapters": r["adapters"]}
-        for key in ("ms", "aten", "aten_no_view"):
+        for key in ("ms", "cpu_ms", "aten", "aten_no_view"):
 
             def get(res, key=key):
                 if "error" in res or not res:
                     return None
-                return res["ms_per_step"] if key == "ms" else res["ops_per_step"][key]
+                if key in ("ms", "cpu_ms"):
+                    return res.get(f"{key}_per_step")
+                return res["ops_per_step"][key]
 
             row[key] = (get(old), get(new), ratio(get(new), get(old)))
         out.append(row)
@@ -344,13 +353,15 @@ def rows_of(results: list[dict]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     head = (
-        "| batch | adapters | ms/step baseline | ms/step current | ratio | ops/step baseline "
-        "| ops/step current | ratio | non-view ops baseline | non-view ops current | ratio |"
+        "| batch | adapters | wall ms/step baseline | current | ratio "
+        "| CPU ms/step baseline | current | ratio | ops/step baseline | current | ratio "
+        "| non-view ops baseline | current | ratio |"
     )
-    lines = [head, "|" + "---:|" * 11]
+    lines = [head, "|" + "---:|" * 14]
     for row in rows_of(results):
         cells = [str(row["batch"]), str(row["adapters"])]
-        for key, spec in (("ms", ".2f"), ("aten", ".0f"), ("aten_no_view", ".0f")):
+        specs = (("ms", ".1f"), ("cpu_ms", ".1f"), ("aten", ".0f"), ("aten_no_view", ".0f"))
+        for key, spec in specs:
             old, new, rat = row[key]
             cells += [fmt(old, spec), fmt(new, spec), fmt(rat, ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -371,7 +382,7 @@ def draw(results: list[dict], trees: list[Tree], layers: int, path: Path) -> boo
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.4
     xs = range(len(rows))
-    for ax, key, title in ((axes[0], "ms", "host ms per decode step"),
+    for ax, key, title in ((axes[0], "cpu_ms", "host CPU ms per decode step"),
                            (axes[1], "aten", "aten ops per decode step")):  # fmt: skip
         for j, tree in enumerate(trees):
             vals = [r[key][0 if tree.label == "baseline" else 1] for r in rows]
@@ -420,9 +431,11 @@ Command: `{report["command"]}`
 - CPU: {report["cpu"]}
 - torch {report["torch"]}, Python {report["python"]}, {report["date"]}
 - Per subprocess: prompts of {a["prompt_len"]} tokens prefilled, {a["warmup"]} warm-up decode
-  steps, {a["repeats"]} rounds of {a["steps"]} timed `LLMEngine.step()` calls (ms/step: the
-  median of the rounds' medians), then {a["profile_steps"]} steps under torch.profiler for the
-  op counts; {a["layers"]} layers, cpu_attention={a["cpu_attention"]}.
+  steps, {a["repeats"]} rounds of {a["steps"]} timed `LLMEngine.step()` calls, then
+  {a["profile_steps"]} steps under torch.profiler for the op counts; {a["layers"]} layers,
+  cpu_attention={a["cpu_attention"]}. Wall ms and CPU ms (the process's CPU time, which
+  leaves out the time other processes held the core) are each the median of the rounds'
+  medians; on a shared machine CPU ms is the steadier measure of host work.
 - Imported from: {imported}
 - ops/step: every aten op the profiler saw (nested ones included); non-view ops leave out ops
   whose schema returns an alias of an input (view, reshape, transpose, select, slice, ...).
@@ -457,9 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per subprocess")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per round")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--cpu-attention", default="sdpa",
                     help="EngineConfig.cpu_attention, the same for both trees (default "
@@ -470,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc", type=Path, default=DOC, help="the page to write ('' for none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    # SIGTERM as an exception: the temporary trees are removed and a running worker is killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.worker:
         print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
@@ -517,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     ops = res["ops_per_step"]
                     print(f"  b{batch:<3d} {n:2d} adapters {tree.label:8s} "
-                          f"{res['ms_per_step']:8.2f} ms/step {ops['aten']:8.0f} ops "
+                          f"{res['ms_per_step']:7.1f} ms/step {res['cpu_ms_per_step']:7.1f} CPU ms "
+                          f"{ops['aten']:8.0f} ops "
                           f"{ops['aten_no_view']:8.0f} non-view  "
                           f"({res['imported_from']})")  # fmt: skip
             results.append(entry)

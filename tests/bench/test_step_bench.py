@@ -75,6 +75,7 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
         assert not res["imported_from"].startswith(str(step.REPO / "engine"))
         assert res["torch_threads"] == 1
         assert len(res["ms_rounds"]) == 2 and res["ms_per_step"] > 0
+        assert 0 < res["cpu_ms_per_step"] <= 1.5 * max(res["ms_rounds"])  # one busy thread
         ops = res["ops_per_step"]
         # a 2-layer decode step with LoRA: hundreds of aten ops, some of them views
         assert ops["aten"] > ops["aten_no_view"] > 50 and ops["aten"] >= ops["aten_top"] > 0
@@ -89,7 +90,8 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
     # The table and the page from those figures (the current side failed).
     results = [{"batch": 3, "adapters": 1, "baseline": good, "current": {"error": "exit 1"}}]
     text = step.table(results)
-    assert f"| 3 | 1 | {good['ms_per_step']:.2f} | — | — | {ops['aten']:.0f} | — |" in text
+    cells = f"| 3 | 1 | {good['ms_per_step']:.1f} | — | — | {good['cpu_ms_per_step']:.1f} | — | — |"
+    assert cells + f" {ops['aten']:.0f} | — | — | {ops['aten_no_view']:.0f} | — | — |" in text
     report = {"command": "python -m benchmarks.step", "cpu": step.cpu_line(), "torch": "x",
               "python": sys.version.split()[0], "date": "today",
               "trees": [{"label": "baseline", "commit": commit[:9]}],
