@@ -1,8 +1,9 @@
 """docs/benchmarks.md, regenerated from benchmarks/results/*.json by one command:
 
-    python -m benchmarks.docs            # or: python -m loraplex.bench.docs
+    python -m benchmarks.docs
 
-Sections: how to reproduce, the machine, then one table (and chart) per results file: peers
+Sections: how to reproduce, the machine, the measurements behind choices in the code
+(CODE_FIGURES), then one table (and chart) per results file: peers
 side by side, adapter-count scaling, single serving runs, and the offline throughput runs of
 benchmarks/offline.py. Nothing in the page is typed by hand; edit this file to change its shape.
 """
