@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check in one call (issue 36), from the repository root on one CUDA GPU (H100/H200):
 #   env          torch / triton / GPU / driver
-#   gpu_tests    pytest -m gpu tests  (bf16 kernels, CUDA-graph replay == eager, mixed adapters)
+#   gpu_tests    pytest -m gpu tests/kernels tests/engine  (bf16 kernels, CUDA-graph replay ==
+#                eager, mixed adapters); counts and failed test names go into the JSON
 #   engine_*     benchmarks/gpu_engine.py: 8B-shaped random Llama, bf16, base vs 32 rank-16
 #                adapters, at batch 64 / 32 / 1, with CUDA graphs and eager when the script has
 #                a switch for it (--enforce-eager or --eager), else once as it runs by default
@@ -218,8 +219,10 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
         part gpu_tests 60 - "$PY" -m pytest -q -p no:cacheprovider -m gpu \
             tests/kernels/test_gpu.py --junitxml="$OUT/gpu-tests.xml"
     else
-        part gpu_tests 120 - "$PY" -m pytest -q -p no:cacheprovider -m gpu tests \
-            --junitxml="$OUT/gpu-tests.xml"
+        # tests/kernels and tests/engine hold the GPU tests; a module that cannot be imported
+        # here (the device image lacks the control plane's packages) must not stop the rest
+        part gpu_tests 120 - "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
+            tests/engine --continue-on-collection-errors --junitxml="$OUT/gpu-tests.xml"
     fi
     # Most telling first: batch 64 in each mode, then LoRA off, then the smaller batches.
     BATCHES=(64 32 1)
@@ -260,6 +263,20 @@ for line in open(parts_file):
         except (OSError, ValueError) as e:
             part["result"] = None
             part["result_error"] = f"{type(e).__name__}: {e}"
+    junit = next((a.split("=", 1)[1] for a in cmd.split() if a.startswith("--junitxml=")), None)
+    if junit and part["rc"] is not None:
+        try:
+            import xml.etree.ElementTree as ET
+
+            root = ET.parse(junit).getroot()
+            suite = root if root.tag == "testsuite" else root.find("testsuite")
+            part["tests"] = {k: int(suite.get(k, 0))
+                             for k in ("tests", "failures", "errors", "skipped")}
+            part["tests"]["failed"] = [
+                f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                if c.find("failure") is not None or c.find("error") is not None][:30]
+        except (OSError, ET.ParseError, AttributeError, TypeError) as e:
+            part["tests"] = {"unreadable": f"{type(e).__name__}: {e}"}
     parts.append(part)
     if name.startswith("engine_") and part.get("result"):
         engine[name[len("engine_"):]] = part["result"]
