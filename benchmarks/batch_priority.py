@@ -141,6 +141,12 @@ def write(results: list[Result], args, command: str, machine: str) -> None:
         )
     table = "\n".join(rows)
     print(table)
+    within = [r.name for r in results[1:] if r.ttft_p99_ms <= 1.1 * base.ttft_p99_ms
+              and r.tokens_per_s >= 1.5 * base.tokens_per_s]  # fmt: skip
+    verdict = (
+        f"In this run, p99 within 1.1x of alone's with at least 1.5x the throughput: "
+        f"{', '.join(within) if within else 'none'}."
+    )
     DOCS.mkdir(exist_ok=True)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = [r.name for r in results]
@@ -159,7 +165,7 @@ def write(results: list[Result], args, command: str, machine: str) -> None:
     (DOCS / "batch-priority.md").write_text(
         "# Batch API lines beside interactive traffic\n\n"
         "Written by `benchmarks/batch_priority.py` (its docstring says what it runs); the "
-        f"command:\n\n    {command}\n\n{machine}\n\n{table}\n\n"
+        f"command:\n\n    {command}\n\n{machine}\n\n{table}\n\n{verdict}\n\n"
         "TTFT runs from a request's arrival in the trace to its first token; tokens/s counts "
         "every output token the engine made from the trace's start until its last interactive "
         "request was answered, interactive and batch. A batch "
@@ -167,9 +173,10 @@ def write(results: list[Result], args, command: str, machine: str) -> None:
         "and gives its seat, KV blocks and adapter slot back first; it still makes every step "
         "it joins larger, which on a CPU costs time per step: `batch_concurrency` (lines in "
         "the engine at once) is the knob between the two columns. A request that arrives while "
-        "a step runs waits for its end, so the longer batch steps set the TTFT tail (p99) while "
-        "the median stays where it is alone. The p99 of a few dozen requests is their slowest "
-        "one or two, and a shared machine's load moves it by tens of per cent between runs.\n\n"
+        "a step runs waits for its end: the more lines a batch step carries, the longer that "
+        "wait (a step that computes an interactive prompt carries no batch tokens). The p99 of "
+        "a few dozen requests is their slowest one or two, and a shared machine's load moves "
+        "it by tens of per cent between runs.\n\n"
         "![TTFT and throughput](batch-priority.png)\n"
     )
 
