@@ -487,3 +487,14 @@ def refusals_since(since: datetime) -> dict[int, int]:
         t: sum(1 for at in list(times) if at >= cutoff) for t, times in list(_refusals.items())
     }
     return {t: n for t, n in counts.items() if n}
+
+
+def adapter_names(
+    session: Session, *, start: datetime, end: datetime, tenant_id: int | None = None
+) -> list[str]:
+    """The adapter names in the ledger in [start, end) (deleted adapters included), sorted."""
+    where = [*_in_period(_as_utc(start), _as_utc(end)), UsageRecord.adapter_name.is_not(None)]
+    if tenant_id is not None:
+        where.append(UsageRecord.tenant_id == tenant_id)
+    query = select(UsageRecord.adapter_name).where(*where).distinct()
+    return sorted(name for name in session.scalars(query) if name is not None)

@@ -1,9 +1,89 @@
 // Live figures, polled every 2 s: request and token rates over all replicas (from the usage
-// ledger), queue and caches of the replica that answered.
+// ledger), queue and caches of the replica that answered. Below them, latency from the ledger
+// (every replica): p50/p99 TTFT and TPOT over time, overall or for one tenant or adapter, and
+// per tenant its errors, quota refusals and p99 TTFT against the window before.
 
 import { api } from "./api.js";
-import { sparkline } from "./charts.js";
-import { h, number } from "./dom.js";
+import { lineChart, sparkline } from "./charts.js";
+import { field, h, number, table } from "./dom.js";
+
+const LATENCY_POLL_MS = 30000;
+const BASE = "(base model)";
+
+function ms(v) {
+  return v === null || v === undefined ? "–" : `${number(v, v < 10 ? 1 : 0)} ms`;
+}
+
+function rate(v) {
+  return v === null || v === undefined ? "–" : `${number(100 * v, 1)} %`;
+}
+
+// p99 TTFT against the window before: risen by a fifth or more is flagged.
+function trend(now, before) {
+  if (now === null || before === null || before === undefined || before <= 0) return "–";
+  const change = (now - before) / before;
+  const text = `${change >= 0 ? "▲" : "▼"} ${number(Math.abs(100 * change), 0)} %`;
+  return h("span", { class: change >= 0.2 ? "rose" : change <= -0.2 ? "fell" : "" }, text);
+}
+
+async function latencySection(main) {
+  const { data: tenants } = await api.get("/tenants");
+  const windowSel = h("select", { id: "lat-window", name: "window" },
+    ["1h", "6h", "24h", "7d"].map((w) => h("option", { value: w }, `last ${w}`)));
+  const tenantSel = h("select", { id: "lat-tenant", name: "tenant" }, h("option", { value: "" }, "all tenants"),
+    tenants.map((t) => h("option", { value: t.id }, t.name)));
+  const adapterSel = h("select", { id: "lat-adapter", name: "adapter" });
+  // The adapters with requests in the period (from the ledger: deleted ones too).
+  function adapterOptions(names) {
+    const keep = adapterSel.options.length ? adapterSel.value : "*";
+    adapterSel.replaceChildren(h("option", { value: "*" }, "all adapters"), h("option", { value: "" }, BASE),
+      ...names.map((n) => h("option", { value: n }, n)));
+    adapterSel.value = [...adapterSel.options].some((o) => o.value === keep) ? keep : "*";
+  }
+  adapterOptions([]);
+  const charts = h("div", { class: "charts" });
+  const byTenant = h("section", { class: "card", id: "lat-tenants" });
+  const section = h("section", { id: "latency" }, h("h2", {}, "Latency"),
+    h("section", { class: "card toolbar" }, field("Period", windowSel), field("Tenant", tenantSel), field("Adapter", adapterSel)),
+    charts, byTenant);
+  main.append(section);
+
+  async function reload() {
+    const q = new URLSearchParams({ window: windowSel.value });
+    if (tenantSel.value) q.set("tenant_id", tenantSel.value);
+    if (adapterSel.value !== "*") q.set("adapter", adapterSel.value);
+    const r = await api.get(`/latency?${q}`);
+    adapterOptions(r.adapters);
+    const range = { start: new Date(r.start), end: new Date(r.end), stepMs: r.bucket_s * 1000, unit: "ms" };
+    const pts = (a, b) => r.series.map((p) => ({ t: new Date(p.t), n: p.requests, v: { p50: p[a], p99: p[b] } }));
+    const who = [tenantSel.value ? tenantSel.selectedOptions[0].textContent : "all tenants",
+      adapterSel.value === "*" ? "" : adapterSel.selectedOptions[0].textContent].filter(Boolean).join(" / ");
+    const series = [{ key: "p50", name: "p50", cls: "s1" }, { key: "p99", name: "p99", cls: "s3" }];
+    charts.replaceChildren(
+      lineChart(`Time to first token · ${who}`, pts("ttft_p50_ms", "ttft_p99_ms"), series, { ...range, id: "chart-ttft" }),
+      lineChart(`Time per output token · ${who}`, pts("tpot_p50_ms", "tpot_p99_ms"), series, { ...range, id: "chart-tpot" }));
+    byTenant.replaceChildren(h("h2", {}, `By tenant, last ${r.window}`), table([
+      { label: "Tenant", cell: (t) => h("button", { type: "button", class: "link-button", onclick: () => {
+        tenantSel.value = String(t.tenant_id);
+        adapterSel.value = "*";
+        reload();
+      } }, t.tenant) },
+      { label: "Requests", num: true, cell: (t) => number(t.requests) },
+      { label: "Errors", num: true, cell: (t) => rate(t.error_rate) },
+      { label: "429 (this replica)", num: true, cell: (t) => `${number(t.refused)} · ${rate(t.refused_rate)}` },
+      { label: "p50 TTFT", num: true, cell: (t) => ms(t.ttft_p50_ms) },
+      { label: "p99 TTFT", num: true, cell: (t) => ms(t.ttft_p99_ms) },
+      { label: "p99 TTFT before", num: true, cell: (t) => ms(t.ttft_p99_before_ms) },
+      { label: "Change", num: true, cell: (t) => trend(t.ttft_p99_ms, t.ttft_p99_before_ms) },
+      { label: "p99 TPOT", num: true, cell: (t) => ms(t.tpot_p99_ms) },
+    ], r.tenants, "No requests in this period."));
+  }
+  windowSel.addEventListener("change", reload);
+  tenantSel.addEventListener("change", () => { adapterSel.value = "*"; reload(); });
+  adapterSel.addEventListener("change", reload);
+  await reload();
+  return reload;
+}
 
 const POLL_MS = 2000;
 const HISTORY = 60;
@@ -56,5 +136,10 @@ export async function overviewPage(main) {
 
   await poll();
   const timer = setInterval(() => poll().catch((err) => (status.textContent = err.message)), POLL_MS);
-  return () => clearInterval(timer);
+  const reloadLatency = await latencySection(main);
+  const slow = setInterval(() => reloadLatency().catch((err) => (status.textContent = err.message)), LATENCY_POLL_MS);
+  return () => {
+    clearInterval(timer);
+    clearInterval(slow);
+  };
 }

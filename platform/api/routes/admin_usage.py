@@ -180,5 +180,7 @@ def latency(
         "start": start.isoformat(),
         "end": end.isoformat(),
         "series": [{"t": s.key.isoformat(), **_stats(s)} for s in series],
+        # What `adapter` may name here: the adapters with requests in the window.
+        "adapters": usage.adapter_names(session, start=start, end=end, tenant_id=tenant_id),
         "tenants": tenants,
     }
