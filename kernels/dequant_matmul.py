@@ -21,13 +21,21 @@ each weight to fp32 in registers (integer to float by the 2^23 magic-number tric
 slow int->float conversion), dequantizes it (int4: w = (q - 8) * scale + zero, the
 reference's formula) and keeps one fp32 partial sum per (row, column, k-lane) that is reduced
 once at the end: plain FMAs, many programs over N, and split-K for the short-N layers.
+
+`DequantWeight` is the per-call path for a layer: it holds one weight and plans each batch
+size's launch once (form, tiles, grid, constexprs); on CUDA it then launches the compiled
+kernel directly, without Triton's per-call argument binding and cache lookup. The functions
+`int8_matmul` / `int4_matmul` plan on every call (tests, sweeps, the dispatch switch).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 
 @triton.jit
@@ -158,6 +166,16 @@ def _dequant_gemv_kernel(
         tl.atomic_add(y_ptrs, out, mask=mask)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Plain integer helpers: triton.cdiv and next_power_of_2 are jit-callable and cost
+    # microseconds per call on the host.
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 # Default form and launch parameters: the winners of a GPU launch-configuration sweep at M = 1
 # and M = 16 only, nothing in between (docs/gpu.md; `python -m benchmarks.kernel_sweep`).
 GEMV_MAX_M = 1  # the GEMV form up to this many rows, the tensor-core dot form above
@@ -182,8 +200,8 @@ def launch_params(
     if form is None:
         form = "gemv" if m <= GEMV_MAX_M else "dot"
     if form == "gemv":
-        block_m = block_m or min(triton.next_power_of_2(m), 4)
-        pow2_k = triton.next_power_of_2(k)
+        block_m = block_m or min(_pow2(m), 4)
+        pow2_k = _pow2(k)
         if int4:
             small = n * k <= INT4_GEMV_SMALL
             block_n = block_n or (32 if small else 16)
@@ -206,11 +224,11 @@ def launch_params(
         block_m = block_m or (16 if m <= 16 else (32 if m <= 32 else 64))
         block_n = block_n or (64 if m <= 16 else 128)
         programs = 512
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     if split_k is None:
         # Few tiles: split K until the GPU has enough programs (a split costs a zeroed fp32
         # output, atomics and a cast back: the GEMV form asks for fewer).
-        split_k = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(k, 2 * block_k), 16))
+        split_k = max(1, min(_cdiv(programs, tiles), _cdiv(k, 2 * block_k), 16))
     return dict(form=form, block_m=block_m, block_n=block_n, block_k=block_k,
                 split_k=split_k, sub_k=sub_k)  # fmt: skip
 
@@ -231,7 +249,7 @@ def _launch(
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    grid = (_cdiv(m, block_m), _cdiv(n, block_n), split_k)
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     opts = {key: v for key, v in opts.items() if v is not None}
     args = (
@@ -299,3 +317,142 @@ def int4_matmul(
         x, qweight, scales.contiguous(), zeros.contiguous(), n, True, group_size, split_k,
         **launch,
     )  # fmt: skip
+
+
+# The kernels' runtime parameters, in order (their constexprs follow).
+_RUNTIME_ARGS = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "M", "N", "K", "stride_xm",
+                 "stride_qn", "stride_sn", "stride_ym"]  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    """One batch size's launch: everything but the tensors, decided once."""
+
+    kernel: object  # the JITFunction
+    grid: tuple[int, int, int]
+    split: bool  # split-K: a zeroed float32 output, atomics, then a cast
+    ints: tuple[int, ...]  # M, N, K, stride_xm, stride_qn, stride_sn, stride_ym
+    constexprs: dict
+    options: dict  # num_warps / num_stages
+    constexpr_values: tuple  # the constexprs in the kernel's parameter order
+    compiled: object = None  # CUDA: the compiled kernel, launched directly after the first call
+    workspace: torch.Tensor | None = None  # split-K: the float32 [M, N] accumulator
+
+
+class DequantWeight:
+    """A weight-only int4 / int8 weight with its launches planned once per batch size.
+
+    `w(x)` equals `int4_matmul(x, qweight, scales, zeros, group_size)` (or `int8_matmul`)
+    bit for bit, with the per-call Python cut to a dict lookup, one allocation and the launch:
+    the form, tiles, grid and constexprs are chosen at the first call of each (rows, dtype, x
+    row stride, x alignment) and kept. On CUDA the first call of a plan goes through Triton's
+    launcher (compiling if needed: warm up before a CUDA-graph capture) and keeps the compiled
+    kernel it returns; later calls launch that kernel directly with the same arguments, which
+    is safe because the key fixes everything Triton specialises on (integer values equal to 1
+    or divisible by 16, pointer alignment to 16 bytes, dtypes; the weight tensors and their
+    strides never change for this object).
+
+    Hold it as long as the weight: build it after the weight reaches its device (a moved or
+    replaced weight needs a new one). `launch` fixes the launch parameters for every call
+    (see `launch_params`: form, block_m, block_n, block_k, split_k, num_warps, num_stages).
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+        group_size: int = 128,
+        **launch,
+    ):
+        self.int4 = zeros is not None
+        assert qweight.stride(1) == 1
+        self.qweight = qweight
+        self.scales = scales.contiguous()
+        self.zeros = zeros.contiguous() if self.int4 else self.scales  # not read for int8
+        self.group = group_size if self.int4 else 1
+        self.n = qweight.shape[0]
+        self.k = qweight.shape[1] * (2 if self.int4 else 1)
+        if self.int4:
+            assert self.scales.stride() == self.zeros.stride() and self.scales.stride(1) == 1
+            assert self.k % group_size == 0, "K must be a multiple of the int4 group size"
+        self.launch = launch
+        self.device_index = qweight.device.index
+        self.plans: dict[tuple, _Plan] = {}
+
+    def _plan(self, m: int, x: torch.Tensor) -> _Plan:
+        assert x.dim() == 2 and x.shape[1] == self.k and x.stride(1) == 1
+        launch = dict(self.launch)
+        opts = {key: launch.pop(key) for key in ("num_warps", "num_stages") if key in launch}
+        split_k = launch.pop("split_k", None)
+        p = launch_params(m, self.n, self.k, self.int4, self.group, split_k, **launch)
+        grid = (_cdiv(m, p["block_m"]), _cdiv(self.n, p["block_n"]), p["split_k"])
+        constexprs = dict(INT4=self.int4, GROUP=self.group)
+        if p["form"] == "gemv":
+            kernel = _dequant_gemv_kernel
+            constexprs["SUB_K"] = p["sub_k"]
+        else:
+            kernel = _dequant_matmul_kernel
+        constexprs.update(BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+                          SPLIT_K=p["split_k"])  # fmt: skip
+        ints = (m, self.n, self.k, x.stride(0), self.qweight.stride(0), self.scales.stride(0),
+                self.n)  # fmt: skip
+        names = kernel.arg_names
+        assert names[: len(_RUNTIME_ARGS)] == _RUNTIME_ARGS, names
+        values = tuple(constexprs[name] for name in names[len(_RUNTIME_ARGS) :])
+        return _Plan(kernel, grid, p["split_k"] > 1, ints, constexprs, opts, values)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ W^T: x [M, K] fp16 / bf16 / fp32 (last dim contiguous) -> [M, N] in x's
+        dtype; into `out` when given ([M, N] contiguous, x's dtype: a persistent buffer saves
+        the allocation)."""
+        m = x.shape[0]
+        key = (m, x.dtype, x.stride(0), x.data_ptr() & 15)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(m, x)
+        if plan.split:
+            # The plan's own float32 accumulator: zeroed, summed into, cast out in this call.
+            if plan.workspace is None:
+                plan.workspace = torch.empty(m, self.n, dtype=torch.float32, device=x.device)
+            y = plan.workspace.zero_()
+        elif out is None:
+            y = torch.empty(m, self.n, dtype=x.dtype, device=x.device)
+        else:
+            assert out.shape == (m, self.n) and out.dtype == x.dtype and out.is_contiguous()
+            assert out.data_ptr() & 15 == 0  # the compiled kernel assumes an aligned output
+            y = out
+        compiled = plan.compiled
+        if compiled is None:
+            compiled = plan.kernel[plan.grid](
+                x, self.qweight, self.scales, self.zeros, y, *plan.ints, **plan.constexprs,
+                **plan.options,
+            )  # fmt: skip
+            # Triton's launcher returns the compiled kernel on a GPU (None when interpreted).
+            plan.compiled = compiled
+        else:
+            _launch_compiled(compiled, plan, x, self, y)
+        if not plan.split:
+            return y
+        return y.to(x.dtype) if out is None else out.copy_(y)
+
+
+def _launch_compiled(compiled, plan: _Plan, x, w: DequantWeight, y) -> None:
+    """What Triton's JITFunction.run does after its cache lookup: the launcher with every
+    kernel argument in the kernel's parameter order (constexprs included; it skips them)."""
+    args = (x, w.qweight, w.scales, w.zeros, y, *plan.ints, *plan.constexpr_values)
+    stream = _current_stream(w.device_index)
+    enter = knobs.runtime.launch_enter_hook
+    # A chain of launch hooks (a profiler's) gets the metadata Triton would build for it;
+    # an empty chain is called with nothing to receive it.
+    hooked = enter is not None and getattr(enter, "calls", True)
+    meta = compiled.launch_metadata(plan.grid, stream, *args) if hooked else None
+    g0, g1, g2 = plan.grid
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter,
+                 knobs.runtime.launch_exit_hook, *args)  # fmt: skip
+
+
+def _current_stream(device_index: int) -> int:
+    """The current CUDA stream's handle (what Triton's launcher reads; a capture's stream
+    under CUDA-graph capture)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
