@@ -244,7 +244,9 @@ class BatchRunner:
 
     async def _heartbeat(self, batch_id: str, stop: asyncio.Event, why: list[str]) -> None:
         while True:
-            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            # Renewed every third of the lease, and at least every 2 s: the beat is also how a
+            # cancel reaches the running lines.
+            await asyncio.sleep(min(self.settings.batch_lease_s / 3, 2.0))
             try:
                 held = await asyncio.to_thread(self._renew, batch_id)
             except Exception as e:  # a database outage: the lease may still hold; try again
@@ -296,7 +298,9 @@ class BatchRunner:
                     break
 
         n = max(1, min(self.settings.batch_concurrency, pending.qsize()))
-        await asyncio.gather(*(worker() for _ in range(n)))
+        async with asyncio.TaskGroup() as group:  # one worker failing stops the others
+            for _ in range(n):
+                group.create_task(worker())
 
     async def _serve(self, batch_id, caller, req, route, stop) -> tuple[bool, str]:
         from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest

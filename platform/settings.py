@@ -223,8 +223,8 @@ class Settings(BaseSettings):
     batch_lease_s: float = Field(
         30.0,
         gt=0,
-        description="a replica's hold on a batch it runs, renewed every third of it; the "
-        "batch of a replica that died is taken over once its hold runs out",
+        description="a replica's hold on a batch it runs, renewed every third of it (at most "
+        "2 s apart); the batch of a replica that died is taken over once its hold runs out",
     )
     otlp_traces_endpoint: str | None = Field(
         None,
