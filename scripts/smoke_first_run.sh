@@ -27,6 +27,9 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/loraplex-smoke.XXXXXX")
 DATA=$WORK/data
 OUTSIDE=$WORK/outside  # commands that must not see the checkout run from here
 mkdir -p "$DATA" "$OUTSIDE"
+# The smoke's own knobs, read before every LORAPLEX_* variable leaves the environment.
+KEEP=${LORAPLEX_SMOKE_KEEP:-}
+READY_S=${LORAPLEX_SMOKE_READY_S:-900}
 while read -r name; do unset "$name"; done < <(compgen -e | grep '^LORAPLEX_' || true)
 T0=$SECONDS
 part=""
@@ -61,7 +64,7 @@ cleanup() {
       tail -n 40 "$WORK/serve.log" >&2
     fi
   fi
-  if [[ ${LORAPLEX_SMOKE_KEEP:-} == 1 ]]; then
+  if [[ $KEEP == 1 ]]; then
     echo "smoke: kept $WORK"
   else
     rm -rf "$WORK"
@@ -103,7 +106,7 @@ say "in $REPO with LORAPLEX_DATA_DIR=$DATA LORAPLEX_PORT=$port: $cmd"
 (cd "$REPO" && LORAPLEX_DATA_DIR=$DATA LORAPLEX_PORT=$port exec bash -c "$cmd") \
   > "$WORK/serve.log" 2>&1 &
 shell_pid=$!
-deadline=$((SECONDS + ${LORAPLEX_SMOKE_READY_S:-900}))
+deadline=$((SECONDS + READY_S))
 next_note=$((SECONDS + 60))
 until curl -sf "http://127.0.0.1:$port/readyz" > /dev/null 2>&1; do
   if ! kill -0 "$shell_pid" 2>/dev/null; then
@@ -111,7 +114,7 @@ until curl -sf "http://127.0.0.1:$port/readyz" > /dev/null 2>&1; do
     wait "$shell_pid" || rc=$?
     fail "the README's command ended (status $rc) before /readyz answered"
   fi
-  ((SECONDS < deadline)) || fail "no /readyz within ${LORAPLEX_SMOKE_READY_S:-900}s"
+  ((SECONDS < deadline)) || fail "no /readyz within ${READY_S}s"
   if ((SECONDS >= next_note)); then
     say "waiting for /readyz: $(tail -c 300 "$WORK/serve.log" | tr '\r' '\n' | grep -a . | tail -n 1)"
     next_note=$((SECONDS + 60))
