@@ -4,8 +4,9 @@
 
 Prints one line per kernel variant with its register and shared-memory use and exits non-zero
 if any fails. The variants are the launch configurations the wrappers pick for fp16/bf16
-(decode and prefill tiles, split-K, GQA/MQA, window, softcap, split-KV decode, the
-dequant GEMV form, slice-skipping expand), so a kernel that only the
+(decode and prefill tiles, split-K, GQA/MQA, window, softcap, split-KV decode, attention
+sinks, the dequant GEMV form, slice-skipping expand, the MoE grouped matmul, the fused
+per-layer ops), so a kernel that only the
 interpreter accepts (e.g. a dot with K < 16) fails here.
 """
 
@@ -24,7 +25,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loraplex.kernels import dequant_matmul, kv_cache, paged_attention, sgmv  # noqa: E402
+from loraplex.kernels import (  # noqa: E402
+    dequant_matmul,
+    fused,
+    kv_cache,
+    moe_triton,
+    paged_attention,
+    sgmv,
+)
 
 
 def _variants(dtypes: tuple[str, ...]):
@@ -94,6 +102,38 @@ def _variants(dtypes: tuple[str, ...]):
                      BLOCK_N=32 if hd >= 256 else 64, BLOCK_D=hd, USE_SOFTCAP=cap,
                      USE_WINDOW=win, SPLIT_KV=split, KV_INT8=int8),
             )  # fmt: skip
+        # gpt-oss: 64 query heads over 8 KV heads, head_dim 64, a 128-token window on every
+        # other layer, a sink logit per head.
+        for label, bq, win, split in (("decode", 8, False, 1), ("decode window", 8, True, 1),
+                                      ("decode split-kv", 8, False, 8),
+                                      ("prefill window", 16, True, 1)):  # fmt: skip
+            yield (
+                f"paged_attention_sinks {dt} gpt-oss {label}",
+                paged_attention._paged_attention_sinks_kernel,
+                dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}",
+                     v_cache_ptr=f"*{dt}", block_tables_ptr="*i64", tile_seq_ptr="*i32",
+                     tile_row_ptr="*i32", q_end_ptr="*i32", seq_len_ptr="*i32",
+                     scale="fp32", softcap="fp32", window="i32", stride_ot="i32",
+                     stride_oh="i32", stride_qt="i32", stride_qh="i32", stride_cs="i32",
+                     stride_ch="i32", stride_bt="i32", part_ptr="*fp32", ml_ptr="*fp32",
+                     stride_ps="i32", stride_ms="i32", num_heads="i32",
+                     k_scale_ptr="*fp16", v_scale_ptr="*fp16", stride_ss="i32",
+                     sinks_ptr="*fp32"),
+                dict(PAGE=16, GROUP=8, HEAD_DIM=64, GP=8, BLOCK_Q=bq, BLOCK_N=64, BLOCK_D=64,
+                     USE_SOFTCAP=False, USE_WINDOW=win, SPLIT_KV=split, KV_INT8=False),
+            )  # fmt: skip
+        # Mixture-of-experts expert matmuls: decode (few rows per expert) and prefill blocks.
+        for block_m in (16, 64):
+            yield (
+                f"grouped_mm {dt} M{block_m} N128 K64",
+                moe_triton._grouped_mm_kernel,
+                dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", offs_ptr="*i32",
+                     block_group_ptr="*i32", block_row_ptr="*i32", N="i32", K="i32",
+                     stride_xm="i32", stride_xk="i32", stride_wg="i32", stride_wk="i32",
+                     stride_wn="i32", stride_ym="i32"),
+                dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, UPCAST=False),
+            )  # fmt: skip
+        yield from _fused_variants(dt)
         for hd, split in ((128, 8), (256, 4)):
             yield (
                 f"paged_attention_combine {dt} head_dim{hd} split{split}",
@@ -132,6 +172,50 @@ def _variants(dtypes: tuple[str, ...]):
                          SUB_K=min(block_k, 128) if int4 else block_k, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split),
                 )  # fmt: skip
+
+
+def _fused_variants(dt: str):
+    """The fused per-layer kernels (kernels/fused.py) at the families' shapes."""
+    # Llama 8B (4096), gpt-oss (2880), Gemma 3 27B (5376): first layer and later, both styles.
+    for hidden, gemma in ((4096, False), (2880, False), (5376, True)):
+        for residual in (True, False):
+            block = 1 << (hidden - 1).bit_length()
+            yield (
+                f"add_rms_norm {dt} hidden{hidden}{' gemma' if gemma else ''}"
+                f"{'' if residual else ' first'}",
+                fused._add_rms_norm_kernel,
+                dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", out_ptr=f"*{dt}",
+                     stride_x="i32", stride_r="i32", stride_o="i32", eps="fp32"),
+                dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual, GEMMA=gemma),
+            )  # fmt: skip
+    # (label, q heads, kv heads, head_dim, rotary_dim, table or rows): Llama 8B, gpt-oss,
+    # Phi-4-mini's partial rotary (0.75 of 128), Gemma 3's head_dim 256.
+    for label, hq, hk, hd, rd, gather in (("llama", 32, 8, 128, 128, True),
+                                          ("gpt-oss rows", 64, 8, 64, 64, False),
+                                          ("phi4 partial", 24, 8, 128, 96, True),
+                                          ("gemma", 32, 16, 256, 256, False)):  # fmt: skip
+        half = rd // 2
+        yield (
+            f"rope_and_write_kv {dt} {label}",
+            fused._rope_kv_kernel,
+            dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}",
+                 cs_ptr="*fp32" if gather else f"*{dt}", pos_ptr="*i64",
+                 k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", slot_ptr="*i64",
+                 stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
+                 stride_vt="i32", stride_vh="i32", stride_cs="i32", sin_off="i32",
+                 stride_cslot="i32", stride_chead="i32"),
+            dict(Q_HEADS=hq, KV_HEADS=hk, HEAD_DIM=hd, HALF=half,
+                 BLOCK_QH=1 << (hq - 1).bit_length(), BLOCK_KH=1 << (hk - 1).bit_length(),
+                 BLOCK_HALF=1 << (half - 1).bit_length(), BLOCK_D=hd, GATHER=gather),
+        )  # fmt: skip
+    for label, clamped in (("silu", False), ("gpt-oss clamped", True)):
+        yield (
+            f"silu_mul {dt} {label}",
+            fused._silu_mul_kernel,
+            dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", stride_x="i32", stride_o="i32",
+                 limit="fp32", alpha="fp32"),
+            dict(INTER=14336, BLOCK=1024, CLAMPED=clamped),
+        )  # fmt: skip
 
 
 def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp16")) -> list[str]:

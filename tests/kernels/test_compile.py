@@ -21,4 +21,6 @@ def test_all_kernels_compile_for_sm90():
     assert kernels == {
         "sgmv_shrink", "sgmv_expand", "write_kv_cache", "paged_attention",
         "paged_attention_combine", "int8_matmul", "int4_matmul", "int8_gemv", "int4_gemv",
+        "paged_attention_sinks", "grouped_mm", "add_rms_norm", "rope_and_write_kv",
+        "silu_mul",
     }  # fmt: skip
