@@ -141,6 +141,43 @@ def test_direct_launch_passes_what_triton_binds(gen, monkeypatch, m, split_k):
     assert len(stub.bound) == 1  # no second pass through the JIT launcher
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequant_weight_on_gpu_direct_launch_and_graph():
+    """On CUDA: the direct launches (second call on) and their CUDA-graph replay equal
+    int4_matmul, at Llama-8B's qkv (split-K) and o_proj shapes in bf16; prints per-call
+    host-bound times (a tight loop of calls) for the record."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((6144, 4096), (4096, 4096)):
+        qweight, scales, zeros, x = _int4_case(n, k, 128, 1, torch.bfloat16, "cuda", gen)
+        want = dequant_matmul.int4_matmul(x, qweight, scales, zeros, 128)
+        w = dequant_matmul.DequantWeight(qweight, scales, zeros, 128)
+        for _ in range(3):
+            assert torch.equal(w(x), want)
+        (plan,) = w.plans.values()
+        assert plan.compiled is not None  # the direct path ran
+        out = torch.empty_like(want)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            w(x, out)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        times = {}
+        for name, fn in (("int4_matmul", lambda: dequant_matmul.int4_matmul(  # noqa: B023
+                             x, qweight, scales, zeros, 128)),  # noqa: B023
+                         ("DequantWeight", lambda: w(x))):  # noqa: B023  # fmt: skip
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            torch.cuda.synchronize()
+            times[name] = (time.perf_counter() - start) * 1e3
+        print(f"{n}x{k} per call, us: " + ", ".join(f"{a} {t:.1f}" for a, t in times.items()))
+
+
 # --- the overhead benchmark -------------------------------------------------------------------
 
 
