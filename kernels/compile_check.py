@@ -104,8 +104,7 @@ def _variants(dtypes: tuple[str, ...]):
             )  # fmt: skip
         # gpt-oss: 64 query heads over 8 KV heads, head_dim 64, a 128-token window on every
         # other layer, a sink logit per head.
-        for label, bq, win, split in (("decode", 8, False, 1), ("decode window", 8, True, 1),
-                                      ("decode split-kv", 8, False, 8),
+        for label, bq, win, split in (("decode window split-kv", 8, True, 8),
                                       ("prefill window", 16, True, 1)):  # fmt: skip
             yield (
                 f"paged_attention_sinks {dt} gpt-oss {label}",
@@ -176,18 +175,18 @@ def _variants(dtypes: tuple[str, ...]):
 
 def _fused_variants(dt: str):
     """The fused per-layer kernels (kernels/fused.py) at the families' shapes."""
-    # Llama 8B (4096), gpt-oss (2880), Gemma 3 27B (5376): first layer and later, both styles.
-    for hidden, gemma in ((4096, False), (2880, False), (5376, True)):
-        for residual in (True, False):
-            block = 1 << (hidden - 1).bit_length()
-            yield (
-                f"add_rms_norm {dt} hidden{hidden}{' gemma' if gemma else ''}"
-                f"{'' if residual else ' first'}",
-                fused._add_rms_norm_kernel,
-                dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", out_ptr=f"*{dt}",
-                     stride_x="i32", stride_r="i32", stride_o="i32", eps="fp32"),
-                dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual, GEMMA=gemma),
-            )  # fmt: skip
+    # Llama 8B (4096), gpt-oss (2880) at its first layer (no residual), Gemma 3 27B (5376).
+    for hidden, gemma, residual in ((4096, False, True), (2880, False, False),
+                                    (5376, True, True)):  # fmt: skip
+        yield (
+            f"add_rms_norm {dt} hidden{hidden}{' gemma' if gemma else ''}"
+            f"{'' if residual else ' first'}",
+            fused._add_rms_norm_kernel,
+            dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", out_ptr=f"*{dt}",
+                 stride_x="i32", stride_r="i32", stride_o="i32", eps="fp32"),
+            dict(HIDDEN=hidden, BLOCK=1 << (hidden - 1).bit_length(), HAS_RESIDUAL=residual,
+                 GEMMA=gemma),
+        )  # fmt: skip
     # (label, q heads, kv heads, head_dim, rotary_dim, table or rows): Llama 8B, gpt-oss,
     # Phi-4-mini's partial rotary (0.75 of 128), Gemma 3's head_dim 256.
     for label, hq, hk, hd, rd, gather in (("llama", 32, 8, 128, 128, True),
