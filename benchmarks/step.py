@@ -62,6 +62,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Llama-3-8B's layout at widths where compute is negligible
 SKINNY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=32,
               num_key_value_heads=8, head_dim=8, vocab_size=512)  # fmt: skip
+STEP_DIRS = ("engine", "kernels")  # the folders whose code a decode step runs
 SLOTS = 32  # adapter slots of every engine here, whatever the traffic uses
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 RESULT_TAG = "STEP-RESULT "  # the worker's one line of JSON on stdout
@@ -368,7 +369,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def draw(results: list[dict], trees: list[Tree], layers: int, path: Path) -> bool:
+def draw(results: list[dict], trees: list[dict], layers: int, path: Path) -> bool:
     try:
         import matplotlib
 
@@ -385,13 +386,13 @@ def draw(results: list[dict], trees: list[Tree], layers: int, path: Path) -> boo
     for ax, key, title in ((axes[0], "cpu_ms", "host CPU ms per decode step"),
                            (axes[1], "aten", "aten ops per decode step")):  # fmt: skip
         for j, tree in enumerate(trees):
-            vals = [r[key][0 if tree.label == "baseline" else 1] for r in rows]
+            vals = [r[key][0 if tree["label"] == "baseline" else 1] for r in rows]
             vals = [float("nan") if v is None else v for v in vals]  # a failed run: no bar
             ax.bar([x + (j - (len(trees) - 1) / 2) * width for x in xs], vals, width,
-                   label=f"{tree.label} ({tree.commit})")  # fmt: skip
+                   label=f"{tree['label']} ({tree['commit']})")  # fmt: skip
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_title(title)
-        ax.set_yscale("log")
+        ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"skinny {layers}-layer Llama (8B layout, tiny widths), one thread, "
@@ -412,8 +413,18 @@ def write_doc(report: dict, results: list[dict], figure: Path | None, path: Path
         for t in report["trees"]:
             res = r.get(t["label"], {})
             if "imported_from" in res:  # the engine package's folder, once per tree
-                roots[t["label"]] = str(Path(res["imported_from"]).parent.parent)
-    imported = "; ".join(f"{k}: `{v}`" for k, v in roots.items()) or "nothing ran"
+                root = Path(res["imported_from"]).parent.parent
+                roots[t["label"]] = ("this checkout" if root == REPO
+                                     else f"a temporary folder `{root.name}`")  # fmt: skip
+    imported = "; ".join(f"{k}: {v}" for k, v in roots.items()) or "nothing ran"
+    same = ""
+    if report.get("same_code"):
+        same = (
+            "**The two trees run the same step code** (between them no file of engine/ or "
+            "kernels/ changed or went, only new ones came): the ratios below are the "
+            "run-to-run spread on this machine, the floor under which a change cannot be told "
+            "from noise.\n"
+        )
     text = f"""# Host overhead per decode step (issue 36)
 
 Host time and aten ops per decode step of the engine on a model whose compute is negligible:
@@ -436,12 +447,13 @@ Command: `{report["command"]}`
   cpu_attention={a["cpu_attention"]}. Wall ms and CPU ms (the process's CPU time, which
   leaves out the time other processes held the core) are each the median of the rounds'
   medians; on a shared machine CPU ms is the steadier measure of host work.
-- Imported from: {imported}
+- `loraplex.engine` imported from: {imported}
 - ops/step: every aten op the profiler saw (nested ones included); non-view ops leave out ops
   whose schema returns an alias of an input (view, reshape, transpose, select, slice, ...).
 - ratio: current / baseline. Issue 36 asks for ≤ 0.33 in time and ops at batch 64 with 32
   adapters.
 
+{same}
 {table(results)}
 {fig}
 On a shared machine the milliseconds move by tens of per cent between runs (the load average
@@ -481,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     ap.add_argument("--doc", type=Path, default=DOC, help="the page to write ('' for none)")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="only write --doc and its figure from a earlier run's JSON")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     # SIGTERM as an exception: the temporary trees are removed and a running worker is killed
@@ -488,20 +502,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(RESULT_TAG + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
+    if args.render:
+        publish(json.loads(args.render.read_text()), args.doc)
+        return
 
     import torch
 
     t0 = time.monotonic()
     model, adapter_paths = build_assets(args.layers, max(args.adapters), args.rank)
     head = resolve_commit("HEAD")
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "engine",
-                            "kernels"], capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                            *sorted(set(package_dirs(REPO).values()))],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     with contextlib.ExitStack() as stack:
         if args.current:  # a commit in place of the working tree
             commit = resolve_commit(args.current)
             trees = [Tree("current", stack.enter_context(source_tree(commit)), commit[:9])]
         else:
-            edits = " + uncommitted engine/kernels edits" if dirty else ""
+            edits = " + uncommitted edits" if dirty else ""
             trees = [Tree("current", REPO, head[:9] + edits)]
         if not args.no_baseline:
             commit = resolve_commit(args.baseline)
@@ -510,6 +528,20 @@ def main(argv: list[str] | None = None) -> None:
         shims = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="step-shim-")))
         for tree in trees:
             tree.shim = make_shim(tree.root, shims / tree.label)
+        same_code = None
+        if not args.no_baseline:  # does the code a step runs differ at all?
+            revs = [resolve_commit(args.baseline)] + (
+                [resolve_commit(args.current)] if args.current else []
+            )
+            # added files alone change nothing until a changed file imports them
+            diff = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "--diff-filter=a",
+                                   *revs, "--", *STEP_DIRS], capture_output=True)  # fmt: skip
+            untracked = subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain", "--", *STEP_DIRS],
+                capture_output=True,
+                text=True,
+            ).stdout
+            same_code = diff.returncode == 0 and (bool(args.current) or not untracked.strip())
         names = ", ".join(f"{t.label} {t.commit}" for t in trees)
         print(f"one compute thread per subprocess; trees: {names}")
         results = []
@@ -544,9 +576,10 @@ def main(argv: list[str] | None = None) -> None:
                                                           else sys.argv[1:]),
         "cpu": cpu_line(), "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "threads_per_subprocess": 1,
+        "threads_per_subprocess": 1, "same_code": same_code,
         "trees": [{"label": t.label, "commit": t.commit} for t in trees],
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "doc", "worker")},
+        "args": {k: v for k, v in vars(args).items()
+                 if k not in ("json", "doc", "worker", "render")},
         "model": dict(SKINNY, num_hidden_layers=args.layers), "targets": TARGETS,
         "results": results, "seconds": time.monotonic() - t0,
     }  # fmt: skip
@@ -555,11 +588,17 @@ def main(argv: list[str] | None = None) -> None:
     args.json.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.json}")
     if str(args.doc) not in ("", "."):
-        figure = args.doc.with_suffix(".png")
-        drawn = draw(results, trees, args.layers, figure)
-        write_doc(report, results, figure if drawn else None, args.doc)
-        print(f"wrote {args.doc}" + (f" and {figure}" if drawn else ""))
+        publish(report, args.doc)
     print(f"{time.monotonic() - t0:.0f} s")
+
+
+def publish(report: dict, doc: Path) -> None:
+    """The page and its figure from a run's report (also `--render results.json`)."""
+    figure = doc.with_suffix(".png")
+    results = report["results"]
+    drawn = draw(results, report["trees"], report["args"]["layers"], figure)
+    write_doc(report, results, figure if drawn else None, doc)
+    print(f"wrote {doc}" + (f" and {figure}" if drawn else ""))
 
 
 if __name__ == "__main__":
