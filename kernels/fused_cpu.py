@@ -32,7 +32,10 @@ def add_rms_norm(
         residual.add_(x)
     shape = (residual.shape[-1],)
     if gemma:
-        w = 1.0 + weight.float()
+        f32 = torch.float32
+        w = 1.0 + (weight if weight.dtype == f32 else weight.float())
+        if residual.dtype == f32:
+            return torch.rms_norm(residual, shape, w, eps), residual
         return torch.rms_norm(residual.float(), shape, w, eps).to(residual.dtype), residual
     if residual.dtype == torch.float32 and weight.dtype == torch.float32:
         # In float32 the weight inside rms_norm rounds as the reference's separate product.

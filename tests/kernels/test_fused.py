@@ -33,8 +33,9 @@ from tests.kernels.conftest import DEVICE, tolerance
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The interpreter's bf16 arithmetic is broken (see kernels/fused.py's GPU test below).
 TRITON_DTYPES = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_available() else [])
+# CPU-only property tests: cheap, so many draws.
 SETTINGS = settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
