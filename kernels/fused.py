@@ -21,6 +21,11 @@ from loraplex.kernels.fused_reference import rope_rows
 __all__ = ["add_rms_norm", "rope_and_write_kv", "rope_rows", "silu_mul"]
 
 
+def _pow2(n: int) -> int:
+    # Not triton.next_power_of_2: a jit-callable, microseconds per call on the host.
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
@@ -67,7 +72,7 @@ def add_rms_norm(
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = x2.shape[0]
     if rows:
-        block = triton.next_power_of_2(hidden)
+        block = _pow2(hidden)
         _add_rms_norm_kernel[(rows,)](
             x2, r2, weight, out, x2.stride(0), r2.stride(0), hidden, eps,
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
@@ -179,8 +184,8 @@ def rope_and_write_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin.stride(0), sin_off, k_cache.stride(-3), k_cache.stride(-2),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_QH=_pow2(q_heads), BLOCK_KH=_pow2(kv_heads),
+        BLOCK_HALF=_pow2(half), BLOCK_D=_pow2(head_dim),
         GATHER=gather,
     )  # fmt: skip
     return q, k
@@ -221,8 +226,8 @@ def silu_mul(
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
     rows = x2.shape[0]
     if rows:
-        block = min(triton.next_power_of_2(inter), 1024)
-        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        block = min(_pow2(inter), 1024)
+        _silu_mul_kernel[(rows, -(-inter // block))](
             x2, out, x2.stride(0), inter, 0.0 if limit is None else limit, alpha,
             INTER=inter, BLOCK=block, CLAMPED=limit is not None, num_warps=4,
         )  # fmt: skip
