@@ -26,6 +26,7 @@ includes the queue) and says so with `loraplex.timing = "server"`.
 
 from __future__ import annotations
 
+import os
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -286,6 +287,8 @@ def make_provider(endpoint: str, service_name: str = "loraplex") -> TracerProvid
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    # OTEL_SERVICE_NAME, when set, names the service (the SDK reads it); else `service_name`.
+    named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+    provider = TracerProvider(resource=Resource.create(named))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
     return provider
