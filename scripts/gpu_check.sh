@@ -135,7 +135,7 @@ engine() { # engine LABEL BATCH EXTRA_ARGS...
     touch "$WORK/mark"
     local limit=${ENGINE_LIMITS[$batch]:-75}
     [ "$DRY" = cpu ] && limit=120
-    part "engine_$label" "$limit" "$res" "$PY" -m "$ENGINE_MOD" "${args[@]}" "$@"
+    part "engine_$label" "$limit" "$res" "$PY" -c "$LAUNCH" "$ENGINE_MOD" "${args[@]}" "$@"
     local written=${ENGINE_SRC%/*}/results/gpu-engine-$tag.json
     if [ "$HAS_OUT" = 0 ] && [ -f "$written" ] && [ "$written" -nt "$WORK/mark" ]; then
         cp "$written" "$res"
@@ -150,6 +150,12 @@ no_lora() {
     part no_lora_b64 70 "$res" "$PY" - "$res" "$shape" "$batch" \
         "$steps" "$prompt" "$device" "$ENGINE_MOD" <<'EOF'
 import dataclasses, importlib, json, statistics, sys
+
+try:  # as LAUNCH does: Hugging Face's `kernels`, not the checkout's folder
+    from benchmarks.assets import import_installed_kernels
+    import_installed_kernels()
+except ImportError:
+    pass
 
 import torch
 
@@ -194,6 +200,18 @@ ENGINE_MOD=benchmarks.gpu_engine
 if [ ! -f "$ENGINE_SRC" ] && [ -f bench/gpu_engine.py ]; then
     ENGINE_SRC=bench/gpu_engine.py ENGINE_MOD=bench.gpu_engine
 fi
+# Runs a module as `python -m` would, after importing Hugging Face's `kernels` package with the
+# checkout's root off sys.path: transformers imports it when peft writes the adapters, and from
+# the root our kernels/ folder would stand in for it (ImportError: CUDAProperties).
+LAUNCH='import runpy, sys
+try:
+    from benchmarks.assets import import_installed_kernels
+    import_installed_kernels()
+except ImportError:
+    pass
+module = sys.argv[1]
+sys.argv = [module] + sys.argv[2:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)'
 HAS_OUT=0
 grep -q '"--out"' "$ENGINE_SRC" 2>/dev/null && HAS_OUT=1
 if grep -q '"--enforce-eager"' "$ENGINE_SRC" 2>/dev/null; then

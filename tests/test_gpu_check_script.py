@@ -28,6 +28,8 @@ from pathlib import Path
 args = sys.argv[1:]
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(" ".join(args)[:120].replace("\n", " ") + "\n")
+if args[0] == "-c" and "run_module" in args[1]:  # the launcher: the module and its args
+    args = ["-m"] + args[2:]
 if args[0] == "-c":
     if "cuda.is_available" in args[1]:
         sys.exit(0 if os.environ.get("FAKE_GPU", "1") == "1" else 1)
@@ -96,7 +98,9 @@ def test_dry_run_plans_every_part_against_this_checkout(tmp_path):
     gpu_tests = report["parts"][1]["command"]
     assert "-m pytest" in gpu_tests and "-m gpu" in gpu_tests
     # the planned engine module exists in this checkout
-    module = next(p for p in report["parts"] if p["name"] == engine[0])["command"].split()[2]
+    command = next(p for p in report["parts"] if p["name"] == engine[0])["command"]
+    module = command.split("alter_sys=True)")[1].split()[0]  # the launcher's first argument
+    assert module.startswith(("benchmarks.", "bench.")), command
     assert (REPO / (module.replace(".", "/") + ".py")).is_file()
     assert sum(p["limit_s"] for p in report["parts"][:3]) < report["budget_s"]
     assert (tmp_path / "gpu_check.log").read_text().count("plan: ") == len(names)
