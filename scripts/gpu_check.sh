@@ -230,7 +230,8 @@ if [ "$NO_GPU" = 0 ]; then
 print("torch", torch.__version__, "triton", triton.__version__, "python", sys.version.split()[0])
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")'
     if [ "$DRY" = 0 ]; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+        timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+            --format=csv \
             2>&1 | tee -a "$LOG"
     fi
     if [ "$DRY" = cpu ]; then # on the CPU the GPU tests skip: collect and skip one file
