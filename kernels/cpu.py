@@ -428,14 +428,25 @@ def _aligned(t: torch.Tensor) -> bool:
     return all(s % align == 0 for s in strides)
 
 
+def _take(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """w.index_select(0, index), copied in w's own memory order: a transposed view (nn.Linear
+    rows, [G, N, K] seen as [G, K, N]) gathered as the rows it is, then viewed back, rather
+    than transposed element by element into a new layout."""
+    if w.stride(1) == 1 and w.stride(2) != 1:
+        return w.transpose(1, 2).index_select(0, index).transpose(1, 2)
+    return w.index_select(0, index)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`reference.grouped_mm` with torch's grouped matmul.
 
-    torch._grouped_mm's CPU form pays a small fixed cost for every group, empty or not: when
-    most groups are empty (LoRA over adapter slots x experts) it runs over the non-empty
-    groups only, whose weights it gathers (small then: rank x features each). Shapes it
-    cannot take (a rank below 16 bytes) are zero-padded. Rows from offs[G-1] on are
-    unspecified.
+    torch._grouped_mm's CPU form runs one matmul per group, each at a fixed cost, empty or
+    not: when most groups are empty (LoRA over adapter slots x experts) it runs over the
+    non-empty groups only, whose weights it gathers (small then: rank x features each). When
+    those hold a row or two each (a decode step: one row per virtual expert), every row
+    takes its group's matrix instead and all rows go through one batched matmul: a gather of
+    rows x K x N, no per-group call. Shapes torch._grouped_mm cannot take (a rank below 16
+    bytes) are zero-padded. Rows from offs[G-1] on are unspecified.
     """
     p, (g, k, n) = x.shape[0], w.shape
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
@@ -443,7 +454,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if 4 * used.numel() <= g:
         if used.numel() == 0:
             return x.new_zeros(p, n)
-        w, offs = w.index_select(0, used), offs.index_select(0, used)
+        rows = int(offs[-1])
+        if rows <= 2 * used.numel():
+            group = torch.repeat_interleave(torch.arange(g, device=x.device), counts,
+                                            output_size=rows)  # fmt: skip
+            y = torch.matmul(x[:rows].unsqueeze(1), _take(w, group)).squeeze(1)
+            return y if rows == p else torch.cat([y, y.new_zeros(p - rows, n)])
+        w, offs = _take(w, used), offs.index_select(0, used)
     if _aligned(x) and _aligned(w):
         return torch._grouped_mm(x, w, offs=offs)
     align = 16 // x.element_size()

@@ -206,3 +206,34 @@ def test_grouped_mm_bf16_serving_shapes(rows, groups, k, n, used):
     got = moe_triton.grouped_mm(x, w, offs)
     want = torch._grouped_mm(x, w, offs=offs)
     torch.testing.assert_close(got.float(), want.float(), atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU backend")
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("layout", ["kn", "nk", "slice"])
+@pytest.mark.parametrize(
+    ("counts", "tail"),
+    [([0] * 20 + [1] + [0] * 9 + [2, 0, 0, 1] + [0] * 30, 0),  # a decode step's LoRA
+     ([0] * 7 + [1] * 2, 3),  # rows past offs[-1]
+     ([0] * 9 + [3] + [0] * 30, 0)],  # one group, more rows than the per-row form takes
+)  # fmt: skip
+def test_cpu_grouped_mm_sparse_groups(dtype, layout, counts, tail, monkeypatch):
+    """Mostly empty groups of a row or two (LoRA over slots x experts): one batched matmul
+    over the rows, each with its own group's matrix; torch._grouped_mm is not called. More
+    rows per group go through torch._grouped_mm over the groups that have rows."""
+    x, w, offs = _case(counts, 24, 8, DTYPES[dtype], layout, tail, seed=len(counts))
+    real, calls = torch._grouped_mm, []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = cpu.grouped_mm(x, w, offs)
+    assert got.shape == (x.shape[0], 8) and got.dtype == x.dtype
+    _check(got, reference.grouped_mm(x, w, offs), DTYPES[dtype], sum(counts))
+    assert len(calls) == (max(counts) > 2)
+
+
+def test_cpu_grouped_mm_gathers_in_memory_order():
+    """A transposed weight view is gathered as the rows it holds (a view of a contiguous
+    copy), not copied element by element into a new layout."""
+    w = torch.randn(6, 8, 5).transpose(1, 2)  # [G, K=5, N=8], unit stride along K
+    index = torch.tensor([4, 1])
+    got = cpu._take(w, index)
+    assert torch.equal(got, w[index]) and got.transpose(1, 2).is_contiguous()
