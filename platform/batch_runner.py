@@ -74,14 +74,18 @@ class BatchRunner:
         self.settings = state.settings
         self.owner = f"{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.tasks: dict[str, asyncio.Task] = {}
+        self.draining = False  # shutting down: no new lines, the running ones finish
 
     @property
     def lease(self) -> timedelta:
         return timedelta(seconds=self.settings.batch_lease_s)
 
+    def _going(self) -> bool:
+        return self.state.accepting and not self.draining
+
     def _ready(self) -> bool:
         st = self.state
-        return st.engine is not None and st.accepting and st.engine_error is None
+        return st.engine is not None and self._going() and st.engine_error is None
 
     async def run(self) -> None:
         while True:
@@ -99,8 +103,14 @@ class BatchRunner:
             await asyncio.sleep(self.settings.batch_poll_interval_s)
 
     async def stop(self) -> None:
-        """Abort the in-flight lines and give the leases back (another replica goes on)."""
+        """Start no more lines, let the running ones finish and be recorded (for up to
+        `shutdown_grace_s`), abort the rest, and give the leases back (another replica goes
+        on). A line aborted here keeps its usage record of what it was sent, under the id
+        its next try uses: so the rare line cut by a shutdown is billed short, never twice."""
+        self.draining = True
         tasks = list(self.tasks.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -188,7 +198,7 @@ class BatchRunner:
                 if status == BatchStatus.in_progress:
                     await self._run_lines(batch_id, caller, lines, stop)
                     status = await asyncio.to_thread(self._status, batch_id)
-            if self.state.accepting and status in ACTIVE and "lost" not in why:
+            if self._going() and status in ACTIVE and "lost" not in why:
                 await asyncio.to_thread(self._finalize, batch_id, "expired" in why, key)
         except Exception:
             log.exception("batch %s: the runner failed; another try after its lease", batch_id)
@@ -279,12 +289,12 @@ class BatchRunner:
         route = _route(self.state, lines[0].url) if lines else None
 
         async def worker() -> None:
-            while not stop.is_set() and self.state.accepting:
+            while not stop.is_set() and self._going():
                 try:
                     req = pending.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                while not stop.is_set() and self.state.accepting:
+                while not stop.is_set() and self._going():
                     try:
                         ok, result = await self._serve(batch_id, caller, req, route, stop)
                     except _Retry as r:

@@ -228,3 +228,36 @@ def test_cli_submits_and_downloads(server, tenant, tmp_path, monkeypatch, capsys
     with server.sessions() as session:
         assert str(session.get(Tenant, session.get(Batch, batch_id).tenant_id).batch_price_factor) \
             == "0.2500"  # fmt: skip
+
+
+def test_a_server_shutting_down_lets_its_running_lines_finish(tiny_models, tmp_path):
+    from loraplex.platform.db.models import Batch, BatchLine
+
+    with run_server(tiny_models["llama"], tmp_path, batch_poll_interval_s=0.1,
+                    batch_concurrency=2) as srv:  # fmt: skip
+        _, key = srv.new_tenant("drain")
+        c = client(srv, key)
+        items = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": srv.state.model_name, "prompt": f"go {i}",
+                           "max_tokens": 30, "ignore_eos": True}}
+                 for i in range(12)]  # fmt: skip
+        f = c.files.create(file=("d.jsonl", jsonl(items)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                             completion_window="24h")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while c.batches.retrieve(b.id).request_counts.completed < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sessions = srv.sessions
+    # The server is down: each line it started finished and has its answer; the batch waits,
+    # lease given back, for a server to go on with it.
+    with sessions() as session:
+        done = set(session.scalars(select(BatchLine.line).where(BatchLine.batch_id == b.id)))
+        billed = session.scalars(
+            select(UsageRecord).where(UsageRecord.request_id.like(f"{b.id}-%"))
+        ).all()
+        row = session.get(Batch, b.id)
+        assert (row.status, row.runner) == ("in_progress", None)
+    assert 1 <= len(done) < 12
+    assert {r.request_id for r in billed} == {f"{b.id}-{i}" for i in done}
+    assert {r.status for r in billed} == {"ok"}
