@@ -32,6 +32,7 @@ from loraplex.platform.db.models import (
     BatchStatus,
     StoredFile,
     Tenant,
+    TenantStatus,
     utcnow,
 )
 from loraplex.platform.errors import APIError, error_body
@@ -121,7 +122,8 @@ class BatchRunner:
         with self.state.sessions() as session:
             ids = session.scalars(
                 select(Batch.id)
-                .where(Batch.status.in_(ACTIVE), free)
+                .join(Tenant, Tenant.id == Batch.tenant_id)
+                .where(Batch.status.in_(ACTIVE), free, Tenant.status == TenantStatus.active.value)
                 .order_by(Batch.created_at)
                 .limit(8)
             ).all()
@@ -139,8 +141,9 @@ class BatchRunner:
                     return batch_id
         return None
 
-    def _renew(self, batch_id: str) -> tuple[str, datetime] | None:
-        """Extend our lease; (status, expires_at), or None if the batch is no longer ours."""
+    def _renew(self, batch_id: str) -> tuple[str, datetime, str] | None:
+        """Extend our lease; (status, expires_at, its tenant's status), or None if the batch
+        is no longer ours."""
         with self.state.sessions() as session:
             held = session.execute(
                 update(Batch)
@@ -151,7 +154,7 @@ class BatchRunner:
             if held.rowcount != 1:
                 return None
             row = session.get(Batch, batch_id)
-            return row.status, row.expires_at
+            return row.status, row.expires_at, session.get(Tenant, row.tenant_id).status
 
     def _release(self, batch_id: str) -> None:
         with self.state.sessions() as session:
@@ -198,7 +201,7 @@ class BatchRunner:
                 if status == BatchStatus.in_progress:
                     await self._run_lines(batch_id, caller, lines, stop)
                     status = await asyncio.to_thread(self._status, batch_id)
-            if self._going() and status in ACTIVE and "lost" not in why:
+            if self._going() and status in ACTIVE and not {"lost", "suspended"} & set(why):
                 await asyncio.to_thread(self._finalize, batch_id, "expired" in why, key)
         except Exception:
             log.exception("batch %s: the runner failed; another try after its lease", batch_id)
@@ -268,6 +271,8 @@ class BatchRunner:
                 why.append("cancel")
             elif utcnow() >= held[1]:
                 why.append("expired")
+            elif held[2] != TenantStatus.active:
+                why.append("suspended")  # it waits, unclaimed, until the tenant is active
             if why:
                 stop.set()
                 return

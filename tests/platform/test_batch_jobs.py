@@ -80,3 +80,16 @@ def test_an_expired_batch_lists_the_lines_it_never_ran(session, tenant, tmp_path
     rows = [json.loads(x) for x in errors]
     assert sorted(r["custom_id"] for r in rows) == ["c0", "c2", "c3"]
     assert {r["error"]["code"] for r in rows} == {"batch_expired"} and answered == 1
+
+
+def test_a_suspended_tenants_batch_waits_unclaimed(engine, session, tenant, tmp_path):
+    batch, _, _ = _batch(session, tenant, tmp_path)
+    state = SimpleNamespace(sessions=make_sessionmaker(engine),
+                            settings=Settings(data_dir=tmp_path))  # fmt: skip
+    runner = BatchRunner(state)
+    crud.update_tenant(session, tenant_id=tenant.id, status="suspended")
+    assert runner._claim() is None
+    crud.update_tenant(session, tenant_id=tenant.id, status="active")
+    assert runner._claim() == batch.id
+    crud.update_tenant(session, tenant_id=tenant.id, status="suspended")
+    assert runner._renew(batch.id)[2] == "suspended"  # the running batch stops at its next beat
