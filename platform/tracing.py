@@ -157,7 +157,6 @@ class JobTrace:
     tenant_id: int
     model: str
     request_id: str
-    prompt_index: int | None = None
 
 
 def record_job(job: JobTrace) -> None:
@@ -165,7 +164,9 @@ def record_job(job: JobTrace) -> None:
     trace = _current.get()
     if trace is None:
         return
-    index = {"loraplex.prompt_index": job.prompt_index} if trace.jobs else {}
+    # Which engine request a span is of (a prompt list makes several under one request span;
+    # their ids end in the prompt's index).
+    index = {"loraplex.request_id": job.request_id}
     trace.jobs += 1
     e = job.engine or EngineTimes()
     submitted = wall_ns(job.submitted)

@@ -26,6 +26,8 @@ from tests.utils.server import ADMIN_KEY, run_server, upload_adapter
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+LIST_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+LIST_PARENT = f"00-{LIST_TRACE_ID}-b7ad6b7169203331-01"
 SERVER_PHASES = {"auth", "quota", "prefill", "decode"}
 
 
@@ -182,6 +184,10 @@ def test_served_request_in_memory(tiny_models, tiny_adapters, tmp_path):
         r = client.post("/v1/completions", headers=auth,
                         json={"model": "qv", "prompt": "x", "max_tokens": 999})  # fmt: skip
         assert r.status_code == 400
+        listed = client.post("/v1/completions", headers=auth | {"traceparent": LIST_PARENT},
+                             json={"model": "qv", "prompt": ["a", "b c"], "max_tokens": 2,
+                                   "ignore_eos": True})  # fmt: skip
+        assert listed.status_code == 200
     spans = exporter.get_finished_spans()
     ours = [s for s in spans if format(s.context.trace_id, "032x") == TRACE_ID]
     names = {s.name for s in ours}
@@ -198,8 +204,18 @@ def test_served_request_in_memory(tiny_models, tiny_adapters, tmp_path):
     assert by_name["quota"].end_time <= by_name["prefill"].start_time
     assert by_name["prefill"].end_time <= by_name["decode"].end_time <= by_name["stream"].end_time
     assert by_name["stream"].end_time <= root.end_time
+    # A prompt list: one set of engine spans per prompt, the request span has the totals.
+    listed = [s for s in spans if format(s.context.trace_id, "032x") == LIST_TRACE_ID]
+    list_root = next(s for s in listed if s.name == "POST /v1/completions")
+    ids = sorted(s.attributes["loraplex.request_id"] for s in listed if s.name == "decode")
+    assert len(ids) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1")
+    assert list_root.attributes["gen_ai.usage.output_tokens"] == 4
     # The refused request has its own trace: its span says 400, and no engine phases.
-    refused = [s for s in spans if s.context.trace_id != root.context.trace_id]
+    refused = [
+        s
+        for s in spans
+        if s.context.trace_id not in (root.context.trace_id, list_root.context.trace_id)
+    ]
     (bad_root,) = [s for s in refused if s.name == "POST /v1/completions"]
     assert bad_root.attributes["http.response.status_code"] == 400
     assert not {s.name for s in refused} & {"prefill", "decode"}
