@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
 
-# The inference routes a trace is made for (the OpenAI paths and their vLLM aliases).
+# The inference routes a trace is made for.
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _current: ContextVar[RequestTrace | None] = ContextVar("loraplex_request_trace", default=None)
 
@@ -200,7 +200,9 @@ def record_job(job: JobTrace) -> None:
         })  # fmt: skip
     else:  # a prompt list: the request's totals
         attrs = trace.span.attributes or {}
+        reasons = list(attrs.get("gen_ai.response.finish_reasons", ()))
         trace.set(**{
+            "gen_ai.response.finish_reasons": reasons + [job.finish_reason or "none"],
             "gen_ai.usage.input_tokens": attrs.get("gen_ai.usage.input_tokens", 0)
             + job.prompt_tokens,
             "gen_ai.usage.output_tokens": attrs.get("gen_ai.usage.output_tokens", 0)

@@ -210,6 +210,7 @@ def test_served_request_in_memory(tiny_models, tiny_adapters, tmp_path):
     ids = sorted(s.attributes["loraplex.request_id"] for s in listed if s.name == "decode")
     assert len(ids) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1")
     assert list_root.attributes["gen_ai.usage.output_tokens"] == 4
+    assert tuple(list_root.attributes["gen_ai.response.finish_reasons"]) == ("length", "length")
     # The refused request has its own trace: its span says 400, and no engine phases.
     refused = [
         s
