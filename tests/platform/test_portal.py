@@ -19,7 +19,9 @@ from tests.utils.uploads import folder_parts
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    with run_server(tiny_models["llama"], tmp_path_factory.mktemp("portal")) as srv:
+    # The engine in a thread of this process: these tests are about the registry, not engines.
+    with run_server(tiny_models["llama"], tmp_path_factory.mktemp("portal"),
+                    engine_process=False) as srv:  # fmt: skip
         yield srv
 
 
