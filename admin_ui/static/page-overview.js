@@ -130,8 +130,11 @@ export async function overviewPage(main) {
     if (!e) return;
     set(main, "t-queue", number(e.waiting), `waiting · ${number(e.running)} running`, hist.queue);
     set(main, "t-kv", pct(e.kv_usage), `of ${number(e.kv_blocks)} blocks`, hist.kv);
+    // Loads from disk since the replica started, their mean time, and the failed ones.
+    const mean = e.adapter_loads ? ` (mean ${ms((1000 * e.adapter_load_seconds) / e.adapter_loads)})` : "";
+    const failed = e.adapter_load_failures ? ` · ${e.adapter_load_failures} failed` : "";
     set(main, "t-adapters", `${e.adapter_slots_used} / ${e.adapter_slots}`,
-      `device slots · ${e.adapters_in_host} in host memory · ${e.adapter_loads} loads`);
+      `device slots · ${e.adapters_in_host} in host memory · ${e.adapter_loads} loads${mean}${failed}`);
   }
 
   await poll();

@@ -133,6 +133,8 @@ def test_operator_flow(page, ui_server, tiny_adapters, artifacts):
     _go(page, "overview")
     expect(page.locator("#t-kv .sub")).to_contain_text("blocks")
     expect(page.locator("#t-adapters .big")).to_contain_text("/")
+    # The adapter the completion used was loaded once: the tile gives the loads' mean time.
+    expect(page.locator("#t-adapters .sub")).to_contain_text(" ms)", timeout=15_000)
     with page.expect_request(lambda r: r.url.endswith("/admin/api/stats")):
         pass  # the next poll comes by itself, without a reload
 

@@ -69,6 +69,7 @@ def test_latency_overview(page, ui_server, shots):
     page.click("button[type=submit]")
     expect(page.locator("main[data-page=overview] h1")).to_have_text("Overview")
 
+    expect(page.locator("#t-adapters .sub")).to_contain_text("loads")
     ttft = page.locator("#chart-ttft")
     expect(ttft).to_contain_text("Time to first token · all tenants")
     expect(ttft.locator("svg path.line")).to_have_count(2)  # p50 and p99

@@ -139,6 +139,8 @@ def live_stats(state: StateDep, session: SessionDep) -> dict:
             "adapters_in_host": s.adapters_in_host,
             "adapter_hits": s.adapter_hits,
             "adapter_loads": s.adapter_loads,
+            "adapter_load_seconds": s.adapter_load_seconds,
+            "adapter_load_failures": s.adapter_load_failures,
             "preemptions": s.preemptions,
         }
     return body
