@@ -240,5 +240,17 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
     expect(page).to_have_url(f"{url}/portal/login")
     page.goto("/portal")
     expect(page).to_have_url(f"{url}/portal/login")
+    # Revoking the key this session signed in with ends the session: back to the form.
+    _sign_in(page, url, alpha_key)
+    _go(page, "keys")
+    page.locator("#keys tr", has_text="laptop").get_by_role("button", name="Revoke").click()
+    expect(page).to_have_url(f"{url}/portal/login")
+    expect(page.locator("#api_key")).to_be_visible()
+    # The cookie still carries a valid signature, but its key is revoked: the server itself
+    # sends the browser to the form (the page must not load, fail and bounce back and forth).
+    answer = page.request.get("/portal", max_redirects=0)
+    assert answer.status == 303 and answer.headers["location"] == "/portal/login"
+    page.goto("/portal")
+    expect(page).to_have_url(f"{url}/portal/login")
     assert len(page.watch.errors) == 1 and page.watch.foreign == []
     context.close()

@@ -91,7 +91,15 @@ api = APIRouter(
 
 # ---------------------------------------------------------------------------------- pages
 def _signed_in(request: Request, state: AppState) -> bool:
-    return portal_session(state.admin_key, request.cookies.get(PORTAL_COOKIE, "")) is not None
+    """A valid session whose key still works (a revoked key's session must land on the
+    sign-in form, not bounce between it and the portal)."""
+    if portal_session(state.admin_key, request.cookies.get(PORTAL_COOKIE, "")) is None:
+        return False
+    try:
+        _session_caller(request, state)
+    except APIError:
+        return False
+    return True
 
 
 @pages.get("")
