@@ -32,7 +32,11 @@ def list_batches(state: StateDep, caller: CallerDep, limit: int = 20, after: str
     with state.sessions() as session:
         query = select(Batch).where(Batch.tenant_id == caller.tenant.id)
         if after is not None:
-            cursor = get_batch(session, tenant_id=caller.tenant.id, batch_id=after)
+            try:
+                cursor = get_batch(session, tenant_id=caller.tenant.id, batch_id=after)
+            except APIError as e:
+                e.param = "after"
+                raise
             query = query.where(
                 (Batch.created_at < cursor.created_at)
                 | ((Batch.created_at == cursor.created_at) & (Batch.id < cursor.id))

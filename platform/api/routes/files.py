@@ -163,7 +163,11 @@ def list_files(
             query = query.where(StoredFile.purpose == purpose)
         key = (StoredFile.created_at, StoredFile.id)
         if after is not None:
-            cursor = get_file(session, tenant_id=caller.tenant.id, file_id=after)
+            try:
+                cursor = get_file(session, tenant_id=caller.tenant.id, file_id=after)
+            except APIError as e:
+                e.param = "after"
+                raise
             older = (StoredFile.created_at < cursor.created_at) | (
                 (StoredFile.created_at == cursor.created_at) & (StoredFile.id < cursor.id)
             )
