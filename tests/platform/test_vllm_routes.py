@@ -13,8 +13,9 @@ import pytest
 
 from tests.utils.server import run_server, upload_adapter
 
-# vLLM's ModelCard fields, as its /v1/models writes them.
-CARD = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+# vLLM's ModelCard fields, as its /v1/models writes them, and our `architecture`.
+CARD = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission",
+        "architecture"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,8 @@ def test_models_are_vllm_model_cards(server, tiny_adapters):
         assert perm["object"] == "model_permission" and perm["allow_sampling"] is True
         assert perm["allow_logprobs"] is True and perm["id"].startswith("modelperm-")
     assert base["parent"] is None and adapter["parent"] == base["id"] == server.state.model_name
+    dense = {"family": "llama", "mixture_of_experts": None}
+    assert base["architecture"] == adapter["architecture"] == dense
     # The openai client reads the same list.
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
     assert [m.id for m in client.models.list().data] == [base["id"], "qv"]

@@ -38,15 +38,17 @@ _STREAMABLE = {200: {"content": {"application/json": {}, "text/event-stream": {}
 def list_models(state: StateDep, caller: CallerDep):
     """The base model and the caller's ready adapters as vLLM's model cards: the base has
     `root` = its name (never its folder: a server path) and `parent` null; an adapter has
-    `parent` = the base and `root` = "sha256:<digest>", the content it was stored as."""
+    `parent` = the base and `root` = "sha256:<digest>", the content it was stored as. Our
+    extension `architecture` says what every card runs on (see `_architecture`)."""
     created = int(time.time())
     base = state.model_name
     limit = state.engine.config.max_model_len if state.engine is not None else None
+    arch = _architecture(state.spec)
 
     def card(id_: str, created: int, owned_by: str, root: str, parent: str | None) -> dict:
         return {"id": id_, "object": "model", "created": created, "owned_by": owned_by,
                 "root": root, "parent": parent, "max_model_len": limit,
-                "permission": [_permission(created)]}  # fmt: skip
+                "permission": [_permission(created)], "architecture": arch}  # fmt: skip
 
     data = [card(base, created, "loraplex", base, None)]
     with state.sessions() as session:
@@ -55,6 +57,19 @@ def list_models(state: StateDep, caller: CallerDep):
                 at = int(a.created_at.timestamp())
                 data.append(card(a.name, at, caller.tenant.name, f"sha256:{a.sha256}", base))
     return {"object": "list", "data": data}
+
+
+def _architecture(spec) -> dict | None:
+    """The base model's family (its config's `model_type`, e.g. "qwen3_moe") and, for a
+    mixture of experts, how many experts it routes among and how many each token takes
+    (null for a dense model): what an adapter must have been trained on. Null while the
+    model loads."""
+    if spec is None:
+        return None
+    moe = None
+    if spec.num_experts:
+        moe = {"num_experts": spec.num_experts, "experts_per_token": spec.top_k}
+    return {"family": spec.family, "mixture_of_experts": moe}
 
 
 def _permission(created: int) -> dict:
