@@ -367,7 +367,7 @@ class LatencyStats:
     """Requests of one time bucket (or one tenant) and their latency percentiles, in ms;
     None where no request of the group has that timing."""
 
-    key: Any  # the bucket's start (datetime) or the tenant id
+    key: Any  # the bucket's start (datetime), the tenant id or the adapter name (None: base)
     requests: int
     errors: int
     aborted: int
@@ -400,14 +400,15 @@ def latency_stats(
     *,
     start: datetime,
     end: datetime,
-    by: Literal["time", "tenant"],
+    by: Literal["time", "tenant", "adapter"],
     bucket_s: int = 300,
     tenant_id: int | None = None,
     adapter: str | None = None,
     base_model: bool = False,
 ) -> list[LatencyStats]:
     """p50/p99 TTFT and TPOT (and p99 queue time) of the requests in [start, end), per time
-    bucket of `bucket_s` seconds (buckets without requests left out) or per tenant; for one
+    bucket of `bucket_s` seconds (buckets without requests left out), per tenant or per
+    adapter name (the base model first); for one
     tenant, one adapter name (`adapter`) or the base model only (`base_model`).
 
     PostgreSQL computes the percentiles itself (percentile_cont); on SQLite the timings are
@@ -424,8 +425,10 @@ def latency_stats(
         if bucket_s < 1:
             raise ValueError("bucket_s must be at least 1")
         group: ColumnElement[Any] = func.floor(_epoch(session) / bucket_s).label("g")
-    else:
+    elif by == "tenant":
         group = UsageRecord.tenant_id.label("g")
+    else:
+        group = UsageRecord.adapter_name.label("g")
     counts = [
         func.count().label("requests"),
         func.sum(case((UsageRecord.status == UsageStatus.error.value, 1), else_=0)).label("e"),
@@ -439,7 +442,9 @@ def latency_stats(
             for col, q in ((timings[0], 0.5), (timings[0], 0.99), (timings[1], 0.5),
                            (timings[1], 0.99), (timings[2], 0.99))
         ]  # fmt: skip
-        query = select(group, *counts, *pct).where(*where).group_by(group).order_by(group)
+        query = (
+            select(group, *counts, *pct).where(*where).group_by(group).order_by(group.nulls_first())
+        )
         rows = [(r[0], r[1], r[2], r[3], *r[4:]) for r in session.execute(query)]
     else:
         summary = {
@@ -454,7 +459,7 @@ def latency_stats(
                 if v is not None:
                     bucket.append(v)
         rows = []
-        for g in sorted(summary):
+        for g in sorted(summary, key=lambda g: (g is not None, g)):  # None (base) first
             ttfts, tpots, queues = values[g]
             rows.append((g, *summary[g], _percentile(ttfts, 0.5), _percentile(ttfts, 0.99),
                          _percentile(tpots, 0.5), _percentile(tpots, 0.99),
@@ -465,7 +470,10 @@ def latency_stats(
 
     out = []
     for g, n, e, a, t50, t99, p50, p99, q99 in rows:
-        key = datetime.fromtimestamp(int(g) * bucket_s, UTC) if by == "time" else int(g)
+        if by == "time":
+            key = datetime.fromtimestamp(int(g) * bucket_s, UTC)
+        else:
+            key = int(g) if by == "tenant" else g
         out.append(LatencyStats(key, int(n), int(e or 0), int(a or 0), plain(t50), plain(t99),
                                 plain(p50), plain(p99), plain(q99)))  # fmt: skip
     return out

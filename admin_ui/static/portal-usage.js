@@ -6,6 +6,11 @@ import { field, h, number, table } from "./dom.js";
 
 const TOKENS = [{ name: "prompt tokens", cls: "s1" }, { name: "completion tokens", cls: "s2" }];
 
+// Time to first token (TTFT) and per output token (TPOT), as the server measured them.
+function ms(v) {
+  return v === null || v === undefined ? "–" : `${number(v, v < 10 ? 1 : 0)} ms`;
+}
+
 function monthBounds(month) {
   const [y, m] = month.split("-").map(Number);
   const days = new Date(Date.UTC(y, m, 0)).getUTCDate();
@@ -23,7 +28,7 @@ export async function usagePage(main, query) {
     const { start, end, days } = monthBounds(month.value);
     const q = `start=${start}&end=${end}`;
     download.href = `/portal/api/usage?format=csv&${q}`;
-    const report = await api.get(`/usage?${q}`);
+    const [report, latency] = await Promise.all([api.get(`/usage?${q}`), api.get(`/latency?${q}`)]);
     const byAdapter = new Map();
     const byDay = new Map();
     for (const r of report.data) {
@@ -48,7 +53,15 @@ export async function usagePage(main, query) {
         { label: "Completion tokens", num: true, cell: (r) => number(r.completion_tokens) },
         { label: "Errors", num: true, cell: (r) => number(r.errors) },
         { label: "Cost", num: true, cell: (r) => r.cost },
-      ], report.data, "No usage in this month.")));
+      ], report.data, "No usage in this month.")),
+      h("section", { class: "card", id: "latency-table" }, h("h2", {}, "Latency by adapter"), table([
+        { label: "Adapter", cell: (r) => r.adapter ?? "(base model)" },
+        { label: "Requests", num: true, cell: (r) => number(r.requests) },
+        { label: "p50 TTFT", num: true, cell: (r) => ms(r.ttft_p50_ms) },
+        { label: "p99 TTFT", num: true, cell: (r) => ms(r.ttft_p99_ms) },
+        { label: "p50 TPOT", num: true, cell: (r) => ms(r.tpot_p50_ms) },
+        { label: "p99 TPOT", num: true, cell: (r) => ms(r.tpot_p99_ms) },
+      ], latency.data, "No requests in this month.")));
   }
   month.addEventListener("change", () => {
     history.replaceState(null, "", `#usage?month=${month.value}`);

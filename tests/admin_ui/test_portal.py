@@ -180,6 +180,8 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
     expect(page.locator(".chart", has_text="Tokens by adapter")).to_contain_text(
         f"support-bot{tokens}"
     )
+    lat = page.locator("#latency-table tr", has_text="support-bot")
+    expect(lat.locator("td[data-label='p50 TTFT']")).to_contain_text(" ms")
     with page.expect_download() as download:
         page.click("#usage-csv")
     rows = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))

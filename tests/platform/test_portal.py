@@ -171,5 +171,8 @@ def test_account_quotas_and_usage_with_costs(server):
     assert "attachment" in r.headers["content-disposition"]
     parsed = list(csv.DictReader(io.StringIO(r.text)))
     assert parsed[0]["cost"] == "0.700000" and set(parsed[0]) >= {"day", "adapter", "requests"}
+    latency = {r["adapter"]: r for r in portal.get("/latency").json()["data"]}
+    assert list(latency) == [None, "a"]  # the base model first
+    assert latency["a"]["requests"] == 2 and latency["a"]["ttft_p50_ms"] is None  # none kept
     r = portal.get("/usage", params={"start": "2026-05-02", "end": "2026-05-01"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_period"

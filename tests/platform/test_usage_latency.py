@@ -131,6 +131,9 @@ def test_latency_percentiles_per_bucket_tenant_and_adapter(session, tenant):
     base = latency_stats(session, **period, by="tenant", base_model=True)
     assert [(s.key, s.requests) for s in base] == [(beta.id, 2)]
     assert latency_stats(session, **period, by="tenant", tenant_id=beta.id)[0].requests == 2
+    by_adapter = latency_stats(session, **period, by="adapter")
+    assert [(s.key, s.requests) for s in by_adapter] == [(None, 2), ("a", 10)]
+    assert by_adapter[1].ttft_p99 == pytest.approx(99.1)
 
 
 def test_latency_overview_endpoint(server):

@@ -319,6 +319,39 @@ def usage_report(
     )
 
 
+@api.get("/latency")
+def latency(
+    state: StateDep, caller: PortalCaller, start: str | None = None, end: str | None = None
+) -> dict:
+    """p50/p99 time to first token and per output token of the tenant's requests in
+    [start, end] (the current month by default), per adapter (the base model as null)."""
+    try:
+        lo, hi = period(start, end)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_period") from None
+    with state.sessions() as session:
+        rows = usage.latency_stats(
+            session, start=lo, end=hi, by="adapter", tenant_id=caller.tenant.id
+        )
+    return {
+        "object": "list",
+        "period_start": lo.isoformat(),
+        "period_end": hi.isoformat(),
+        "data": [
+            {
+                "adapter": r.key,
+                "requests": r.requests,
+                "errors": r.errors,
+                "ttft_p50_ms": r.ttft_p50,
+                "ttft_p99_ms": r.ttft_p99,
+                "tpot_p50_ms": r.tpot_p50,
+                "tpot_p99_ms": r.tpot_p99,
+            }
+            for r in rows
+        ],
+    }
+
+
 def mount(app: FastAPI) -> None:
     """Add the portal's pages, its API and its static files (the dashboard's) to `app`."""
     app.include_router(pages)
