@@ -428,6 +428,12 @@ def _aligned(t: torch.Tensor) -> bool:
     return all(s % align == 0 for s in strides)
 
 
+# What one per-group call of torch._grouped_mm costs, as bytes of gathered weights: the
+# per-row form is taken while the matrices it copies beyond one per group stay under this
+# per group (benchmarks/moe.py measures the expert LoRA that depends on it).
+_CALL_BYTES = 64 * 1024
+
+
 def _take(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """w.index_select(0, index), copied in w's own memory order: a transposed view (nn.Linear
     rows, [G, N, K] seen as [G, K, N]) gathered as the rows it is, then viewed back, rather
@@ -445,21 +451,32 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     non-empty groups only, whose weights it gathers (small then: rank x features each). When
     those hold a row or two each (a decode step: one row per virtual expert), every row
     takes its group's matrix instead and all rows go through one batched matmul: a gather of
-    rows x K x N, no per-group call. Shapes torch._grouped_mm cannot take (a rank below 16
-    bytes) are zero-padded. Rows from offs[G-1] on are unspecified.
+    rows x K x N, no per-group call. That form copies a matrix for every row past a group's
+    first; it is taken while those copies are small next to the calls they save (LoRA's
+    rank x features matrices, never the experts' own at a decode step). Shapes
+    torch._grouped_mm cannot take (a rank below 16 bytes) are zero-padded. Rows from
+    offs[G-1] on are unspecified.
     """
     p, (g, k, n) = x.shape[0], w.shape
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     used = counts.nonzero().squeeze(1)  # [groups with rows]
-    if 4 * used.numel() <= g:
-        if used.numel() == 0:
-            return x.new_zeros(p, n)
-        rows = int(offs[-1])
-        if rows <= 2 * used.numel():
-            group = torch.repeat_interleave(torch.arange(g, device=x.device), counts,
-                                            output_size=rows)  # fmt: skip
+    if used.numel() == 0:
+        return x.new_zeros(p, n)
+    rows, groups = int(offs[-1]), used.numel()
+    if rows <= 2 * groups and (rows - groups) * k * n * w.element_size() <= groups * _CALL_BYTES:
+        group = torch.repeat_interleave(torch.arange(g, device=x.device), counts,
+                                        output_size=rows)  # fmt: skip
+        if x.dtype == w.dtype == torch.float32 and w.is_contiguous():
+            # Each row a sum of its group's K weight rows scaled by its own K values: one
+            # embedding_bag reads them in place, without gathering a copy first.
+            index = (group.unsqueeze(1) * k + torch.arange(k, device=x.device)).flatten()
+            bags = torch.arange(0, rows * k, k, device=x.device)
+            y = F.embedding_bag(index, w.view(g * k, n), bags, mode="sum",
+                                per_sample_weights=x[:rows].flatten())  # fmt: skip
+        else:
             y = torch.matmul(x[:rows].unsqueeze(1), _take(w, group)).squeeze(1)
-            return y if rows == p else torch.cat([y, y.new_zeros(p - rows, n)])
+        return y if rows == p else torch.cat([y, y.new_zeros(p - rows, n)])
+    if 4 * groups <= g:
         w, offs = _take(w, used), offs.index_select(0, used)
     if _aligned(x) and _aligned(w):
         return torch._grouped_mm(x, w, offs=offs)
