@@ -212,22 +212,25 @@ def test_grouped_mm_bf16_serving_shapes(rows, groups, k, n, used):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("layout", ["kn", "nk", "slice"])
 @pytest.mark.parametrize(
-    ("counts", "tail"),
-    [([0] * 20 + [1] + [0] * 9 + [2, 0, 0, 1] + [0] * 30, 0),  # a decode step's LoRA
-     ([0] * 7 + [1] * 2, 3),  # rows past offs[-1]
-     ([0] * 9 + [3] + [0] * 30, 0)],  # one group, more rows than the per-row form takes
+    ("counts", "tail", "k", "n", "per_row"),
+    [([0] * 20 + [1] + [0] * 9 + [2, 0, 0, 1] + [0] * 30, 0, 24, 8, True),  # LoRA, decode
+     ([0] * 7 + [1] * 2, 3, 24, 8, True),  # rows past offs[-1]
+     ([1, 2, 0, 1, 2, 1, 1, 0], 0, 24, 8, True),  # LoRA, prefill: most groups have rows
+     ([0] * 9 + [3] + [0] * 30, 0, 24, 8, False),  # more rows than the per-row form takes
+     ([2, 1, 2, 2, 1, 2, 2, 2], 0, 256, 192, False)],  # experts, decode: large matrices
 )  # fmt: skip
-def test_cpu_grouped_mm_sparse_groups(dtype, layout, counts, tail, monkeypatch):
-    """Mostly empty groups of a row or two (LoRA over slots x experts): one batched matmul
-    over the rows, each with its own group's matrix; torch._grouped_mm is not called. More
-    rows per group go through torch._grouped_mm over the groups that have rows."""
-    x, w, offs = _case(counts, 24, 8, DTYPES[dtype], layout, tail, seed=len(counts))
+def test_cpu_grouped_mm_per_row_form(dtype, layout, counts, tail, k, n, per_row, monkeypatch):
+    """Groups of a row or two with small matrices (LoRA over slots x experts): one batched
+    matmul over the rows, each with its own group's matrix, and no torch._grouped_mm. More
+    rows per group, or matrices the rows would copy many times over, go through
+    torch._grouped_mm."""
+    x, w, offs = _case(counts, k, n, DTYPES[dtype], layout, tail, seed=len(counts))
     real, calls = torch._grouped_mm, []
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = cpu.grouped_mm(x, w, offs)
-    assert got.shape == (x.shape[0], 8) and got.dtype == x.dtype
+    assert got.shape == (x.shape[0], n) and got.dtype == x.dtype
     _check(got, reference.grouped_mm(x, w, offs), DTYPES[dtype], sum(counts))
-    assert len(calls) == (max(counts) > 2)
+    assert len(calls) == (not per_row)
 
 
 def test_cpu_grouped_mm_gathers_in_memory_order():
