@@ -87,7 +87,7 @@ def test_int8_greedy_agrees_with_float_cache(tiny_models, tiny_adapters, kind):
     prefix blocks), GQA and (gemma3) sliding windows. Per row, greedy tokens match the float
     cache's with close log-probabilities, and a row may part only where the float cache's
     top two tokens were a near-tie (random tiny weights have many; the demo model's figures
-    come from `python -m bench.kv_int8`)."""
+    come from `python -m benchmarks.kv_int8`)."""
     prompts = _prompts(6, 20) + [_prompts(1, 90, seed=9)[0]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = {

@@ -48,7 +48,7 @@ from tests.engine.heldout_texts import HELDOUT_TEXTS
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.utils.quant_checkpoints import assert_fast_path_close
 
-BENCH_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+BENCH_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 # --------------------------------------------------------------------------- formats
 
@@ -372,7 +372,7 @@ def _quality(demo_model_dir, method: str | None) -> dict:
 
 def _peer_int4_bound() -> float:
     """The best held-out perplexity ratio the open int4 quantizers reached at group 128 on the
-    demo model and the same text, as `python -m bench.quant` measured them (HQQ, torchao, plain
+    demo model and the same text, as `python -m benchmarks.quant` measured them (HQQ, torchao, plain
     round-to-nearest; gptqmodel cannot be installed beside the pinned torch). The old fixed
     target of 1.08x had no reference behind it; ours is 1.086-1.10x across CPUs."""
     rows = json.loads((BENCH_RESULTS / "quant-demo.json").read_text())["rows"]

@@ -23,6 +23,7 @@ import pytest
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute, iter_route_contexts
 
+from loraplex.platform.admin_session import CSRF_HEADER
 from loraplex.platform.api.deps import require_admin
 from loraplex.platform.db import crud
 from tests.platform.conftest import _empty_pg_schema
@@ -191,10 +192,20 @@ def _check(r: httpx.Response, what: str) -> None:
         assert isinstance(error["message"], str) and error["message"], f"{what}: {error}"
 
 
+def _portal_session(server, key: str) -> tuple[dict, dict]:
+    """The tenant portal's routes take a signed-in browser's cookie and CSRF header, not a
+    key: (cookies, headers) of a session opened with the tenant's key."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        client.post("/portal/login", data={"api_key": key})
+        csrf = client.get("/portal/session").json()["csrf_token"]
+        return dict(client.cookies), {CSRF_HEADER: csrf}
+
+
 def _operations(server, ids):
     app = server.app
     doc = _document(app)
     schemas = Schemas(doc)
+    portal = None
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             params = op.get("parameters", [])
@@ -203,8 +214,13 @@ def _operations(server, ids):
                      if p["in"] == "query" and p.get("required")}  # fmt: skip
             content = op.get("requestBody", {}).get("content", {})
             key = ADMIN_KEY if _needs_admin(app, path, method) else ids["key"]
+            cookies, headers = {}, {}
+            if path.startswith("/portal/"):
+                portal = portal or _portal_session(server, ids["key"])
+                cookies, headers = portal
             yield dict(path=path, method=method.upper(), params=params, path_values=values,
-                       query=query, content=content, key=key, schemas=schemas)  # fmt: skip
+                       query=query, content=content, key=key, schemas=schemas,
+                       cookies=cookies, headers=headers)  # fmt: skip
 
 
 def _url(server, op, path_values: dict) -> str:
@@ -216,8 +232,10 @@ def _url(server, op, path_values: dict) -> str:
 
 def _send(client: httpx.Client, server, op, *, path_values=None, query=None, **kw):
     url = _url(server, op, path_values or {k: quote(v) for k, v in op["path_values"].items()})
+    headers = _auth(op["key"]) | op.get("headers", {}) | kw.pop("headers", {})
+    client.cookies = op.get("cookies", {})
     return client.request(op["method"], url, params=query if query is not None else op["query"],
-                          headers=_auth(op["key"]) | kw.pop("headers", {}), **kw)  # fmt: skip
+                          headers=headers, **kw)  # fmt: skip
 
 
 def _json_bytes(value) -> bytes:
