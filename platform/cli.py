@@ -63,6 +63,7 @@ def _settings(args: argparse.Namespace):
             "max_model_len": getattr(args, "max_model_len", None),
             "swap_space_gib": getattr(args, "swap_space", None),
             "stream_interval": getattr(args, "stream_interval", None),
+            "otlp_traces_endpoint": getattr(args, "otlp_traces_endpoint", None),
         }.items()
         if v is not None
     }
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval", type=int, metavar="N",
                    help="tokens per streamed chunk, as vLLM's flag (default: settings, 1: a "
                    "chunk per token)")  # fmt: skip
+    s.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="OTLP/HTTP collector for request traces, as vLLM's flag (default: "
+                   "settings; off)")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip
@@ -274,11 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.set_defaults(func=_prepare_demo)
 
-    from loraplex.platform import cli_admin, cli_bench, cli_reports
+    from loraplex.platform import cli_admin, cli_batches, cli_bench, cli_reports
 
     cli_admin.add_commands(sub)  # tenants, keys, quotas
     cli_reports.add_commands(sub)  # adapters, usage
     cli_bench.add_commands(sub)  # bench serve
+    cli_batches.add_parser(sub)  # batches (the Batch API, with a tenant key)
     return p
 
 
