@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +57,14 @@ class EngineConfig:
     # How the CPU path computes attention: "sdpa" (torch's fused kernel), "matmul" (batched
     # matmuls, float32 softmax) or "auto": time both on the model's shape at start, keep the
     # faster (which wins depends on the CPU, by a wide margin either way: docs/cpu-path.md).
-    cpu_attention: str = "auto"
+    # LORAPLEX_CPU_ATTENTION sets the default (as it does the server's setting).
+    cpu_attention: str = field(
+        default_factory=lambda: os.environ.get("LORAPLEX_CPU_ATTENTION", "auto")
+    )
+    # Decode steps from persistent buffers, captured per batch bucket as CUDA graphs
+    # (engine/graph_runner.py). None: graphs on CUDA, plain steps on the CPU; True: never;
+    # False: always (on the CPU the same buffered forward runs uncaptured, as a check).
+    enforce_eager: bool | None = None
     # Threads for torch's CPU ops (None: torch's default, one per core). A server should leave
     # a core to its HTTP loop: busy-waiting compute threads starve it (docs/benchmarks.md,
     # "Measurements behind choices in the code").

@@ -240,8 +240,9 @@ def _classify(path: str, layer: int, spec: ModelSpec, where: str):
                     "or with target_parameters)"
                 )
             return "module", module
+    name = parts[-1] if len(parts) == 2 else ".".join(parts)
     raise AdapterError(
-        f"{where}: target module {'.'.join(parts)!r} is not supported ({spec.family}); "
+        f"{where}: target module {name!r} is not supported ({spec.family}); "
         f"supported: {supported}"
         + (", the experts (per expert or target_parameters) and the router" if spec.is_moe else "")
     )

@@ -15,57 +15,57 @@ import torch
 
 from loraplex.engine import kv_cache
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.graph_runner import DecodeGraphs
 from loraplex.engine.models.decoder import DecoderLM
-from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
+from loraplex.engine.models.layers import ForwardContext
 from loraplex.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from loraplex.engine.sampler import Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.step_plan import StepPlanner
+from loraplex.kernels import backend as kernel_backend
 from loraplex.kernels import cpu as cpu_kernels
+from loraplex.kernels import dispatch
 
 log = logging.getLogger("loraplex.engine")
 
 
 @dataclass
 class StepBatch:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    ctx: ForwardContext
+    input_ids: torch.Tensor | None  # [num_tokens] (None: a graph-ready decode step)
+    positions: torch.Tensor | None  # [num_tokens]
+    ctx: ForwardContext | None  # None: a graph-ready decode step, `decode` holds its inputs
     sample_rows: list[int]  # row of each sampling sequence's last token
     sample_seqs: list[Sequence]
     seqs: list[Sequence]  # all sequences, in row order
     prompt_rows: PromptRows  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
+    # graph-ready decode (engine/graph_runner.py): ids, positions, slots, tables, lengths and
+    # each row's adapter slot, as lists
+    decode: tuple | None = None
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
     return kv_cache.kv_block_bytes(model.spec, block_size, model.dtype, kv_cache_dtype)
 
 
-# "auto"'s timings, once per shape in a process: the form is process-wide, and engines built
-# later (a fleet bench's replicas, a test's reference and its subject) must not flip it under
-# the earlier ones when the two forms time alike (they round differently).
-_AUTO_TIMES: dict[tuple, dict[str, float]] = {}
-
-
-def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> None:
-    """Set the reference attention's form for this process (config.cpu_attention; "auto"
-    times both on a decode batch of the model's shape, once per process and model shape)."""
+def choose_cpu_attention(config: EngineConfig, model: DecoderLM | None) -> str:
+    """The CPU attention form for one engine (config.cpu_attention; "auto" times both on a
+    decode batch of the model's shape). Engines that must compute alike name the form: two
+    forms round differently."""
     impl = config.cpu_attention
     if impl == "auto":
         s = model.spec
-        key = (s.num_heads, s.num_kv_heads, s.head_dim, model.dtype)
-        if key not in _AUTO_TIMES:  # timed at the first engine's batch and context
-            _AUTO_TIMES[key] = cpu_kernels.pick_attention_impl(
-                *key, batch=min(config.max_num_seqs, 32), context=min(config.max_model_len, 256)
-            )
-        times = _AUTO_TIMES[key]
+        times = cpu_kernels.pick_attention_impl(
+            s.num_heads, s.num_kv_heads, s.head_dim, model.dtype,
+            batch=min(config.max_num_seqs, 32), context=min(config.max_model_len, 256),
+        )  # fmt: skip
         impl = next(iter(times))
         log.info(
             "CPU attention: %s (decode batch: %s)",
             impl,
             ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()),
         )
-    cpu_kernels.set_attention_impl(impl)
+    return impl
 
 
 class ModelRunner:
@@ -83,11 +83,28 @@ class ModelRunner:
                 "max_model_len"
             )
         self.attentions = [layer.self_attn for layer in model.model.layers]
+        eager = config.enforce_eager
+        if eager is None:  # captured graphs on CUDA; the CPU runs its steps as they come
+            eager = self.device.type != "cuda"
+        graphs = not eager and DecodeGraphs.supports(model)
+        # Graph-ready decode pads its batch with rows whose K/V go to one scratch block past
+        # the pool's (never handed out): a slot of -1 is not skipped by every backend.
         kv_cache.allocate_kv_cache(
-            self.attentions, self.num_blocks, bs, model.dtype, config.kv_cache_dtype, self.device
-        )
-        if self.device.type == "cpu":
-            choose_cpu_attention(config, model)
+            self.attentions, self.num_blocks + graphs, bs, model.dtype, config.kv_cache_dtype,
+            self.device,
+        )  # fmt: skip
+        impl = choose_cpu_attention(config, model) if self.device.type == "cpu" else "sdpa"
+        # This engine's kernels (the process's mode when it starts, its own attention form),
+        # bound to its model's modules: another engine in the process keeps its own.
+        self.backend = kernel_backend.KernelBackend(mode=dispatch.get_mode(), cpu_attention=impl)
+        kernel_backend.bind(model, self.backend)
+        self.planner = StepPlanner(model, self.backend, bs)
+        self.graphs = None
+        if graphs:
+            max_blocks = -(-config.max_model_len // bs)
+            self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks,
+                                       scratch_slot=self.num_blocks * bs,
+                                       capture=self.device.type == "cuda")  # fmt: skip
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -130,25 +147,32 @@ class ModelRunner:
                     # n > 1: the other samples draw their first token from the same logits.
                     sample_rows += [row0 + n - 1] * len(seq.fork_children)
                     sample_seqs += seq.fork_children
+        seqs = [out.seqs[i] for i in order]
+        if self.graphs is not None and qsl[-1] == len(seqs) and not prompt_rows.rows:
+            # every row one sequence's one new token: a graph-ready decode step
+            row_slots = [slots.get(seq.adapter_id, -1) for seq in seqs]
+            return StepBatch(
+                input_ids=None, positions=None, ctx=None, sample_rows=sample_rows,
+                sample_seqs=sample_seqs, seqs=seqs, prompt_rows=prompt_rows,
+                decode=(ids, pos, slot_mapping, tables, seq_lens, row_slots),
+            )  # fmt: skip
         width = max(len(t) for t in tables)
         block_tables = torch.tensor(
             [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=self.device
         )
         dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-        )
-        lora = LoRABatch(segments) if any(s >= 0 for _, _, s in segments) else None
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        ctx = self.planner.plan(
+            positions, torch.tensor(slot_mapping, dtype=torch.int64, device=dev), qsl,
+            seq_lens, block_tables, segments,
+        )  # fmt: skip
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            ctx=ForwardContext(attn=attn, lora=lora),
+            positions=positions,
+            ctx=ctx,
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
-            seqs=[out.seqs[i] for i in order],
+            seqs=seqs,
             prompt_rows=prompt_rows,
         )
 
@@ -167,7 +191,10 @@ class ModelRunner:
 
         A sequence with k speculative proposals appears k + 1 times in a row."""
         batch = self.prepare(out, slots)
-        hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        if batch.decode is not None:
+            hidden = self.graphs.run(*batch.decode)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
         if batch.prompt_rows.rows:
             score_prompt_rows(self.model, hidden, batch.prompt_rows)
         if not batch.sample_seqs:

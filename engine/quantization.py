@@ -25,7 +25,7 @@ noise). `dequantize()` returns W (rotated back). GPTQ's result moves a lot with 
 so it was measured over draws (the rotation times random sign flips): held-out perplexity on the
 demo model x1.06-1.10 (mean 1.08) with the rotation, x1.08-1.16 (mean 1.12) without.
 
-On CUDA the dequant kernels run through `kernels.dispatch`. On CPU (dispatch mode "auto")
+On CUDA the dequant kernels run through the engine's kernel backend. On CPU (mode "auto")
 decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
 (several times faster than a float matmul there, but only with bf16 activations, so
 activations and outputs round to bf16); larger batches dequantize the weight per call into a
@@ -56,7 +56,6 @@ from loraplex.engine.int4_layout import (
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts
 from loraplex.engine.rotation import hadamard, rotate_groups, rotate_xtx
-from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 
 METHODS = ("int8", "int4", "fp8")
@@ -152,9 +151,8 @@ class QuantizedLoRALinear(LoRALinear):
         """The float32 [N, K] weight this module multiplies by (exactly, before bf16 rounding)."""
         raise NotImplementedError
 
-    @staticmethod
-    def _cpu_fast(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and dispatch.get_mode() == "auto"
+    def _cpu_fast(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and self.backend.mode == "auto"
 
 
 class WeightOnlyInt8Linear(QuantizedLoRALinear):
@@ -174,7 +172,7 @@ class WeightOnlyInt8Linear(QuantizedLoRALinear):
             xb = x.to(torch.bfloat16).contiguous()
             y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
             return y.to(x.dtype)
-        return dispatch.int8_matmul(x, self.qweight, self.scales)
+        return self.backend.int8_matmul(x, self.qweight, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales)
@@ -191,6 +189,7 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         rotate: bool = True,
         codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         in_perm: torch.Tensor | None = None,
+        hadamards: dict | None = None,
     ):
         """Round-to-nearest, or GPTQ when given X^T X [K, K] of calibration inputs; in the
         Hadamard-rotated basis unless `rotate` is False (module docstring).
@@ -201,6 +200,8 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         multiplies (GPTQ act-order: x[..., in_perm] @ W_stored^T = x @ W^T).
         """
         super().__init__(lin)
+        # the rotations, shared by the layers of one model (quantize_model passes one dict)
+        self.hadamards = {} if hadamards is None else hadamards
         self.rotate = rotate and codes is None
         self.register_buffer("in_perm", in_perm)  # None unless a checkpoint reordered K
         if codes is not None:
@@ -238,9 +239,9 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
 
     def _hadamard(self, dtype: torch.dtype) -> torch.Tensor:
         key = (self.group_size, dtype, self.device)
-        if key not in _HADAMARDS:  # one per size/dtype/device, shared by every layer
-            _HADAMARDS[key] = hadamard(self.group_size, dtype, self.device)
-        return _HADAMARDS[key]
+        if key not in self.hadamards:  # one per size/dtype/device, shared by a model's layers
+            self.hadamards[key] = hadamard(self.group_size, dtype, self.device)
+        return self.hadamards[key]
 
     def _rotated(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.to(dtype)
@@ -262,7 +263,7 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
             return y.to(x.dtype)
         x = self._rotated(x, x.dtype)
         q = self.canonical_qweight()  # a conversion per call: reference / test path only
-        return dispatch.int4_matmul(x, q, self.scales, self.zeros, self.group_size)
+        return self.backend.int4_matmul(x, q, self.scales, self.zeros, self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         w = dequantize_int4(self.canonical_qweight(), self.scales, self.zeros, self.group_size)
@@ -323,9 +324,6 @@ class WeightOnlyFp8Linear(QuantizedLoRALinear):
         return dequantize_fp8(self.qweight, self.scales)
 
 
-_HADAMARDS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
 _CLASSES = {
     "int8": WeightOnlyInt8Linear,
     "int4": WeightOnlyInt4Linear,
@@ -356,8 +354,11 @@ def quantize_model(
         raise ValueError(f"quantization must be one of {METHODS} or None, got {method!r}")
     if method == "int4" and calibration:
         start = time.perf_counter()
+        shared: dict = {}
         calibrate_and_quantize(
-            model, calibration, lambda lin, xtx: WeightOnlyInt4Linear(lin, xtx=xtx)
+            model,
+            calibration,
+            lambda lin, xtx: WeightOnlyInt4Linear(lin, xtx=xtx, hadamards=shared),
         )
         log.info(
             "int4 GPTQ on %d calibration tokens: %.1f s",
@@ -367,6 +368,7 @@ def quantize_model(
         quantize_experts(model, method)
         return
     cls = _CLASSES[method]
+    kwargs = {"hadamards": {}} if cls is WeightOnlyInt4Linear else {}
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
@@ -377,7 +379,7 @@ def quantize_model(
     with torch.no_grad():
         for name, mod in targets:
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, cls(mod))
+            setattr(model.get_submodule(parent_name), child, cls(mod, **kwargs))
     quantize_experts(model, method)
 
 
@@ -386,17 +388,17 @@ class QuantizedExperts(Experts):
     calibration has too few tokens per expert to estimate each one's inputs). Each expert's
     rows go through that expert's quantized matmul; expert LoRA is unchanged."""
 
-    def __init__(self, ex: Experts, cls: type[QuantizedLoRALinear]):
+    def __init__(self, ex: Experts, cls: type[QuantizedLoRALinear], **kwargs):
         nn.Module.__init__(self)
-        for name in ("num_experts", "hidden", "inter", "limit", "alpha", "gate_up_proj_bias",
-                     "down_proj_bias", "lora_gate_up_a", "lora_gate_up_b", "lora_down_a",
-                     "lora_down_b", "lora_widths"):  # fmt: skip
+        for name in ("num_experts", "hidden", "inter", "limit", "alpha", "_bound",
+                     "gate_up_proj_bias", "down_proj_bias", "lora_gate_up_a", "lora_gate_up_b",
+                     "lora_down_a", "lora_down_b", "lora_widths"):  # fmt: skip
             setattr(self, name, getattr(ex, name))
 
         def quantized(w: torch.Tensor) -> QuantizedLoRALinear:
             lin = LoRALinear(w.shape[1], [w.shape[0]], bias=False)
             lin.weight = nn.Parameter(w.detach(), requires_grad=False)
-            return cls(lin)
+            return cls(lin, **kwargs)
 
         self.gate_up_q = nn.ModuleList(quantized(w) for w in ex.gate_up_proj)
         self.down_q = nn.ModuleList(quantized(w) for w in ex.down_proj)
@@ -426,7 +428,8 @@ def quantize_experts(model: nn.Module, method: str) -> int:
     with torch.no_grad():
         for name, mod in targets:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, QuantizedExperts(mod, cls))
+            kwargs = {"hadamards": {}} if cls is WeightOnlyInt4Linear else {}
+            setattr(model.get_submodule(parent), child, QuantizedExperts(mod, cls, **kwargs))
     return len(targets)
 
 

@@ -165,9 +165,6 @@ def _build(spec: dict, ctx: ProcessorContext) -> GrammarProcessor:
 class GrammarProcessor(LogitsProcessor):
     """One request's grammar matcher; masks every token the grammar cannot take next."""
 
-    # One CPU bitmask per logits shape, reused each step: [rows, ceil(vocab / 32)] int32.
-    _bitmasks: dict[tuple[int, int], torch.Tensor] = {}
-
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
@@ -178,9 +175,9 @@ class GrammarProcessor(LogitsProcessor):
         import xgrammar as xgr
 
         n, vocab = logits.shape
-        bitmask = cls._bitmasks.get((n, vocab))
-        if bitmask is None:
-            bitmask = cls._bitmasks[(n, vocab)] = xgr.allocate_token_bitmask(n, vocab)
+        # [rows, ceil(vocab / 32)] int32, all allowed; a step's own (small: 4 bytes per 32
+        # tokens a row), so nothing is kept between steps or engines
+        bitmask = xgr.allocate_token_bitmask(n, vocab)
         live = []
         for row, proc in zip(rows, processors, strict=True):
             if not proc.matcher.is_terminated():

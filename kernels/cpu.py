@@ -1,10 +1,10 @@
 """The engine's CPU backend: every op of `reference.py` with the same signature and
 semantics, batched for speed (decode attention of all one-token queries at once, LoRA of many
-adapters in a few matmuls). Ops that plan work per step (`paged_attention`, `lora_apply`)
-take the step's `memo` (a dict owned by the forward pass's context, `ForwardContext`): the
-first layer builds the plan and the others reuse it; without a memo each call plans for
-itself. Nothing is cached at module level. tests/kernels/test_cpu_backend.py checks every op
-against the reference.
+adapters in a few matmuls). Ops that share work across a step's layers (`paged_attention`,
+`lora_apply`) take a `plan` the model runner builds once per step before the forward
+(`plan_attention`, `plan_lora`; engine/step_plan.py); without one a call plans for itself.
+Nothing is kept at module level. tests/kernels/test_cpu_backend.py checks every op against
+the reference.
 """
 
 from __future__ import annotations
@@ -42,23 +42,10 @@ __all__ = [
 # "matmul" (two batched matmuls in the input dtype, softmax in float32). Which is faster
 # depends on the CPU; the engine measures both once at start (pick_attention_impl).
 ATTENTION_IMPLS = ("sdpa", "matmul")
-_attention_impl = "sdpa"
-
-
-def set_attention_impl(impl: str) -> None:
-    """Select how the CPU path computes attention (sdpa | matmul) for every later call."""
-    global _attention_impl
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, not {impl!r}")
-    _attention_impl = impl
-
-
-def get_attention_impl() -> str:
-    return _attention_impl
 
 
 def _attend(
-    q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl=None, allowed=None, sinks=None
+    q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl="sdpa", allowed=None, sinks=None
 ):
     """`reference.attend`'s semantics in one of two forms; both accumulate the matmuls in
     float32 and take the softmax in float32:
@@ -69,7 +56,7 @@ def _attend(
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
-    if not softcap and sinks is None and (impl or _attention_impl) == "sdpa":
+    if not softcap and sinks is None and impl == "sdpa":
         out = F.scaled_dot_product_attention(
             q.transpose(-3, -2),  # [..., H, n, d]
             k.transpose(-3, -2),  # [..., KVH, L, d]
@@ -111,9 +98,10 @@ def _decode_matmul(q, k, v, allowed, scale, softcap, sinks=None):
 
 class _DecodePlan:
     """What every layer's attention of one step shares for one group of short queries (built
-    once per step, kept in the step's memo): the sequences with `lo`..`hi` new tokens, their
-    rows (padded to the group's longest by repeating a sequence's last row), block tables,
-    positions, and the visibility mask per sliding window. Group 1..1 is the decode rows;
+    once per step by `plan_attention`): the sequences with `lo`..`hi` new tokens, their rows
+    (padded to the group's longest by repeating a sequence's last row), block tables,
+    positions, the visibility mask per sliding window and the gather rows per kv-head count
+    (those the model uses, built with the plan). Group 1..1 is the decode rows;
     2..`SHORT_QUERY_ROWS` holds, e.g., a row and its speculative proposals."""
 
     def __init__(self, block_tables, query_start_loc, seq_lens, block_size: int, device,
@@ -156,20 +144,49 @@ class _DecodePlan:
         b, length = self.tables.shape[0], self.max_len
         if kvh == 1:
             return gather_kv(cache, self.tables, length, scale, dtype).view(b, length, d)
-        if kvh not in self._rows:
-            slots = self.tables.unsqueeze(-1) * bs + torch.arange(bs, device=self.device)
-            heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
-            self._rows[kvh] = (slots.view(b, 1, length) * kvh + heads).reshape(-1)
-        rows = torch.index_select(cache.view(nblocks * bs * kvh, d), 0, self._rows[kvh])
+        rows_k = self._rows.get(kvh)
+        if rows_k is None:  # not planned for (a direct call): built for this call only
+            rows_k = self.gather_rows(kvh, bs)
+        rows = torch.index_select(cache.view(nblocks * bs * kvh, d), 0, rows_k)
         if scale is not None:
-            scales = torch.index_select(scale.view(-1), 0, self._rows[kvh])
+            scales = torch.index_select(scale.view(-1), 0, rows_k)
             rows = dequantize(rows, scales, dtype)
         return rows.view(b * kvh, length, d)
 
+    def gather_rows(self, kvh: int, block_size: int) -> torch.Tensor:
+        b, length = self.tables.shape[0], self.max_len
+        slots = self.tables.unsqueeze(-1) * block_size + torch.arange(
+            block_size, device=self.device
+        )
+        heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
+        return (slots.view(b, 1, length) * kvh + heads).reshape(-1)
+
+    def prepare(self, windows: Sequence[int | None], kv_heads: Sequence[int], block_size: int):
+        """Build the masks and gather rows the model's layers will ask for."""
+        if not self.decode:
+            return
+        for w in windows:
+            self._masks[w] = visible(self.q_pos, self.k_pos, w)
+        for kvh in kv_heads:
+            if kvh > 1:
+                self._rows[kvh] = self.gather_rows(kvh, block_size)
+
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        if sliding_window not in self._masks:
-            self._masks[sliding_window] = visible(self.q_pos, self.k_pos, sliding_window)
-        return self._masks[sliding_window]
+        m = self._masks.get(sliding_window)
+        return visible(self.q_pos, self.k_pos, sliding_window) if m is None else m
+
+
+def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int],
+                   seq_lens: Sequence[int], block_size: int,
+                   windows: Sequence[int | None] = (None,),
+                   kv_heads: Sequence[int] = ()) -> tuple[_DecodePlan, _DecodePlan]:  # fmt: skip
+    """`paged_attention`'s plan for one step: its decode and short-query groups, with the
+    masks for `windows` and the gather rows for `kv_heads` built."""
+    args = (block_tables, query_start_loc, seq_lens, block_size, block_tables.device)
+    plans = (_DecodePlan(*args), _DecodePlan(*args, lo=2, hi=SHORT_QUERY_ROWS))
+    for plan in plans:
+        plan.prepare(windows, kv_heads, block_size)
+    return plans
 
 
 def pick_attention_impl(
@@ -182,7 +199,7 @@ def pick_attention_impl(
     repeats: int = 5,
 ) -> dict[str, float]:
     """Milliseconds of one decode batch (`batch` queries over `context` keys each) with each
-    impl on this CPU, fastest first; the caller sets the winner with set_attention_impl."""
+    impl on this CPU, fastest first (the engine keeps the winner in its KernelBackend)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
     k = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -220,34 +237,31 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    memo: dict | None = None,
     *,
+    plan: tuple[_DecodePlan, _DecodePlan] | None = None,
     sinks: torch.Tensor | None = None,
+    impl: str = "sdpa",
 ) -> None:
-    """`reference.paged_attention`; `memo`: the step's plan cache (see the module doc).
-    Layers with sinks run the "matmul" form (sdpa cannot take them)."""
+    """`reference.paged_attention`; `plan`: the step's (`plan_attention`, see the module
+    doc); `impl`: the attention form (sdpa | matmul). Layers with sinks run the "matmul" form
+    (sdpa cannot take them)."""
     ks, vs, dt = (k_scale, v_scale, q.dtype)
     dev = q.device
-    key = ("decode_plan", k_cache.shape[1], dev)
-    plans = memo.get(key) if memo is not None else None
-    if plans is None:
-        args = (block_tables, query_start_loc, seq_lens, k_cache.shape[1], dev)
-        plans = (_DecodePlan(*args), _DecodePlan(*args, lo=2, hi=SHORT_QUERY_ROWS))
-        if memo is not None:
-            memo[key] = plans
-    plan, short = plans
+    if plan is None:
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
+    plan, short = plan
     decode = plan.decode + short.decode
     if plan.decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
         allowed = plan.mask(sliding_window)  # [B, 1, L]
-        if softcap or sinks is not None or _attention_impl == "matmul":
+        if softcap or sinks is not None or impl == "matmul":
             k, v = plan.gather(k_cache, ks, dt), plan.gather(v_cache, vs, dt)  # [B * KVH, L, d]
             o = _decode_matmul(q[plan.rows], k, v, allowed, scale, softcap, sinks)
         else:
             k = gather_kv(k_cache, plan.tables, plan.max_len, ks, dt)  # [B, L, KVH, d]
             v = gather_kv(v_cache, plan.tables, plan.max_len, vs, dt)
             o = _attend(q[plan.rows].unsqueeze(1), k, v, plan.q_pos, plan.k_pos, scale,
-                        sliding_window, softcap, allowed=allowed).squeeze(1)  # fmt: skip
+                        sliding_window, softcap, impl, allowed=allowed).squeeze(1)  # fmt: skip
         # Padding keys sit beyond each sequence's length, which causality already masks.
         out[plan.rows] = o.to(out.dtype)
     if short.decode:
@@ -264,6 +278,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            impl,
             allowed=short.mask(sliding_window),
             sinks=sinks,
         )  # [B, n, H, d] fmt: skip
@@ -278,7 +293,7 @@ def paged_attention(
         v = gather_kv(v_cache, block_tables[i, :nb], length, vs, dt)
         q_pos = torch.arange(length - (e - s), length, device=dev)
         k_pos = torch.arange(length, device=dev)
-        o = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, sinks=sinks)
+        o = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, impl, sinks=sinks)
         out[s:e] = o.to(out.dtype)
 
 
@@ -332,7 +347,7 @@ def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -
     return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device), from_zero)
 
 
-def _lora_groups(
+def plan_lora(
     segments: Sequence[tuple[int, int, int]], widths: Sequence[int], device: torch.device
 ) -> list[tuple[int, list[tuple[int, int, int]], tuple[torch.Tensor, ...] | _Dense | None]]:
     """`lora_apply`'s plan: per width, a dense run (few adapters: `_Dense`), or the segments
@@ -378,7 +393,8 @@ def lora_apply(
     lora_b: torch.Tensor,
     segments: Sequence[tuple[int, int, int]],
     widths: Sequence[int],
-    memo: dict | None = None,
+    *,
+    plan: list | None = None,
 ) -> None:
     """`reference.lora_apply`: y += per-segment LoRA delta (shrink then expand).
 
@@ -386,20 +402,14 @@ def lora_apply(
     (`DENSE_MAX_COLUMNS`). Otherwise the short segments of similar length (the decode rows
     of many adapters, even beside a few prefill chunks) are padded to one length and run as
     two batched matmuls over the slots' weights instead of two matmuls per segment; the long
-    ones run one by one (`memo`: see the module doc). A group reads exactly its width's rows
-    of its own slots, so rows past a slot's width and slots no row uses (they may hold
-    anything) are never read. The dense run zeroes the other slots' columns with a select,
-    not a product, so it stays exact even when a row's product with another adapter
-    overflows (adapters are checked finite when they load). Timings: docs/cpu-path.md.
+    ones run one by one (`plan`: `plan_lora`'s, see the module doc). A group reads exactly
+    its width's rows of its own slots, so rows past a slot's width and slots no row uses
+    (they may hold anything) are never read. The dense run zeroes the other slots' columns
+    with a select, not a product, so it stays exact even when a row's product with another
+    adapter overflows (adapters are checked finite when they load). Timings: docs/cpu-path.md.
     """
-    # The layers of one step share the segments; the widths differ per module kind. With the
-    # step's memo each distinct plan is built once per step (its segments are the step's).
-    key = ("lora", tuple(widths[slot] if slot >= 0 else 0 for *_, slot in segments), x.device)
-    plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _lora_groups(segments, widths, x.device)
-        if memo is not None:
-            memo[key] = plan
+        plan = plan_lora(segments, widths, x.device)
     for width, segs, index in plan:
         if index is None:
             sgmv_expand(y, sgmv_shrink(x, lora_a, segs, widths), lora_b, segs, widths)
@@ -487,3 +497,57 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     wp = w.new_zeros(w.shape[0], kp, np_)
     wp[:, :k, :n] = w
     return torch._grouped_mm(xp, wp, offs=offs)[:, :n]
+
+
+# ------------------------------------------------------------------ graph-ready decode
+# Decode steps replayed from persistent buffers (engine/graph_runner.py) read only tensors of
+# fixed shapes: no Python list of the step's lengths or segments, no host read. These forms
+# are plain torch (any device), so a CUDA graph can capture them.
+
+
+def decode_attention_static(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+    impl: str = "sdpa",
+) -> None:
+    """One query per row: row b (its token at position seq_lens[b] - 1) attends to its
+    sequence's keys through block_tables[b] ([B, max_blocks], every block gathered, the keys
+    past seq_lens[b] masked). q, out [B, H, d]; seq_lens [B] int64 (at least 1 each)."""
+    b, nb = block_tables.shape
+    length = nb * k_cache.shape[1]
+    k = gather_kv(k_cache, block_tables, length, k_scale, q.dtype)  # [B, L, KVH, d]
+    v = gather_kv(v_cache, block_tables, length, v_scale, q.dtype)
+    q_pos = (seq_lens - 1).unsqueeze(1)  # [B, 1]
+    k_pos = torch.arange(length, device=q.device)
+    allowed = visible(q_pos, k_pos, sliding_window)  # [B, 1, L]
+    o = _attend(q.unsqueeze(1), k, v, q_pos, k_pos, scale, sliding_window, softcap, impl,
+                allowed=allowed, sinks=sinks)  # fmt: skip
+    out.copy_(o.squeeze(1).to(out.dtype))
+
+
+def lora_apply_static(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    row_slots: torch.Tensor,
+) -> None:
+    """y += each row's slot's B A x (row_slots [rows] int64, -1: none): every slot's columns
+    in one matmul, the other slots' zeroed per row (a select, so a product that overflows in
+    another slot's columns cannot leak), one matmul back. Slots' unused widths are zeros."""
+    s, w, _ = lora_a.shape
+    t = F.linear(x, lora_a.reshape(s * w, -1))  # [rows, S * W]
+    own = row_slots.unsqueeze(1) == torch.arange(s, device=x.device).repeat_interleave(w)
+    t = torch.where(own, t, t.new_zeros(()))
+    y.addmm_(t, lora_b.reshape(s * w, -1))

@@ -1,8 +1,9 @@
-"""The one switch between the Triton kernels and the torch reference.
+"""The process's default kernel mode, and the ops through a backend in that mode.
 
-Engine code calls ops only through this module. Each op keeps the reference's signature,
-semantics and docstring (see `reference.py`); the backend is chosen per call from the tensors'
-device and the mode:
+An engine runs its kernels through its own `KernelBackend` (kernels/backend.py), which takes
+this module's mode when the engine starts; the functions here serve direct calls, tools and
+tests. Each op keeps the reference's signature, semantics and docstring (see `reference.py`);
+the implementation is chosen per call from the tensors' device and the mode:
 
     LORAPLEX_KERNELS=auto       (default) Triton on CUDA tensors, the CPU backend (`cpu.py`,
                                 batched torch) elsewhere
@@ -10,27 +11,20 @@ device and the mode:
                                 written for clarity; for checking the fast paths
     LORAPLEX_KERNELS=triton     Triton everywhere (on CPU only under TRITON_INTERPRET=1)
 
-`paged_attention` and `lora_apply` also take `memo`, the forward pass's dict in which a backend
-keeps what it plans once per step (the reference ignores it).
-
-Triton modules are imported on first use: `@triton.jit` decides at decoration time whether it
-builds an interpreted or a compiled kernel, so importing them early would freeze that choice
-before a test can set TRITON_INTERPRET.
+Triton modules are imported on first use (kernels/backend.py says why).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
-from loraplex.kernels import cpu, reference
+from loraplex.kernels import reference
+from loraplex.kernels.backend import MODES, KernelBackend
 
-MODES = ("auto", "reference", "triton")
 _mode = "auto"
 
 
@@ -50,39 +44,47 @@ def use_triton(t: torch.Tensor) -> bool:
     return _mode == "triton" or (_mode == "auto" and t.is_cuda)
 
 
-@functools.cache
-def _triton(name: str) -> ModuleType:
-    return importlib.import_module(f"loraplex.kernels.{name}")
-
-
 set_mode(os.environ.get("LORAPLEX_KERNELS", "auto"))
 
 
-def _switch(module: str, name: str, planned: bool = False) -> Callable:
-    """`cpu.<name>`, `reference.<name>` or the Triton op of the same name in
-    `kernels/<module>.py`, chosen per call from the mode and whether any tensor argument lives
-    on a GPU. `planned`: the op takes the step's `memo` (not passed to the reference)."""
+def default_backend() -> KernelBackend:
+    """A backend in the process's default mode (LORAPLEX_KERNELS, `set_mode`) with the CPU's
+    sdpa attention form: what direct calls, tools and tests use. An engine builds its own
+    (engine/model_runner.py), taking this mode when it starts."""
+    return KernelBackend(mode=_mode)
+
+
+class UsesBackend:
+    """For modules that run kernels: `backend` is the one an engine bound to the module
+    (kernels.backend.bind), else the process default at the time of the call."""
+
+    _bound: KernelBackend | None = None
+
+    @property
+    def backend(self) -> KernelBackend:
+        return self._bound if self._bound is not None else default_backend()
+
+    @backend.setter
+    def backend(self, value: KernelBackend | None) -> None:
+        self._bound = value
+
+
+def _op(name: str) -> Callable:
+    """The default backend's op `name`, with the reference's docstring; a `memo` argument
+    (the former per-step cache) is accepted and ignored: a call without a plan plans for
+    itself."""
     ref = getattr(reference, name)
 
     @functools.wraps(ref)
     def op(*args, memo: dict | None = None, **kwargs):
-        on_gpu = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-        if _mode == "triton" or (_mode == "auto" and on_gpu):
-            backend = _triton(module)
-        elif _mode == "reference":
-            return ref(*args, **kwargs)
-        else:
-            backend = cpu
-        if planned:
-            kwargs["memo"] = memo
-        return getattr(backend, name)(*args, **kwargs)
+        return getattr(default_backend(), name)(*args, **kwargs)
 
     return op
 
 
-write_kv_cache = _switch("kv_cache", "write_kv_cache")
-paged_attention = _switch("paged_attention", "paged_attention", planned=True)
-lora_apply = _switch("sgmv", "lora_apply", planned=True)
-int8_matmul = _switch("dequant_matmul", "int8_matmul")
-int4_matmul = _switch("dequant_matmul", "int4_matmul")
-grouped_mm = _switch("moe_triton", "grouped_mm")
+write_kv_cache = _op("write_kv_cache")
+paged_attention = _op("paged_attention")
+lora_apply = _op("lora_apply")
+int8_matmul = _op("int8_matmul")
+int4_matmul = _op("int4_matmul")
+grouped_mm = _op("grouped_mm")

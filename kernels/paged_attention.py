@@ -273,6 +273,30 @@ def paged_attention(
     )()  # fmt: skip
 
 
+def plan_attention(query_start_loc: Sequence[int], seq_lens: Sequence[int], num_heads: int,
+                   num_kv_heads: int, device: torch.device,
+                   decode_block_m: int = 16) -> dict:  # fmt: skip
+    """The index tensors `paged_attention_plan` needs for one step with the default launch
+    parameters, on the device: its `memo`, built once by the model runner before the forward
+    so that no layer builds (or copies) anything."""
+    gp = triton.next_power_of_2(num_heads // num_kv_heads)
+    n_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    decode = [i for i, n in enumerate(n_new) if n == 1]
+    prefill = [i for i, n in enumerate(n_new) if n > 1]
+
+    def put(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device)
+
+    memo = {("paged_attention", "q_end"): put(list(query_start_loc[1:])),
+            ("paged_attention", "lens"): put(list(seq_lens))}  # fmt: skip
+    for seqs, block_m, is_decode in ((decode, decode_block_m, True), (prefill, 64, False)):
+        if seqs:
+            block_q = max(1, block_m // gp)
+            tiles = put(_tiles(seqs, query_start_loc, block_q)).T.contiguous()
+            memo["paged_attention", "tiles", is_decode, block_q] = tiles
+    return memo
+
+
 def paged_attention_plan(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -359,7 +383,11 @@ def paged_attention_plan(
             continue
         block_q = max(1, block_m // gp)
         pairs = functools.partial(_tiles, seqs, query_start_loc, block_q)
-        tiles = on_device(("tiles", seqs is decode, block_q), pairs).T.contiguous()  # [2, n]
+        key = ("tiles", seqs is decode, block_q)
+        if memo is not None and ("paged_attention", *key) in memo:  # plan_attention's: [2, n]
+            tiles = memo["paged_attention", *key]
+        else:
+            tiles = on_device(key, pairs).T.contiguous()  # [2, n]
         splits = split_kv if seqs is decode else 1
         part = ml = rows = out  # not read without a split
         stride_ms = 0

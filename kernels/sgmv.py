@@ -326,20 +326,22 @@ def lora_apply(
     segments: Sequence[tuple[int, int, int]],
     widths: Sequence[int],
     memo: dict | None = None,
+    *,
+    meta: SGMVMeta | None = None,
 ) -> None:
     """Same contract as reference.lora_apply: y += per-segment LoRA delta, y changed in place.
 
     Shape: y [num_tokens, out]; x [num_tokens, in]; lora_a [num_slots, max_width, in];
     lora_b [num_slots, max_width, out]; segments (start, end, slot); widths per slot.
     The default launch parameters; no slice-skipping (the call does not carry slice ranks).
-    `memo`: the step's dict (one forward pass's, see dispatch): the layers of a step share
-    the segments, so the tiles are built and copied to the device once per step and width
-    set, not twice per LoRA module and layer.
+    `meta`: the tiles `build_meta` made for these segments and widths (the model runner's,
+    once per step); `memo`: a dict to keep them in for the next call with the same widths.
     """
     if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
         return
     key = ("sgmv", tuple(widths), x.device)
-    meta = memo.get(key) if memo is not None else None
+    if meta is None and memo is not None:
+        meta = memo.get(key)
     if meta is None:
         meta = build_meta(segments, widths, x.device)
         if memo is not None:

@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each engine picks its own CPU attention form ("auto" times both at its start), and the two
+# forms round differently: tests that compare engines with each other bitwise need one form.
+# Tests of "auto" itself ask for it by name.
+os.environ.setdefault("LORAPLEX_CPU_ATTENTION", "sdpa")
 # Triton reads TRITON_INTERPRET when `triton.language` is first imported, which libraries
 # (transformers, peft, torch's compiler) may do while test modules are collected: set it here,
 # before anything else, on machines without an NVIDIA GPU (tests/kernels/conftest.py is late).

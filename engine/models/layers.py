@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.models.spec import ModelSpec, RopeSpec
-from loraplex.kernels import dispatch
+from loraplex.kernels.dispatch import UsesBackend
+
+# A step's metadata, typed. The model runner builds all of it before the forward
+# (engine/step_plan.py); layers only read it, and build nothing per step themselves.
 
 
 @dataclass
@@ -19,25 +22,44 @@ class AttentionMetadata:
     query_start_loc: list[int]  # num_seqs + 1: row range of each sequence's new tokens
     seq_lens: list[int]  # num_seqs: context length after this step
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    # the kernel backend's plan for these tables and lengths (KernelBackend.plan_attention:
+    # the CPU's decode groups with masks and gather rows, Triton's tile lists on the device)
+    plan: object | None = None
 
 
 @dataclass
 class LoRABatch:
-    """Rows grouped by adapter slot: (start_row, end_row, slot), slot -1 = no adapter.
-    `plans`: what the LoRA backend plans once per step for these segments (per width set)."""
+    """Rows grouped by adapter slot: (start_row, end_row, slot), slot -1 = no adapter."""
 
     segments: list[tuple[int, int, int]]
-    plans: dict = field(default_factory=dict)
+    # [num_tokens] int64: each row's slot (-1: none), for the experts' per-row LoRA
+    row_slots: torch.Tensor | None = None
+    # a module's slot widths (tuple, one per slot) -> the backend's plan for these segments
+    # and widths (KernelBackend.plan_lora); every distinct width set of the model's modules
+    plans: dict[tuple[int, ...], object] = field(default_factory=dict)
+    # an expert stack's slot widths -> [num_slots] bool: which slots hold an expert adapter
+    expert_slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    # a graph-ready decode step (engine/graph_runner.py): no segments, only row_slots
+    static: bool = False
+
+
+@dataclass
+class StaticDecode:
+    """A decode step read only from fixed-shape buffers (one query per row), so that a CUDA
+    graph can replay it: each row's context length and block table as tensors."""
+
+    seq_lens: torch.Tensor  # [rows] int64: context length after this step (>= 1)
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with 0
 
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoRABatch | None  # None when no row has an adapter
-    # What the layers of one forward pass share (each RoPE table's rows for its positions,
-    # the attention backend's plan for these tables and lengths); a new context per pass, so
-    # nothing outlives the step's metadata and no module keeps a cache of its own.
-    memo: dict = field(default_factory=dict)
+    # Rotary.key -> (cos, sin) [num_tokens, 1, rotary_dim] in the activations' dtype at this
+    # step's positions: each distinct table's rows, looked up once for every layer using it
+    rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    static: StaticDecode | None = None  # set: a graph-ready decode step
 
 
 class RMSNorm(nn.Module):
@@ -105,10 +127,12 @@ class Rotary(nn.Module):
         self.rope, self.head_dim = rope, head_dim
         self.rotary_dim = rope.rotary_dim(head_dim)
         self.cos_sin = torch.empty(0)
+        self.key: tuple = ()  # names the table among the model's (build)
 
     def build(self, device: torch.device, max_len: int, shared: dict) -> None:
         """Tables are shared between layers with the same RoPE and sized to max_len."""
         key = (self.rope, self.head_dim, max_len)
+        self.key = key
         if key not in shared:
             inv = inv_frequencies(self.rope, self.rotary_dim).to(device)
             t = torch.arange(max_len, device=device, dtype=torch.float32)
@@ -125,18 +149,12 @@ class Rotary(nn.Module):
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, memo: dict | None = None
+        self, x: torch.Tensor, positions: torch.Tensor, rope: dict | None = None
     ) -> torch.Tensor:
-        """x [num_tokens, heads, head_dim]. With `memo` (one forward pass's), the layers and
-        q/k calls that share this table look its rows up once (docs/cpu-path.md)."""
-        if memo is None:
-            cos, sin = self.tables(positions, x.dtype)
-        else:
-            # The value holds the table and positions, so their ids stay theirs meanwhile.
-            key = ("rope", id(self.cos_sin), id(positions), x.dtype)
-            if key not in memo:
-                memo[key] = (self.cos_sin, positions, *self.tables(positions, x.dtype))
-            cos, sin = memo[key][2:]
+        """x [num_tokens, heads, head_dim]. `rope`: the step's looked-up rows per table
+        (ForwardContext.rope); without this table's there, looked up for this call."""
+        planned = rope.get(self.key) if rope else None
+        cos, sin = planned if planned is not None else self.tables(positions, x.dtype)
         if self.rotary_dim < self.head_dim:
             rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
             return torch.cat([self._rotate(rot, cos, sin), rest], dim=-1)
@@ -148,7 +166,7 @@ class Rotary(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(UsesBackend, nn.Module):
     """A linear layer whose output is several fused slices (e.g. q|k|v), each a LoRA target.
 
     The adapter manager installs per-slot stacked weights (`lora_a`, `lora_b`, `lora_widths`;
@@ -173,6 +191,7 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
         self.lora_a, self.lora_b, self.lora_widths = lin.lora_a, lin.lora_b, lin.lora_widths
+        self._bound = lin._bound
         self.weight = None  # only `base` multiplies
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,13 +200,16 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = self.base(x)  # [num_tokens, out]
-        if lora is not None and self.lora_a is not None:
-            dispatch.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments, self.lora_widths,
-                                memo=lora.plans)  # fmt: skip
+        if lora is not None and self.lora_a is not None and lora.static:
+            self.backend.lora_apply_static(y, x, self.lora_a, self.lora_b, lora.row_slots)
+        elif lora is not None and self.lora_a is not None:
+            plan = lora.plans.get(tuple(self.lora_widths))
+            self.backend.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments,
+                                    self.lora_widths, plan=plan)  # fmt: skip
         return y
 
 
-class Attention(nn.Module):
+class Attention(UsesBackend, nn.Module):
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.spec = spec
@@ -220,15 +242,24 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions, ctx.memo), self.rotary(k, positions, ctx.memo)
+        q, k = self.rotary(q, positions, ctx.rope), self.rotary(k, positions, ctx.rope)
         a = ctx.attn
         rot = self.kv_rotation
         if rot is not None:  # an orthogonal R: (qR)(kR)^T = q k^T, and p (vR) R^T = p v
             q, k, v = (q.float() @ rot).to(q.dtype), k.float() @ rot, v.float() @ rot
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        dispatch.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping, **scales)
+        self.backend.write_kv_cache(self.k_cache, self.v_cache, k, v, a.slot_mapping, **scales)
         out = torch.empty_like(q)
-        dispatch.paged_attention(
+        if ctx.static is not None:
+            self.backend.decode_attention_static(
+                out, q, self.k_cache, self.v_cache, ctx.static.block_tables,
+                ctx.static.seq_lens, s.query_scale, self.window, s.attn_softcap, **scales,
+                sinks=None if self.sinks is None else self.sinks.float(),
+            )  # fmt: skip
+            if rot is not None:
+                out = (out.float() @ rot.T).to(x.dtype)
+            return self.o_proj(out.flatten(-2), ctx.lora)
+        self.backend.paged_attention(
             out,
             q,
             self.k_cache,
@@ -240,8 +271,8 @@ class Attention(nn.Module):
             self.window,
             s.attn_softcap,
             **scales,
-            memo=ctx.memo,
-            **({} if self.sinks is None else {"sinks": self.sinks.float()}),
+            plan=a.plan,
+            sinks=None if self.sinks is None else self.sinks.float(),
         )
         if rot is not None:
             out = (out.float() @ rot.T).to(x.dtype)

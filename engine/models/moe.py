@@ -20,21 +20,18 @@ from torch import nn
 
 from loraplex.engine.models.layers import MLP, LoRABatch, LoRALinear
 from loraplex.engine.models.spec import ModelSpec
-from loraplex.kernels import dispatch
+from loraplex.kernels.dispatch import UsesBackend
 
 
-def row_slots(lora: LoRABatch, rows: int, device: torch.device) -> torch.Tensor:
-    """The adapter slot of every row [rows] int64 (-1: none), built once per step."""
-    key = ("row_slots", rows)
-    if key not in lora.plans:
-        slots = torch.full((rows,), -1, dtype=torch.int64)
-        for start, end, slot in lora.segments:
-            slots[start:end] = slot
-        lora.plans[key] = slots.to(device)
-    return lora.plans[key]
+def row_slots(segments: list[tuple[int, int, int]], rows: int, device) -> torch.Tensor:
+    """The adapter slot of every row [rows] int64 (-1: none)."""
+    slots = torch.full((rows,), -1, dtype=torch.int64)
+    for start, end, slot in segments:
+        slots[start:end] = slot
+    return slots.to(device)
 
 
-class Experts(nn.Module):
+class Experts(UsesBackend, nn.Module):
     """Every expert's gate|up [experts, 2 * inter, hidden] and down [experts, hidden, inter]
     weights (transformers 5's fused layout), and the adapter slots' expert LoRA stacks, which
     the adapter manager allocates on the first expert adapter it installs."""
@@ -61,13 +58,12 @@ class Experts(nn.Module):
 
     def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Quantized experts (engine/quantization.py) replace the two base products."""
-        return dispatch.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
+        return self.backend.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
 
     def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return dispatch.grouped_mm(x, self.down_proj.transpose(1, 2), offs)
+        return self.backend.grouped_mm(x, self.down_proj.transpose(1, 2), offs)
 
-    @staticmethod
-    def _lora(y: torch.Tensor, x: torch.Tensor, virt: tuple | None,
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, virt: tuple | None,
               a: torch.Tensor | None, b: torch.Tensor | None) -> None:  # fmt: skip
         """y[rows] += B_v A_v x[rows] for each row's virtual expert v (see the module doc);
         `virt` = (rows that have one, their order by v, v's cumulative row ends). A slot's
@@ -79,13 +75,13 @@ class Experts(nn.Module):
         xa = x[rows[order]]
         wa = a.view(s * e, width, a.shape[-1]).transpose(1, 2)
         wb = b.view(s * e, width, b.shape[-1])
-        delta = dispatch.grouped_mm(dispatch.grouped_mm(xa, wa, offs), wb, offs)
+        delta = self.backend.grouped_mm(self.backend.grouped_mm(xa, wa, offs), wb, offs)
         y.index_add_(0, rows[order], delta.to(y.dtype))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                slots: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """x [tokens, hidden], experts/weights [tokens, top_k], slots [tokens] (adapter slot
-        per token, -1 none; None: no adapter in the batch) -> [tokens, hidden]."""
+                lora: LoRABatch | None) -> torch.Tensor:  # fmt: skip
+        """x [tokens, hidden], experts/weights [tokens, top_k] -> [tokens, hidden]; `lora`
+        (None: no adapter in the batch) gives each token's slot."""
         tokens, top_k = experts.shape
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # pairs by expert; a token's in expert order
@@ -93,7 +89,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         offs = counts.cumsum(0).to(torch.int32)
         xs = x[token]
-        virt = self._virtual(flat[order], slots, token) if slots is not None else None
+        virt = self._virtual(flat[order], lora, token) if lora is not None else None
         sorted_experts = flat[order]
         h = self.base_gate_up(xs, offs)
         if self.gate_up_proj_bias is not None:
@@ -117,12 +113,16 @@ class Experts(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def _virtual(self, expert: torch.Tensor, slots: torch.Tensor, token: torch.Tensor):
+    def _virtual(self, expert: torch.Tensor, lora: LoRABatch, token: torch.Tensor):
         """For pairs sorted by expert: which have an expert adapter, sorted by virtual expert
         (slot * experts + expert), and the cumulative row ends of every virtual expert."""
         if self.lora_gate_up_a is None or not any(self.lora_widths):
             return None
-        has = torch.tensor([w > 0 for w in self.lora_widths], device=slots.device)
+        has = lora.expert_slots.get(tuple(self.lora_widths))
+        slots = lora.row_slots
+        if has is None or slots is None:  # not planned (a direct call)
+            has = torch.tensor([w > 0 for w in self.lora_widths], device=expert.device)
+            slots = row_slots(lora.segments, int(token.max()) + 1, expert.device)
         slot = slots[token]
         rows = torch.nonzero((slot >= 0) & has[slot.clamp(min=0)]).flatten()
         if rows.numel() == 0:
@@ -167,8 +167,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         weights, experts = self.route(x, lora)
-        slots = row_slots(lora, x.shape[0], x.device) if lora is not None else None
-        out = self.experts(x, experts, weights, slots)
+        out = self.experts(x, experts, weights, lora)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

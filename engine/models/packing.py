@@ -84,17 +84,14 @@ def _best_time(fn, x: torch.Tensor, reps: int = 3) -> float:
     return best
 
 
-# Decided once per (out, in) shape and thread count for the process, so every engine in it
-# computes alike.
-_PACKING_PAYS: dict[tuple[int, int, int], bool] = {}
-
-
-def packing_pays(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+def packing_pays(weight: torch.Tensor, packed: torch.Tensor, decided: dict | None = None) -> bool:
     """Whether oneDNN's packed float32 product beats F.linear on this CPU for this shape,
-    timed at `PACK_TIMING_ROWS` (interleaved, best of several runs; about 0.2 s for the demo
-    model's largest layer)."""
+    timed at `PACK_TIMING_ROWS` (interleaved, best of several runs). `decided`: the answers
+    so far for one model (per shape and thread count), so its layers of one shape decide
+    alike and each shape is timed once."""
+    decided = {} if decided is None else decided
     key = (*weight.shape, torch.get_num_threads())
-    if key not in _PACKING_PAYS:
+    if key not in decided:
         gen = torch.Generator().manual_seed(0)
         ratios = []
         for rows in PACK_TIMING_ROWS:
@@ -104,8 +101,8 @@ def packing_pays(weight: torch.Tensor, packed: torch.Tensor) -> bool:
                 plain = min(plain, _best_time(lambda v: F.linear(v, weight), x))
                 fast = min(fast, _best_time(lambda v: _packed_linear(v, packed, None), x))
             ratios.append(fast / plain)
-        _PACKING_PAYS[key] = math.prod(ratios) ** (1 / len(ratios)) < PACK_FLOAT32_MARGIN
-    return _PACKING_PAYS[key]
+        decided[key] = math.prod(ratios) ** (1 / len(ratios)) < PACK_FLOAT32_MARGIN
+    return decided[key]
 
 
 def prepack_cpu_linears(model: nn.Module, float32: bool | None = None) -> int:
@@ -135,6 +132,7 @@ def prepack_cpu_linears(model: nn.Module, float32: bool | None = None) -> int:
         )
     ]
     done = 0
+    decided: dict = {}  # packing_pays' answers for this model
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, mod in targets:
@@ -149,7 +147,7 @@ def prepack_cpu_linears(model: nn.Module, float32: bool | None = None) -> int:
                 keep = torch.equal(got, want)
             else:
                 keep = _close_to_f_linear(got, want)
-                keep = keep and (float32 or packing_pays(w, packed.packed))
+                keep = keep and (float32 or packing_pays(w, packed.packed, decided))
             if keep:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, packed)

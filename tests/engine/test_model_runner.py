@@ -76,18 +76,20 @@ def test_rows_are_grouped_by_adapter_slot_with_their_kv_slots(engine, tiny_adapt
 
 
 def test_per_step_plans_are_built_once_for_all_layers(engine, tiny_adapters, monkeypatch):
-    """Decode steps of a mixed batch: one decode plan per step (every layer shares it) and
-    one LoRA plan per distinct width set (q|k|v, o, gate|up, down differ), not per layer."""
+    """Decode steps of a mixed batch: the runner builds one decode plan per step (every layer
+    shares it) and one LoRA plan per distinct width set (q|k|v, o, gate|up, down differ)
+    before the forward; no layer builds one."""
     adapters = tiny_adapters["llama"]
     loras = [LoRARequest("qv4", 1, str(adapters["qv4"])), None,
              LoRARequest("attn8", 2, str(adapters["attn8"]))]  # fmt: skip
     plans, groups, applies = [], [], []
-    real_plan, real_groups, real_apply = cpu._DecodePlan, cpu._lora_groups, cpu.lora_apply
+    real_plan, real_groups, real_apply = cpu._DecodePlan, cpu.plan_lora, cpu.lora_apply
     monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
-    monkeypatch.setattr(cpu, "_lora_groups", lambda *a: groups.append(a[1]) or real_groups(*a))
+    monkeypatch.setattr(cpu, "plan_lora", lambda *a: groups.append(a[1]) or real_groups(*a))
 
     def lora_apply(*a, **kw):
         applies.append(1)
+        assert kw.get("plan") is not None or not any(s >= 0 for *_, s in a[4])  # planned
         return real_apply(*a, **kw)
 
     monkeypatch.setattr(cpu, "lora_apply", lora_apply)
@@ -95,7 +97,7 @@ def test_per_step_plans_are_built_once_for_all_layers(engine, tiny_adapters, mon
     _run(engine, tiny_adapters, [([5, 17, 99], lo) for lo in loras], max_tokens=4)
     layers = len(engine.model.model.layers)
     assert layers > 1 and len(steps) >= 4
-    assert len(plans) == 2 * len(steps)  # each step's first layer builds both query groups
+    assert len(plans) == 2 * len(steps)  # each step's plan holds both query groups
     # Every LoRA module (4 per layer) of every layer calls lora_apply; a plan is built once
     # per step and width set (module kinds with the same widths share one).
     width_sets = len({tuple(w) for w in groups})

@@ -91,7 +91,7 @@ def test_float32_packing_follows_this_cpus_timing(monkeypatch):
     from loraplex.engine.models import packing
 
     for pays in (False, True):
-        monkeypatch.setattr(packing, "packing_pays", lambda w, packed, pays=pays: pays)
+        monkeypatch.setattr(packing, "packing_pays", lambda w, p, decided=None, pays=pays: pays)
         model = torch.nn.Sequential(_float32_layer(False), _float32_layer(False))
         assert prepack_cpu_linears(model) == (2 if pays else 0)
         assert all(isinstance(m, PackedLoRALinear) == pays for m in model)
@@ -100,15 +100,15 @@ def test_float32_packing_follows_this_cpus_timing(monkeypatch):
 def test_packing_pays_times_each_shape_once(monkeypatch):
     from loraplex.engine.models import packing
 
-    monkeypatch.setattr(packing, "_PACKING_PAYS", {})
     calls = []
     real = packing._best_time
     monkeypatch.setattr(packing, "_best_time", lambda fn, x: calls.append(1) or real(fn, x))
     w = _float32_layer(False).weight.detach()
     packed = packing._pack(w)
-    first = packing.packing_pays(w, packed)
+    decided: dict = {}
+    first = packing.packing_pays(w, packed, decided)
     n = len(calls)
-    assert n > 0 and packing.packing_pays(w, packed) == first and len(calls) == n
+    assert n > 0 and packing.packing_pays(w, packed, decided) == first and len(calls) == n
 
 
 def test_small_or_refused_float32_layers_stay_plain():
@@ -174,12 +174,12 @@ def test_float32_engine_with_packed_layers_generates_what_the_plain_one_does(
     from loraplex.engine.models import packing
 
     monkeypatch.setattr(packing, "PACK_FLOAT32_MIN_WEIGHTS", 0)  # the test model's layers too
-    monkeypatch.setattr(packing, "packing_pays", lambda w, packed: True)
+    monkeypatch.setattr(packing, "packing_pays", lambda w, packed, decided=None: True)
     packed, plain, model, plain_model = _packed_and_plain(
         tiny_models,
         tiny_adapters,
         dict(dtype="float32", cpu_attention="matmul"),
-        lambda: monkeypatch.setattr(packing, "packing_pays", lambda w, packed: False),
+        lambda: monkeypatch.setattr(packing, "packing_pays", lambda w, p, decided=None: False),
     )
     assert _count_packed(model) == 4 * len(model.model.layers)
     assert _count_packed(plain_model) == 0

@@ -91,35 +91,25 @@ def test_sinks_only_scale_the_plain_softmax(gen):
     assert got[0, 3].abs().max() < 1e-30
 
 
-@pytest.fixture
-def restore_attention_impl():
-    saved = cpu.get_attention_impl()
-    yield
-    cpu.set_attention_impl(saved)
-
-
 @pytest.mark.parametrize("impl", cpu.ATTENTION_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize(("window", "int8"), [(None, False), (8, False), (None, True)])
-def test_cpu_backend_matches_the_reference(
-    gen, impl, dtype, heads, step, window, int8, restore_attention_impl
-):
+def test_cpu_backend_matches_the_reference(gen, impl, dtype, heads, step, window, int8):
     """Both CPU forms (sinks route "sdpa" to the matmul form) on decode batches, short
-    multi-row queries and prefill chunks, several layers sharing the step's memo."""
-    cpu.set_attention_impl(impl)
+    multi-row queries and prefill chunks, several layers sharing the step's plan."""
     clean, caches, scales, q, tables, qsl, lens = _step(gen, dtype, heads, *STEPS[step], int8)
     caches = caches if int8 else clean  # its decode form reads whole blocks (NaN: no)
     sinks = _sinks(heads[0], gen)
     args = (*caches, tables, qsl, lens, heads[2] ** -0.5, window, None, *scales)
     want = torch.zeros_like(q)
     reference.paged_attention(want, q, *args, sinks=sinks)
-    memo: dict = {}
+    plan = cpu.plan_attention(tables, qsl, lens, caches[0].shape[1], [window], [heads[1]])
     plain = torch.full_like(q, float("nan"))
-    cpu.paged_attention(plain, q, *args, memo=memo)  # a layer without sinks, same step
+    cpu.paged_attention(plain, q, *args, plan=plan, impl=impl)  # a layer without sinks
     got = torch.full_like(q, float("nan"))
-    cpu.paged_attention(got, q, *args, memo=memo, sinks=sinks)
+    cpu.paged_attention(got, q, *args, plan=plan, sinks=sinks, impl=impl)
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
     assert not torch.allclose(got.float(), plain.float(), **tolerance(dtype))
 

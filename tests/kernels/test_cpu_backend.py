@@ -1,6 +1,6 @@
 """The CPU backend (kernels/cpu.py) against the reference: paged attention in both forms,
 int8 caches, sliding windows and softcaps on steps mixing prefills and decodes; LoRA in its
-dense, batched and per-segment forms; and the step memo (one plan per step, none kept)."""
+dense, batched and per-segment forms; and the step's plans (built once, nothing kept)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ STEPS = {  # cached tokens, new tokens per sequence
                          [(None, None, False), (8, None, False), (None, 0.5, False),
                           (None, None, True)])  # fmt: skip
 def test_paged_attention_matches_the_reference(
-    gen, impl, dtype, heads, step, window, softcap, int8, restore_attention_impl
+    gen, impl, dtype, heads, step, window, softcap, int8
 ):
-    cpu.set_attention_impl(impl)
     contexts, news = STEPS[step]
     _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, contexts, news)
     caches, scales = (_quantized(clean)[:2], _quantized(clean)[2:]) if int8 else (clean, ())
@@ -40,50 +39,45 @@ def test_paged_attention_matches_the_reference(
     want = torch.zeros_like(q)
     reference.paged_attention(want, q, *args)
     got = torch.full_like(q, float("nan"))
-    cpu.paged_attention(got, q, *args, memo={})
+    cpu.paged_attention(got, q, *args, impl=impl)
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
 
 
-def test_one_decode_plan_per_step_memo(gen, monkeypatch):
-    """Every layer of a step passes the same memo: the decode plan is built once and serves
-    every layer (several windows); a new step's memo plans anew; no memo, no reuse."""
+def test_one_decode_plan_per_step(gen, monkeypatch):
+    """A step's plan (plan_attention, built before the forward) serves every layer, windows
+    and kv heads included, and no layer builds anything; without a plan a call plans for
+    itself and keeps nothing; the module keeps no state."""
     heads = (8, 2, 64)
     _, clean, q, tables, qsl, lens = _batch("cpu", gen, torch.float32, heads, 8,
                                             *STEPS["decode"])  # fmt: skip
-    plans = []
-    real = cpu._DecodePlan
-    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real(*a, **k))
     scale = heads[2] ** -0.5
+    plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]])
+    plans, masks = [], []
+    real_plan, real_visible = cpu._DecodePlan, cpu.visible
+    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    monkeypatch.setattr(cpu, "visible", lambda *a, **k: masks.append(1) or real_visible(*a, **k))
 
-    def layer(memo, window=None, lengths=lens):
+    def layer(plan, window=None, lengths=lens):
         out = torch.zeros_like(q)
-        cpu.paged_attention(out, q, *clean, tables, qsl, lengths, scale, window, memo=memo)
+        cpu.paged_attention(out, q, *clean, tables, qsl, lengths, scale, window, plan=plan,
+                            impl="matmul")  # fmt: skip
         want = torch.zeros_like(q)
         reference.paged_attention(want, q, *clean, tables, qsl, lengths, scale, window)
         torch.testing.assert_close(out, want)
 
-    memo: dict = {}
     for window in (None, 8, None, 8):
-        layer(memo, window)
-    assert len(plans) == 2  # one-token queries, short multi-row queries
-    layer({}, lengths=[max(n - 5, 1) for n in lens])  # the next step: other lengths, new plans
+        layer(plan, window)
+    assert plans == [] and masks == []  # everything came from the plan
     layer(None)
     layer(None)
-    assert len(plans) == 8
+    assert len(plans) == 4  # two groups per call, planned for the call
     assert not [k for k, v in vars(cpu).items() if isinstance(v, dict) and not k.startswith("__")]
-
-
-@pytest.fixture
-def restore_attention_impl():
-    saved = cpu.get_attention_impl()
-    yield
-    cpu.set_attention_impl(saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 @pytest.mark.parametrize("window", [None, 8])
-def test_attention_forms_agree(gen, dtype, heads, window, restore_attention_impl):
+def test_attention_forms_agree(gen, dtype, heads, window):
     """The CPU path's two attention forms (torch's fused kernel, batched matmuls) give the
     same result on a step mixing fresh prompts, a chunk after a cached prefix and decodes."""
     _, clean, q, tables, qsl, lens = _batch(
@@ -91,15 +85,14 @@ def test_attention_forms_agree(gen, dtype, heads, window, restore_attention_impl
     )
     outs = {}
     for impl in cpu.ATTENTION_IMPLS:
-        cpu.set_attention_impl(impl)
         outs[impl] = torch.full_like(q, float("nan"))
         cpu.paged_attention(outs[impl], q, *clean, tables, qsl, lens, heads[2] ** -0.5,
-                                  window)  # fmt: skip
+                            window, impl=impl)  # fmt: skip
     assert not outs["matmul"].isnan().any()
     torch.testing.assert_close(outs["matmul"].float(), outs["sdpa"].float(), **tolerance(dtype))
 
 
-def test_attention_impl_is_chosen_per_config(tiny_models, restore_attention_impl, caplog):
+def test_attention_impl_is_chosen_per_engine(tiny_models, caplog):
     from loraplex.engine import LLM
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.model_runner import choose_cpu_attention
@@ -108,18 +101,50 @@ def test_attention_impl_is_chosen_per_config(tiny_models, restore_attention_impl
     with pytest.raises(ValueError, match="cpu_attention"):
         EngineConfig(model=model, cpu_attention="fast")
     for impl in cpu.ATTENTION_IMPLS:  # forced: no model needed, nothing timed
-        cpu.set_attention_impl("matmul" if impl == "sdpa" else "sdpa")
-        choose_cpu_attention(EngineConfig(model=model, cpu_attention=impl), model=None)
-        assert cpu.get_attention_impl() == impl
+        assert choose_cpu_attention(EngineConfig(model=model, cpu_attention=impl), None) == impl
     with caplog.at_level("INFO", logger="loraplex.engine"):
-        LLM(model, dtype="float32", max_model_len=64, max_lora_rank=8)  # auto: timed
+        auto = LLM(model, dtype="float32", max_model_len=64, max_lora_rank=8, cpu_attention="auto")
     (line,) = [r.getMessage() for r in caplog.records if "CPU attention" in r.getMessage()]
     chosen = line.split()[2]
-    assert cpu.get_attention_impl() == chosen and "sdpa" in line and "matmul" in line
+    assert auto.engine.runner.backend.cpu_attention == chosen
+    assert "sdpa" in line and "matmul" in line
     times = cpu.pick_attention_impl(8, 2, 64, torch.bfloat16, batch=4, context=32)
     assert list(times) == sorted(times, key=times.get) and set(times) == {"sdpa", "matmul"}
-    with pytest.raises(ValueError, match="attention impl"):
-        cpu.set_attention_impl("flash")
+    from loraplex.kernels.backend import KernelBackend
+
+    with pytest.raises(ValueError, match="CPU attention"):
+        KernelBackend(cpu_attention="flash")
+
+
+def test_two_engines_in_one_process_keep_their_own_backends(tiny_models, tiny_adapters):
+    """Each engine's kernels are its own: an engine on the reference kernels and one on the
+    CPU backend with each attention form, built in any order in one process, each give
+    what a lone engine of their kind gives, bitwise."""
+    from loraplex.engine import LLM, LoRARequest, SamplingParams
+    from loraplex.kernels import dispatch
+
+    model = str(tiny_models["llama"])
+    adapter = LoRARequest("attn8", 1, str(tiny_adapters["llama"]["attn8"]))
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    prompts = [[5, 9, 33, 70], [7, 8, 200]]
+
+    def build(mode: str, impl: str) -> LLM:
+        saved = dispatch.get_mode()
+        dispatch.set_mode(mode)
+        try:
+            return LLM(model, dtype="float32", max_lora_rank=8, cpu_attention=impl)
+        finally:
+            dispatch.set_mode(saved)
+
+    def run(llm: LLM):
+        return [o.outputs[0].logprobs for o in llm.generate(prompts, params, [adapter, None])]
+
+    kinds = [("reference", "sdpa"), ("auto", "sdpa"), ("auto", "matmul")]
+    alone = {k: run(build(*k)) for k in kinds}
+    together = {k: build(*k) for k in kinds}  # all alive at once, built in one order
+    for k in reversed(kinds):  # run in another
+        assert run(together[k]) == alone[k], k
+        assert together[k].engine.runner.backend.mode == k[0]
 
 
 @pytest.mark.parametrize("ranks", [[8], [4, 8, 16]], ids=["one-width", "mixed-widths"])
@@ -158,7 +183,7 @@ def test_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
     segments, rows = make_segments(list(range(num_adapters)), lengths)
     _, x = guarded((rows, in_features), dtype, "cpu", gen)
     _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
-    plan = cpu._lora_groups(segments, widths, x.device)
+    plan = cpu.plan_lora(segments, widths, x.device)
     for _width, segs, index in plan:  # the long segments alone, the decode rows batched
         assert all((e - s > 1) == (index is None) for s, e, _ in segs)
     assert sum(len(segs) for _, segs, _ in plan) == num_adapters
@@ -171,22 +196,22 @@ def test_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
 
 
 def test_plan_follows_the_widths_of_the_same_segments():
-    """In one step's memo the plans are keyed by the widths of the step's segments: the same
-    segments with a slot at another width (another module kind) get their own plan, and
-    each kind finds its plan again."""
+    """A step plans once per width set (the runner's LoRABatch.plans): the same segments with
+    a slot at another width (another module kind) get their own plan, and each kind's plan
+    serves every module of that kind."""
     gen = torch.Generator().manual_seed(5)
     a, b, widths, segments, x, _, y = _case(
         "cpu", gen, torch.float32, requests=30, num_adapters=10, ranks=[8], mix="uniform",
         no_adapter=False, prefill=False,
     )  # fmt: skip
-    memo: dict = {}
     halved = [w // 2 if i % 2 else w for i, w in enumerate(widths)]
+    plans = {tuple(ws): cpu.plan_lora(segments, ws, x.device) for ws in (widths, halved)}
+    assert len(plans) == 2
     for ws in (widths, halved, widths, halved):
         batched, plain = y.clone(), y.clone()
-        cpu.lora_apply(batched, x, a, b, segments, ws, memo=memo)
+        cpu.lora_apply(batched, x, a, b, segments, ws, plan=plans[tuple(ws)])
         reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, ws), b, segments, ws)
         torch.testing.assert_close(batched, plain)
-    assert len(memo) == 2
 
 
 def _plain(y, x, a, b, segments, widths):
@@ -213,7 +238,7 @@ def test_few_adapters_run_dense(dtype, ranks):
     rows = 33
     _, x = guarded((rows, 64), dtype, "cpu", gen)
     _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
-    plan = cpu._lora_groups(segments, widths, x.device)
+    plan = cpu.plan_lora(segments, widths, x.device)
     assert plan and all(isinstance(index, cpu._Dense) for *_, index in plan)
     dense = y.clone()
     cpu.lora_apply(dense, x, a, b, segments, widths)
@@ -232,7 +257,7 @@ def test_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
     a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
     segments, rows = make_segments([1, 0, 1], [1, 1, 5])
     x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, sum(QKV), generator=gen)
-    [(width, _, index)] = cpu._lora_groups(segments, widths, x.device)
+    [(width, _, index)] = cpu.plan_lora(segments, widths, x.device)
     assert index.from_zero and width == a.shape[1]
     assert cpu._stacked(a, index, width).data_ptr() == a.data_ptr()  # a view
     dense = y.clone()
@@ -252,7 +277,7 @@ def test_dense_run_keeps_rows_apart_when_another_adapter_overflows():
     a, b, x = a.half(), b.half(), x.half()
     y = torch.zeros(2, sum(QKV), dtype=torch.float16)
     segments = [(0, 1, 0), (1, 2, 1)]
-    assert isinstance(cpu._lora_groups(segments, widths, x.device)[0][2], cpu._Dense)
+    assert isinstance(cpu.plan_lora(segments, widths, x.device)[0][2], cpu._Dense)
     assert not torch.isfinite(x[:1] @ a[1].t()).all()
     dense = y.clone()
     cpu.lora_apply(dense, x, a, b, segments, widths)

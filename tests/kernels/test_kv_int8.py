@@ -88,20 +88,15 @@ def test_int8_attention_kernel_vs_reference(device, gen, dtype, heads, page, con
 def test_int8_cpu_path_close_to_float_cache(gen, dtype, impl):
     """The CPU path's int8 attention (both forms) stays within quantization error of the same
     step over the float cache."""
-    saved = cpu.get_attention_impl()
-    cpu.set_attention_impl(impl)
-    try:
-        heads = (8, 2, 64)
-        _, clean, q, tables, qsl, lens = _batch(
-            "cpu", gen, dtype, heads, 8, contexts=[0, 37, 16, 5, 70], news=[20, 9, 1, 1, 1]
-        )
-        scale = heads[2] ** -0.5
-        want = torch.zeros_like(q)
-        reference.paged_attention(want, q, *clean, tables, qsl, lens, scale)
-        got = torch.zeros_like(q)
-        cpu.paged_attention(got, q, *_quantized(clean)[:2], tables, qsl, lens, scale,
-                                  None, None, *_quantized(clean)[2:])  # fmt: skip
-    finally:
-        cpu.set_attention_impl(saved)
+    heads = (8, 2, 64)
+    _, clean, q, tables, qsl, lens = _batch(
+        "cpu", gen, dtype, heads, 8, contexts=[0, 37, 16, 5, 70], news=[20, 9, 1, 1, 1]
+    )
+    scale = heads[2] ** -0.5
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, q, *clean, tables, qsl, lens, scale)
+    got = torch.zeros_like(q)
+    cpu.paged_attention(got, q, *_quantized(clean)[:2], tables, qsl, lens, scale,
+                        None, None, *_quantized(clean)[2:], impl=impl)  # fmt: skip
     err = (got.float() - want.float()).abs().max().item()
     assert 0 < err < 0.05  # int8 rounding shows, but stays small (values ~N(0, 1))

@@ -1,0 +1,134 @@
+"""Graph-ready decode: a decode step's forward run only from persistent buffers.
+
+A step in which every sequence decodes one token is copied into buffers sized for the largest
+batch bucket (1, 2, 4, 8, ... up to max_num_seqs), padded to its bucket, and the forward reads
+nothing else: token ids, positions, KV slots, block tables and context lengths as tensors;
+LoRA as each row's slot (`lora_apply_static`: every slot's columns in one matmul, the others
+zeroed per row), so writing another adapter into a slot changes only the slot tensors a
+captured graph already reads; padded rows have no adapter, no KV slot (-1: not written) and
+a context of one. A batch with no adapter at all takes a forward without LoRA.
+
+On CUDA each (bucket, LoRA or not) forward is captured once as a CUDA graph and replayed.
+On the CPU the same forward runs eagerly from the same buffers (`enforce_eager=False`): the
+emulation that tests/engine/test_graph_decode.py compares with the ordinary step, so the bugs
+graphs cause (stale metadata, shapes that follow the batch, lists read inside the forward)
+show without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from loraplex.engine.models.layers import (
+    AttentionMetadata,
+    ForwardContext,
+    LoRABatch,
+    Rotary,
+    StaticDecode,
+)
+from loraplex.engine.models.moe import SparseMoE
+
+log = logging.getLogger("loraplex.engine")
+
+
+def buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, max_batch: int, max_blocks: int, scratch_slot: int, capture: bool):
+        self.model, self.capture, self.scratch = model, capture, scratch_slot
+        self.buckets = buckets(max_batch)
+        dev, z = model.device, dict(dtype=torch.int64, device=model.device)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, **z)
+        self.positions = torch.zeros(n, **z)
+        self.slot_mapping = torch.full((n,), scratch_slot, **z)
+        self.block_tables = torch.zeros(n, max_blocks, **z)
+        self.seq_lens = torch.ones(n, **z)
+        self.row_slots = torch.full((n,), -1, **z)
+        self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=dev)
+        self.rotaries = list({m.key: m for m in model.modules() if isinstance(m, Rotary)}.values())
+        self.graphs: dict[tuple[int, bool], Callable[[], None]] = {}
+        self.replays = 0
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Routed experts pick their rows per token (data-dependent shapes): not captured."""
+        return not any(isinstance(m, SparseMoE) for m in model.modules())
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _forward(self, b: int, lora: bool) -> Callable[[], None]:
+        """The forward of bucket b over the buffers' first b rows."""
+        model = self.model
+        ids, pos = self.input_ids[:b], self.positions[:b]
+        static = StaticDecode(seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b])
+        attn = AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=[],
+                                 seq_lens=[], block_tables=static.block_tables)  # fmt: skip
+        batch = LoRABatch([], row_slots=self.row_slots[:b], static=True) if lora else None
+        out = self.hidden[:b]
+
+        def run() -> None:
+            rope = {r.key: r.tables(pos, model.dtype) for r in self.rotaries}
+            ctx = ForwardContext(attn=attn, lora=batch, rope=rope, static=static)
+            out.copy_(model(ids, pos, ctx))
+
+        if not self.capture:
+            return run
+        try:
+            return self._capture(run, b, lora)
+        except RuntimeError as e:  # a graph that cannot be captured runs its buffers uncaptured
+            log.warning("decode graph for batch %d not captured (%s): running it eagerly", b, e)
+            return run
+
+    @staticmethod
+    def _capture(run: Callable[[], None], b: int, lora: bool) -> Callable[[], None]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (allocator, lazy kernels) outside the capture
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        log.info("decode graph captured: batch %d, %s", b, "LoRA" if lora else "no LoRA")
+        return graph.replay
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            tables: list[list[int]], seq_lens: list[int], row_slots: list[int]):  # fmt: skip
+        """hidden [n, hidden] of one decode step (n rows, row i one sequence's token)."""
+        n = len(input_ids)
+        b = self.bucket(n)
+        lora = any(s >= 0 for s in row_slots)
+        dev = self.input_ids.device
+
+        def fill(buf: torch.Tensor, values, pad) -> None:
+            buf[:n].copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+            buf[n:b].fill_(pad)
+
+        fill(self.input_ids, input_ids, 0)
+        fill(self.positions, positions, 0)
+        fill(self.slot_mapping, slot_mapping, self.scratch)
+        fill(self.seq_lens, seq_lens, 1)
+        fill(self.row_slots, row_slots, -1)
+        width = max(len(t) for t in tables)
+        padded = torch.zeros(n, self.block_tables.shape[1], dtype=torch.int64)
+        padded[:, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self.block_tables[:n].copy_(padded.to(dev))
+        self.block_tables[n:b].zero_()
+        key = (b, lora)
+        if key not in self.graphs:
+            self.graphs[key] = self._forward(b, lora)
+        self.graphs[key]()
+        self.replays += 1
+        return self.hidden[:n]

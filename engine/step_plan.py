@@ -1,0 +1,78 @@
+"""The step plan: all of a step's metadata, built by the model runner before the forward.
+
+A forward pass reads a `ForwardContext` (engine/models/layers.py: its fields are typed and
+say their shapes). Everything in it that the layers share is built here, once per step, and
+nothing in a layer builds or keeps anything per step:
+
+- attention: KV slots of the new tokens, block tables, lengths, and the kernel backend's plan
+  for them (the CPU's decode groups with their masks per sliding window and gather rows per
+  kv-head count; Triton's tile lists, on the device);
+- RoPE: each distinct table's cos and sin at the step's positions;
+- LoRA: the rows' segments per adapter slot, each row's slot, the backend's plan for every
+  distinct set of slot widths among the model's LoRA modules, and which slots hold expert
+  adapters per expert stack.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex.engine.models.layers import (
+    AttentionMetadata,
+    ForwardContext,
+    LoRABatch,
+    LoRALinear,
+    Rotary,
+)
+from loraplex.engine.models.moe import Experts, row_slots
+from loraplex.kernels.backend import KernelBackend
+
+
+class StepPlanner:
+    """Builds a model's ForwardContext for each step. Knows, from the model, which RoPE
+    tables, sliding windows, kv-head counts and LoRA modules a forward will touch."""
+
+    def __init__(self, model: nn.Module, backend: KernelBackend, block_size: int):
+        spec = model.spec
+        self.backend, self.block_size, self.spec = backend, block_size, spec
+        self.dtype = model.dtype
+        self.rotaries = list({m.key: m for m in model.modules() if isinstance(m, Rotary)}.values())
+        self.windows = list(dict.fromkeys(spec.windows))
+        # the modules whose slots the adapter manager fills (it runs before the planner)
+        self.lora_modules = [m for m in model.modules()
+                             if isinstance(m, LoRALinear) and m.lora_a is not None]  # fmt: skip
+        self.experts = [m for m in model.modules() if isinstance(m, Experts)]
+
+    def plan(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        query_start_loc: list[int],  # num_seqs + 1
+        seq_lens: list[int],  # num_seqs
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+        segments: list[tuple[int, int, int]],  # (start_row, end_row, slot), slot -1: none
+    ) -> ForwardContext:
+        spec, backend = self.spec, self.backend
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
+        attn.plan = backend.plan_attention(
+            block_tables, query_start_loc, seq_lens, self.block_size, spec.num_heads,
+            spec.num_kv_heads, self.windows,
+        )  # fmt: skip
+        rope = {r.key: r.tables(positions, self.dtype) for r in self.rotaries}
+        lora = None
+        if any(slot >= 0 for *_, slot in segments):
+            dev = positions.device
+            lora = LoRABatch(segments, row_slots=row_slots(segments, positions.shape[0], dev))
+            for widths in {tuple(m.lora_widths) for m in self.lora_modules}:
+                lora.plans[widths] = backend.plan_lora(segments, widths, dev)
+            for ex in self.experts:
+                key = tuple(ex.lora_widths)
+                if key not in lora.expert_slots:
+                    lora.expert_slots[key] = torch.tensor([w > 0 for w in key], device=dev)
+        return ForwardContext(attn=attn, lora=lora, rope=rope)

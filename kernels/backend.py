@@ -1,0 +1,147 @@
+"""One engine's kernels: which implementation runs each op and how, as an object.
+
+An engine's model runner owns a `KernelBackend` and binds it to the model's modules, so two
+engines in one process (a test's reference and its subject, a fleet benchmark's replicas)
+each run their own choice: the Triton kernels (`kernels/*.py`, on CUDA tensors), the CPU
+backend (`cpu.py`) or the torch reference (`reference.py`), and on the CPU the attention form
+("sdpa" or "matmul", timed at the runner's start). Nothing about it lives at module level.
+
+The ops that share work across the layers of a step (attention's decode groups and tile
+lists, LoRA's segment groups and tiles) take a `plan` built once per step by the runner
+(`plan_attention`, `plan_lora`; engine/step_plan.py) before the forward; without one an op
+plans for itself (direct calls, tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from loraplex.kernels import cpu, reference
+
+MODES = ("auto", "reference", "triton")
+
+
+@functools.cache
+def _triton(name: str) -> ModuleType:
+    # Imported on first use: @triton.jit decides at decoration time whether it builds an
+    # interpreted or a compiled kernel (TRITON_INTERPRET), so not at import.
+    return importlib.import_module(f"loraplex.kernels.{name}")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    mode: str = "auto"  # auto: Triton on CUDA tensors, the CPU backend elsewhere
+    cpu_attention: str = "sdpa"  # the CPU backend's attention form: sdpa | matmul
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"kernel mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.cpu_attention not in cpu.ATTENTION_IMPLS:
+            raise ValueError(
+                f"CPU attention must be one of {cpu.ATTENTION_IMPLS}, not {self.cpu_attention!r}"
+            )
+
+    def which(self, t: torch.Tensor) -> str:
+        """ "triton", "cpu" or "reference" for an op on tensor `t`."""
+        if self.mode == "triton" or (self.mode == "auto" and t.is_cuda):
+            return "triton"
+        return "reference" if self.mode == "reference" else "cpu"
+
+    # -------------------------------------------------------------- plans (once per step)
+    def plan_attention(self, block_tables: torch.Tensor, query_start_loc: Sequence[int],
+                       seq_lens: Sequence[int], block_size: int, num_heads: int,
+                       num_kv_heads: int, windows: Sequence[int | None] = (None,)):  # fmt: skip
+        """What every layer's attention of one step shares (None: the reference plans
+        nothing); `windows`: the sliding windows the model's layers use."""
+        which = self.which(block_tables)
+        if which == "cpu":
+            return cpu.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
+                                      windows, (num_kv_heads,))  # fmt: skip
+        if which == "triton":
+            return _triton("paged_attention").plan_attention(
+                query_start_loc, seq_lens, num_heads, num_kv_heads, block_tables.device
+            )
+        return None
+
+    def plan_lora(self, segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
+                  device: torch.device):  # fmt: skip
+        """lora_apply's plan for one step's segments and one set of slot widths."""
+        which = self.which(torch.empty(0, device=device))
+        if which == "cpu":
+            return cpu.plan_lora(segments, widths, device)
+        if which == "triton":
+            if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
+                return None
+            return _triton("sgmv").build_meta(segments, widths, device)
+        return None
+
+    # -------------------------------------------------------------------------- ops
+    def write_kv_cache(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+        which = self.which(k)
+        mod = _triton("kv_cache") if which == "triton" else (cpu if which == "cpu" else reference)
+        mod.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def paged_attention(self, out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                        scale, sliding_window=None, softcap=None, k_scale=None, v_scale=None,
+                        *, plan=None, sinks=None) -> None:  # fmt: skip
+        args = (out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                sliding_window, softcap, k_scale, v_scale)  # fmt: skip
+        which = self.which(q)
+        if which == "cpu":
+            cpu.paged_attention(*args, plan=plan, sinks=sinks, impl=self.cpu_attention)
+        elif which == "triton":
+            _triton("paged_attention").paged_attention(*args, memo=plan, sinks=sinks)
+        else:
+            reference.paged_attention(*args, sinks=sinks)
+
+    def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None) -> None:
+        which = self.which(x)
+        if which == "cpu":
+            cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan)
+        elif which == "triton":
+            _triton("sgmv").lora_apply(y, x, lora_a, lora_b, segments, widths, meta=plan)
+        else:
+            reference.lora_apply(y, x, lora_a, lora_b, segments, widths)
+
+    def decode_attention_static(self, out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                sliding_window=None, softcap=None, k_scale=None, v_scale=None,
+                                *, sinks=None) -> None:  # fmt: skip
+        """A decode step from fixed-shape tensors only (graph-ready; plain torch on any
+        device): see cpu.decode_attention_static."""
+        impl = self.cpu_attention if self.which(q) == "cpu" else "sdpa"
+        cpu.decode_attention_static(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                    sliding_window, softcap, k_scale, v_scale, sinks=sinks,
+                                    impl=impl)  # fmt: skip
+
+    def lora_apply_static(self, y, x, lora_a, lora_b, row_slots) -> None:
+        cpu.lora_apply_static(y, x, lora_a, lora_b, row_slots)
+
+    def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        which = self.which(x)
+        mod = _triton("moe_triton") if which == "triton" else (cpu if which == "cpu" else reference)
+        return mod.grouped_mm(x, w, offs)
+
+    def int8_matmul(self, *args):
+        return self._matmul("int8_matmul", args)
+
+    def int4_matmul(self, *args):
+        return self._matmul("int4_matmul", args)
+
+    def _matmul(self, name: str, args: tuple):
+        which = self.which(args[0])
+        mod = (_triton("dequant_matmul") if which == "triton"
+               else (cpu if which == "cpu" else reference))  # fmt: skip
+        return getattr(mod, name)(*args)
+
+
+def bind(model: torch.nn.Module, backend: KernelBackend) -> None:
+    """Give every module of `model` that runs kernels (it has a `backend` attribute) this one."""
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
