@@ -80,8 +80,9 @@ class DecoderLM(nn.Module):
         """hidden [rows, hidden] -> logits [rows, vocab]; only rows that sample.
 
         In the weights' dtype (float32 with a final softcap): the sampler upcasts only what
-        needs float32, and a greedy argmax is exact in any dtype. Upcasting every row cost
-        17 ms per step at Gemma's 262k vocabulary and 32 rows (bf16, CPU).
+        needs float32, and a greedy argmax is exact in any dtype. Upcasting every row would
+        copy the whole [rows, vocab] block each step, a large part of a decode step at a
+        262k vocabulary (docs/benchmarks.md, "Measurements behind choices in the code").
         """
         logits = self.lm_head(hidden)
         if self.spec.final_softcap:
