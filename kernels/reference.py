@@ -82,8 +82,9 @@ def gather_kv(
     scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    # block_table [..., nb] -> [..., length, kv_heads, d]; index_select copies whole blocks
-    # (~2.3x faster than advanced indexing on the CPU). With a scale: dequantized to dtype.
+    # block_table [..., nb] -> [..., length, kv_heads, d]; index_select copies whole blocks,
+    # which the CPU does faster than advanced indexing's per-element gather (docs/cpu-path.md).
+    # With a scale: dequantized to dtype.
     flat = block_table.reshape(-1)
     blocks = torch.index_select(cache, 0, flat)  # [prod(...) * nb, bs, ...]
     if scale is not None:
