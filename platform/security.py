@@ -3,7 +3,8 @@
 Keys are 32 random bytes (256 bits), so they are stored as a plain SHA-256 of the secret.
 Slow, salted hashes (bcrypt, argon2) exist to protect low-entropy human passwords against
 guessing; nobody can guess a 256-bit random value, and a fast hash lets every request be
-authenticated with one indexed lookup instead of ~100 ms of CPU.
+authenticated with one indexed lookup instead of a hash made slow on purpose, paid on every
+request.
 """
 
 from __future__ import annotations
