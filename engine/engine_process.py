@@ -67,8 +67,9 @@ STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while b
 # Outputs of steps faster than this go out together, one message per COALESCE_S: each message
 # wakes the server's reader thread, and on a tiny model, whose steps are much shorter than
 # COALESCE_S, the wake-ups cost the engine a noticeable part of its speed (docs/cpu-path.md).
-# The message still carries each step's own delta per request, so the server streams a chunk per token as without it. A first token, a
-# finish, an error go out at once; a slower model (steps over COALESCE_S) is unaffected.
+# The message still carries each step's own delta per request, so the server streams a chunk
+# per token as without it. A first token, a finish, an error go out at once; a slower model
+# (steps over COALESCE_S) is unaffected.
 COALESCE_S = 0.004
 
 
