@@ -19,13 +19,11 @@ class PackedLoRALinear(LoRALinear):
     layout, built from a loaded LoRALinear that it then replaces (the plain weight is dropped).
 
     `F.linear` re-packs a bf16 weight on every call; packing once gives bitwise the same
-    results and saves that work: on a 2-core AMD EPYC, bf16, 1 thread, [37, 640] x [640, 4096]
-    0.73 -> 0.60 ms, one row 0.22 -> 0.11 ms; the demo model's decode step at batch 32
-    129 -> 121 ms. In float32, F.linear runs MKL's GEMM and the packed form oneDNN's (equal
-    within float32 rounding), which is faster at decode-sized rows on some CPUs: a 2-core Zen 3
-    EPYC (AVX2), 1 thread, [32, 640] x [640, 4096] 33 -> 42 GFLOP/s, the demo model served
-    in-process 53 -> 59.5 tok/s at 32 sequences. Use `prepack_cpu_linears`, which decides per
-    layer.
+    results and saves that work on every call, most of all at decode-sized rows. In float32,
+    F.linear runs MKL's GEMM and the packed form oneDNN's (equal within float32 rounding),
+    which is faster at decode-sized rows on some CPUs and not on others, hence the timed probe.
+    Figures: docs/cpu-path.md and docs/benchmarks.md ("Measurements behind choices in the
+    code"). Use `prepack_cpu_linears`, which decides per layer.
     """
 
     def __init__(self, lin: LoRALinear, packed: torch.Tensor):
@@ -158,10 +156,9 @@ def prepack_cpu_linears(model: nn.Module, float32: bool | None = None) -> int:
 class PackedHead(nn.Module):
     """The lm_head ([vocab, hidden], no bias) kept in oneDNN's packed layout on the CPU.
 
-    A vocabulary-sized GEMM is where a plain F.linear does worst: float32 on a 2-core AVX2
-    EPYC, 1 thread, the demo model's [262144, 640] head: 8 rows 151 -> 79 ms, 32 rows 296 ->
-    195 ms, 64 rows 509 -> 348 ms (the layers' shapes gain less: PackedLoRALinear); bf16 with
-    AVX-512, 37 rows 60 -> 45 ms. A tied head leaves the embedding its plain table (lookups
+    A vocabulary-sized GEMM is where a plain F.linear does worst, so packing pays most there,
+    in float32 and in bf16 (more than at the layers' shapes: PackedLoRALinear; figures in
+    docs/benchmarks.md). A tied head leaves the embedding its plain table (lookups
     need it), so packing it costs one more copy of the table; an untied head's plain weight
     is dropped. Use `prepack_cpu_lm_head`, which checks the packed product on a probe.
     """
