@@ -119,9 +119,8 @@ def group_size_for(in_features: int, wanted: int = GROUP_SIZE) -> int:
 
 # CPU: batches of at most this many rows use torch's packed op; bigger ones (prefill)
 # dequantize the weight into a temporary of the activations' dtype and run a plain matmul,
-# which oneDNN does faster from there on. Crossovers measured on the 2-core avx512_bf16 CPU,
-# bf16, demo-model shapes: int8 packed 0.23 ms vs 0.25 ms dequant+matmul at 32 rows, 0.46 vs
-# 0.31 at 64; int4 0.80 vs 0.87 at 128 rows, 1.63 vs 1.08 at 256 (K 640, N 1536).
+# which oneDNN does faster from there on. The crossovers were measured at the demo model's
+# shapes in bf16 (docs/benchmarks.md, "Measurements behind choices in the code").
 INT8_PACKED_MAX_ROWS = 32
 INT4_PACKED_MAX_ROWS = 128
 
@@ -254,8 +253,8 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
             w = dequantize_cpu_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype)
             return F.linear(self._rotated(x, x.dtype), w)
         if self.cpu_layout and self._cpu_fast(x):
-            # The op wants bf16 anyway; a float32 rotation is the faster one on CPU (M = 1:
-            # 15 us vs 26 us at K = 640) and rounds once.
+            # The op wants bf16 anyway; a float32 rotation is the faster one on CPU at decode
+            # rows (docs/benchmarks.md) and rounds once.
             xb = self._rotated(x, torch.float32).to(torch.bfloat16).contiguous()
             y = torch._weight_int4pack_mm_for_cpu(
                 xb, self.qweight, self.group_size, self.scales_and_zeros
