@@ -17,7 +17,7 @@ log = logging.getLogger("loraplex.engine")
 
 @functools.cache
 def cpu_has_native_half(dtype: str) -> bool:
-    """Whether this CPU multiplies `dtype` matrices in hardware (else ~7x slower emulation)."""
+    """Whether this CPU multiplies `dtype` matrices in hardware (else a much slower emulation)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
