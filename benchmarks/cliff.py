@@ -107,6 +107,8 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
               max_model_len=plan["max_model_len"], max_num_seqs=max(args.concurrency),
               block_size=args.block_size, num_kv_blocks=num_blocks,
               num_threads=1, kv_cache_dtype=kv_cache_dtype, kv_admission=kv_admission,
+              # bf16 also where the CPU lacks bf16 matmuls: the same KV bytes as the others
+              cpu_float32_compute=False,
               num_host_kv_blocks=num_blocks if swap else 0)  # fmt: skip
     engine = llm.engine
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
