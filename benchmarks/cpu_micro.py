@@ -4,6 +4,13 @@ choices in the code"): the figures once written in comments, measured again on t
     python -m benchmarks.cpu_micro argmax          # engine/sampler.py `_argmax`
     python -m benchmarks.cpu_micro topk            # engine/sampler.py TOP_P_CANDIDATES
     python -m benchmarks.cpu_micro xgrammar        # engine/structured_output.py's lazy import
+    python -m benchmarks.cpu_micro upcast          # engine/models/decoder.py compute_logits
+    python -m benchmarks.cpu_micro gather          # kernels/reference.py gather_kv
+    python -m benchmarks.cpu_micro rotation        # engine/quantization.py int4's rotation
+    python -m benchmarks.cpu_micro int8-rows       # engine/quantization.py INT8_PACKED_MAX_ROWS
+    python -m benchmarks.cpu_micro packing         # engine/models/packing.py
+    python -m benchmarks.cpu_micro half-matmul     # engine/config.py cpu_has_native_half
+    python -m benchmarks.cpu_micro key-hash        # platform/security.py
     python -m benchmarks.cpu_micro all --threads 1
 
 Each figure is the median of `--repeats` timed calls after a warm-up call, in milliseconds.
@@ -90,7 +97,110 @@ def xgrammar(repeats: int) -> list[str]:
     return [f"import xgrammar (torch already imported): {(full - bare) * 1000:.0f} ms"]
 
 
-MEASURES = {"argmax": argmax, "topk": topk, "xgrammar": xgrammar}
+def upcast(repeats: int) -> list[str]:
+    """Upcasting a decode step's bf16 logits to float32 (engine/models/decoder.py)."""
+    x = torch.randn(32, 262_144).to(torch.bfloat16)
+    return [f"32 x 262144 bf16 logits .float(): {_ms(lambda: x.float(), repeats):.2f} ms"]
+
+
+def gather(repeats: int) -> list[str]:
+    """Whole KV blocks by index_select vs advanced indexing (kernels/reference.py gather_kv)."""
+    cache = torch.randn(4096, 16, 2, 64).to(torch.bfloat16)  # blocks, block size, kv heads, d
+    table = torch.randint(0, 4096, (64, 12))  # 64 sequences x 12 blocks
+    flat = table.reshape(-1)
+    sel = _ms(lambda: torch.index_select(cache, 0, flat), repeats)
+    adv = _ms(lambda: cache[table], repeats)
+    return [f"64 x 12 blocks of 16 x 2 x 64 bf16: index_select {sel:.3f} ms, "
+            f"advanced indexing {adv:.3f} ms (x{adv / sel:.1f})"]  # fmt: skip
+
+
+def rotation(repeats: int) -> list[str]:
+    """int4's Hadamard rotation of one row in float32 vs bf16 (engine/quantization.py)."""
+    from loraplex.engine.rotation import hadamard, rotate_groups
+
+    lines = []
+    for rows in (1, 32):
+        x, h = torch.randn(rows, 640), hadamard(128)
+        f32 = _ms(lambda x=x, h=h: rotate_groups(x, h).to(torch.bfloat16), repeats)
+        xb, hb = x.to(torch.bfloat16), hadamard(128, torch.bfloat16)
+        b16 = _ms(lambda xb=xb, hb=hb: rotate_groups(xb, hb), repeats)
+        lines.append(f"{rows} x 640, groups of 128: float32 {f32 * 1000:.0f} us, "
+                     f"bf16 {b16 * 1000:.0f} us")  # fmt: skip
+    return lines
+
+
+def int8_rows(repeats: int) -> list[str]:
+    """int8 weights: torch's packed op vs dequantize + matmul per batch size (engine/quantization.py
+    INT8_PACKED_MAX_ROWS), bf16, K 640, N 1536."""
+    q = torch.randint(-127, 128, (1536, 640), dtype=torch.int8)
+    s = torch.rand(1536) / 100
+    lines = []
+    for rows in (8, 32, 64, 128):
+        x = torch.randn(rows, 640).to(torch.bfloat16)
+        packed = _ms(lambda x=x: torch._weight_int8pack_mm(x, q, s.to(torch.bfloat16)), repeats)
+        deq = _ms(lambda x=x: x @ (q.to(torch.bfloat16) * s.to(torch.bfloat16)[:, None]).T,
+                  repeats)  # fmt: skip
+        lines.append(f"{rows} rows: packed {packed:.3f} ms, dequantize + matmul {deq:.3f} ms")
+    return lines
+
+
+def packing(repeats: int) -> list[str]:
+    """F.linear vs oneDNN's pre-packed weight (engine/models/packing.py), float32 and bf16."""
+    import torch.nn.functional as F
+
+    from loraplex.engine.models.packing import _pack, _packed_linear
+
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(4096, 640).to(dtype)
+        try:
+            p = _pack(w)
+        except RuntimeError as e:  # no oneDNN path for this dtype on this CPU
+            lines.append(f"{dtype}: cannot pack here ({e})")
+            continue
+        for rows in (1, 32):
+            x = torch.randn(rows, 640).to(dtype)
+            plain = _ms(lambda x=x, w=w: F.linear(x, w), repeats)
+            fast = _ms(lambda x=x, p=p: _packed_linear(x, p, None), repeats)
+            lines.append(f"{str(dtype).removeprefix('torch.')} [{rows}, 640] x [640, 4096]: "
+                         f"F.linear {plain:.3f} ms, packed {fast:.3f} ms")  # fmt: skip
+    return lines
+
+
+def half_matmul(repeats: int) -> list[str]:
+    """A bf16 matmul against the same in float32 (engine/config.py cpu_has_native_half)."""
+    a, b = torch.randn(32, 2048), torch.randn(2048, 2048)
+    f32 = _ms(lambda: a @ b, repeats)
+    ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    b16 = _ms(lambda: ab @ bb, repeats)
+    return [
+        f"[32, 2048] x [2048, 2048]: float32 {f32:.2f} ms, bf16 {b16:.2f} ms (x{b16 / f32:.1f})"
+    ]
+
+
+def key_hash(repeats: int) -> list[str]:
+    """SHA-256 of an API key vs a deliberately slow KDF (platform/security.py): stdlib scrypt
+    at n=2**14, r=8, p=1, the cost its docs suggest for interactive logins."""
+    import hashlib
+
+    secret = b"lpx_" + bytes(32)
+    fast = _ms(lambda: hashlib.sha256(secret).digest(), repeats)
+    slow = _ms(lambda: hashlib.scrypt(secret, salt=b"s" * 16, n=2**14, r=8, p=1), repeats)
+    return [f"sha256 {fast * 1000:.1f} us, scrypt {slow:.1f} ms"]
+
+
+MEASURES = {
+    "argmax": argmax,
+    "topk": topk,
+    "xgrammar": xgrammar,
+    "upcast": upcast,
+    "gather": gather,
+    "rotation": rotation,
+    "int8-rows": int8_rows,
+    "packing": packing,
+    "half-matmul": half_matmul,
+    "key-hash": key_hash,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
