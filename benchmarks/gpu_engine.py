@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.assets import CACHE_DIR, RESULTS_DIR, make_adapters
+from benchmarks.assets import CACHE_DIR, RESULTS_DIR, import_installed_kernels, make_adapters
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
@@ -119,12 +119,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="decode without CUDA graphs (captured on CUDA by default)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None, help="the JSON report's path")
     ap.add_argument(
         "--profile",
         action="store_true",
         help="also print torch.profiler's top ops over a few base and LoRA steps",
     )
     args = ap.parse_args()
+    import_installed_kernels()  # before transformers looks for it and finds our kernels/
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny --device cpu to check the code paths")
 
@@ -140,7 +144,8 @@ def main() -> None:
               max_lora_rank=args.rank, max_num_seqs=args.batch,
               max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
               max_model_len=args.prompt_len + args.steps + 16,
-              kv_cache_bytes=(40 << 30) if args.device == "cuda" else (256 << 20))  # fmt: skip
+              kv_cache_bytes=(40 << 30) if args.device == "cuda" else (256 << 20),
+              enforce_eager=True if args.enforce_eager else None)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     vocab = shape["vocab_size"]
     prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist()
@@ -170,6 +175,9 @@ def main() -> None:
     report = {
         "device": name, "shape": shape, "batch": args.batch, "prompt_len": args.prompt_len,
         "adapters": args.adapters, "rank": args.rank,
+        "graphs": llm.engine.runner.graphs is not None,
+        "graph_replays": llm.engine.runner.graphs.replays if llm.engine.runner.graphs else 0,
+        "targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
         "decode_step_ms": {"base": base * 1e3, "lora": lora * 1e3},
         "decode_tok_per_s": {"base": args.batch / base, "lora": args.batch / lora},
         "lora_overhead": lora / base - 1.0,
@@ -184,7 +192,7 @@ def main() -> None:
     if peak:
         print(f"  HBM roofline {report['roofline_fraction'] * 100:.1f}% of {peak / 1e12:.1f} TB/s")
     tag = "tiny" if args.tiny else f"b{args.batch}"
-    out = RESULTS_DIR / f"gpu-engine-{tag}.json"
+    out = args.out or RESULTS_DIR / f"gpu-engine-{tag}{'-eager' if args.enforce_eager else ''}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"  wrote {out}")
