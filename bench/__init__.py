@@ -12,7 +12,3 @@
 The lab (peer comparisons, sweeps, the benchmarks page) is the checkout's benchmarks/ folder,
 which builds on these modules and is not installed.
 """
-
-# Every module here imports in a wheel install: nothing is skipped. (Empty; kept only while
-# tests/test_packaging.py still imports the name.)
-CHECKOUT_SCRIPTS: frozenset[str] = frozenset()

@@ -19,8 +19,6 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from loraplex.bench import CHECKOUT_SCRIPTS
-
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
@@ -107,10 +105,8 @@ def test_runtime_modules_import_only_base_dependencies_at_their_top():
     base = _closure(PYPROJECT["project"]["dependencies"])
     assert "fastapi" in base and "pytest" not in base, "the closure walked the wrong packages"
     bad = []
-    for path, module in _shipped_files():
-        local = {"loraplex", "__future__"}
-        if module.rsplit(".", 1)[-1] in CHECKOUT_SCRIPTS:  # siblings by plain name, bench.*
-            local |= {p.stem for p in path.parent.iterdir()} | {"bench", "tests"}
+    local = {"loraplex", "__future__"}
+    for path, _ in _shipped_files():
         for line, name in _module_top_imports(ast.parse(path.read_text(), str(path))):
             if name in local or name in sys.stdlib_module_names:
                 continue
@@ -129,8 +125,3 @@ def test_every_source_folder_is_a_listed_package():
     listed = set(SETUPTOOLS["packages"])
     folders = {module.rsplit(".", 1)[0] for _, module in _shipped_files()}
     assert folders - listed == set(), "add these to [tool.setuptools] packages"
-
-
-def test_checkout_scripts_exist():
-    """The import checks skip these by name; a renamed script must not hide a module."""
-    assert {p.stem for p in (REPO / "bench").glob("*.py")} >= CHECKOUT_SCRIPTS
