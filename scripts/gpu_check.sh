@@ -197,9 +197,6 @@ EOF
 # What the engine benchmark offers, read from its source (no Python start needed)
 ENGINE_SRC=benchmarks/gpu_engine.py
 ENGINE_MOD=benchmarks.gpu_engine
-if [ ! -f "$ENGINE_SRC" ] && [ -f bench/gpu_engine.py ]; then
-    ENGINE_SRC=bench/gpu_engine.py ENGINE_MOD=bench.gpu_engine
-fi
 # Runs a module as `python -m` would, after importing Hugging Face's `kernels` package with the
 # checkout's root off sys.path: transformers imports it when peft writes the adapters, and from
 # the root our kernels/ folder would stand in for it (ImportError: CUDAProperties).
