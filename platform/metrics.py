@@ -13,8 +13,8 @@ Two families side by side:
   bounded by `max_lora` + the queue, and `/metrics` is for operators: see docs/fleet.md.
   Beside them, `loraplex:lora_host_adapters_info` lists (same rules) the adapters in host
   memory: a router that weighs them too keeps an adapter on the replica that can put it in a
-  slot without reading the store (`loraplex bench fleet`'s affinity-host: ×5 fewer cold loads
-  than round-robin where slot lists alone gave none).
+  slot without reading the store (`python -m benchmarks.fleet`'s affinity-host: far fewer cold
+  loads than round-robin where slot lists alone gave none; docs/fleet.md).
   Speculative decoding's counters too (`vllm:spec_decode_*`): drafts (one request's proposals
   scored in one step), draft tokens, accepted tokens, and accepted tokens per position.
 """
