@@ -1,4 +1,4 @@
-"""The tests' S3 server: `loraplex.bench.moto_server` (the fleet benchmark starts the same)."""
+"""The tests' S3 server: `benchmarks/moto_server.py` (the fleet benchmark starts the same)."""
 
 from benchmarks.moto_server import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
 
