@@ -44,7 +44,8 @@ _FOREIGN = ("phi", "falcon", "gpt2", "gptj", "gpt-j", "gpt-neox", "pythia", "blo
             "mpt", "olmo", "starcoder", "t5", "bert")  # fmt: skip
 # rank_pattern/alpha_pattern keys are regexes to peft; allow module paths and anchors only, so
 # a crafted pattern cannot backtrack for minutes.
-_PATTERN_KEY = re.compile(r"^[\w.^$-]{1,200}$")
+# peft itself writes one other form, `.*\.<name>`, for the experts it fuses (the same as <name>).
+_PATTERN_KEY = re.compile(r"^(\.\*\\\.)?[\w.^$-]{1,200}$")
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,12 @@ def validate_adapter(
         raise _invalid("bad_config", clean(e)) from None
     _check_config_types(cfg)
     tensors = read_safetensors_header(folder / WEIGHTS_FILE)
-    ranks = [shape[0] for name, (_, shape) in tensors.items() if "lora_A" in name and shape]
-    rank = max(ranks, default=0)
+    # A fused expert adapter's lora_A (peft's target_parameters) stacks every expert's A:
+    # rank x experts rows; gate|up may carry twice the rank (engine/lora.py checks exactly).
+    fused = re.compile(r"\.experts(\.base_layer)*\.lora_A\.")
+    ranks = [shape[0] // max(spec.num_experts, 1) / 2 if fused.search(name) else shape[0]
+             for name, (_, shape) in tensors.items() if "lora_A" in name and shape]  # fmt: skip
+    rank = int(max(ranks, default=0))
     if rank > max_rank:
         raise _invalid(
             "rank_too_large", f"adapter rank {rank} exceeds the maximum rank {max_rank} allowed"

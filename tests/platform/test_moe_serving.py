@@ -21,7 +21,6 @@ import torch
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.platform.api.logprobs import token_text
-from loraplex.platform.uploads.policy import UploadError
 from loraplex.platform.uploads.validate import validate_adapter
 from tests.platform.test_quickstart import Serve
 from tests.utils.factories import make_adapter, make_tiny_model
@@ -119,9 +118,6 @@ def test_expert_and_attention_adapters_served_beside_each_other(moe, served):
         assert any(outputs[(model, tuple(p))] != outputs[(base_id, tuple(p))] for p in PROMPTS)
 
 
-@pytest.mark.xfail(strict=True, raises=UploadError,
-                   reason="upload validation reads a fused expert adapter's rank from lora_A's "
-                   "rows, which are rank x experts")  # fmt: skip
 def test_upload_reads_an_expert_adapters_rank_per_expert(moe):
     """An expert adapter of rank 8 on 8 experts is within a rank limit of 16."""
     base, adapters = moe
