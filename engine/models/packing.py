@@ -19,7 +19,7 @@ class PackedLoRALinear(LoRALinear):
     layout, built from a loaded LoRALinear that it then replaces (the plain weight is dropped).
 
     `F.linear` re-packs a bf16 weight on every call; packing once gives bitwise the same
-    results and saves that work on every call, most of all at decode-sized rows. In float32,
+    results and saves that work, which counts most at decode-sized rows. In float32,
     F.linear runs MKL's GEMM and the packed form oneDNN's (equal within float32 rounding),
     which is faster at decode-sized rows on some CPUs and not on others, hence the timed probe.
     Figures: docs/cpu-path.md and docs/benchmarks.md ("Measurements behind choices in the
