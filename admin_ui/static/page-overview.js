@@ -123,7 +123,11 @@ export async function overviewPage(main) {
       hist[k].push(v);
       if (hist[k].length > HISTORY) hist[k].shift();
     }
-    status.textContent = `Model ${s.model} on replica ${s.replica}` +
+    const a = s.architecture;
+    const family = !a ? "" : ` (${a.family}` + (a.mixture_of_experts
+      ? `, ${a.mixture_of_experts.num_experts} experts, ${a.mixture_of_experts.experts_per_token} per token)`
+      : ")");
+    status.textContent = `Model ${s.model}${family} on replica ${s.replica}` +
       (s.ready ? "" : " (loading)") + `; rates over the last ${s.window_s} s, all replicas.`;
     set(main, "t-rps", number(s.requests_per_s, 1), "completed requests", hist.rps);
     set(main, "t-tps", number(s.tokens_per_s, 1), "prompt + completion", hist.tps);

@@ -132,6 +132,8 @@ def test_operator_flow(page, ui_server, tiny_adapters, artifacts):
     # --- overview polls live figures --------------------------------------------------------
     _go(page, "overview")
     expect(page.locator("#t-kv .sub")).to_contain_text("blocks")
+    # the base model's family, as /v1/models names it
+    expect(page.get_by_text("on replica")).to_contain_text("(llama)")
     expect(page.locator("#t-adapters .big")).to_contain_text("/")
     # The adapter the completion used was loaded once: the tile gives the loads' mean time.
     expect(page.locator("#t-adapters .sub")).to_contain_text(" ms)", timeout=15_000)

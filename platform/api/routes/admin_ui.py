@@ -29,6 +29,7 @@ from loraplex.platform.admin_session import (
 )
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS
+from loraplex.platform.api.routes.inference import architecture
 from loraplex.platform.db.models import UsageRecord, utcnow
 from loraplex.platform.security import constant_time_equals
 
@@ -124,6 +125,8 @@ def live_stats(state: StateDep, session: SessionDep) -> dict:
         "tokens_per_s": int(tokens) / RATE_WINDOW_S,
         "replica": socket.gethostname(),
         "model": state.model_name,
+        # the base's family and, for a mixture of experts, its routing (as /v1/models says)
+        "architecture": architecture(state.spec),
         "ready": state.engine is not None,
         "engine": None,
     }

@@ -39,11 +39,11 @@ def list_models(state: StateDep, caller: CallerDep):
     """The base model and the caller's ready adapters as vLLM's model cards: the base has
     `root` = its name (never its folder: a server path) and `parent` null; an adapter has
     `parent` = the base and `root` = "sha256:<digest>", the content it was stored as. Our
-    extension `architecture` says what every card runs on (see `_architecture`)."""
+    extension `architecture` says what every card runs on (see `architecture`)."""
     created = int(time.time())
     base = state.model_name
     limit = state.engine.config.max_model_len if state.engine is not None else None
-    arch = _architecture(state.spec)
+    arch = architecture(state.spec)
 
     def card(id_: str, created: int, owned_by: str, root: str, parent: str | None) -> dict:
         return {"id": id_, "object": "model", "created": created, "owned_by": owned_by,
@@ -59,7 +59,7 @@ def list_models(state: StateDep, caller: CallerDep):
     return {"object": "list", "data": data}
 
 
-def _architecture(spec) -> dict | None:
+def architecture(spec) -> dict | None:
     """The base model's family (its config's `model_type`, e.g. "qwen3_moe") and, for a
     mixture of experts, how many experts it routes among and how many each token takes
     (null for a dense model): what an adapter must have been trained on. Null while the
