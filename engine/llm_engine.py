@@ -201,7 +201,7 @@ class LLMEngine:
                     self.adapters.release(lora_request)
                     raise err
         self.load_errors.pop(request_id, None)
-        arrival = time.monotonic()
+        arrival, arrival_time = time.monotonic(), time.time()
         seqs = [
             Sequence(
                 request_id,
@@ -212,6 +212,7 @@ class LLMEngine:
                 weight=weight,
                 priority=priority,
                 arrival=arrival,
+                arrival_time=arrival_time,
                 processors=processors if index == 0 else [p.fork() for p in processors],
                 index=index,
                 seed=_sample_seed(params.seed, index),
@@ -388,6 +389,7 @@ class LLMEngine:
         children, seq.fork_children = seq.fork_children, []
         for child in children:
             child.output_token_ids += sampled[child.seq_no]
+            child.first_token_time = child.last_token_time = time.time()
             self.runner.copy_blocks(self.scheduler.fork(seq, child))
         return children
 

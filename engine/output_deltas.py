@@ -20,7 +20,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from loraplex.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from loraplex.engine.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 
 
 @dataclass
@@ -55,10 +60,12 @@ class OutputDelta:
     error: str | None = None
     num_generated_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # sent once
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> OutputDelta:
         start, completions = d.pop("start"), d.pop("completions")
+        m = d.pop("metrics", None)
         pl = d.pop("prompt_logprobs")
         if pl is not None:  # JSON made the (token id, logprob) pairs lists
             top = [None if t is None else [(i, v) for i, v in t] for t in pl["top"]]
@@ -68,6 +75,7 @@ class OutputDelta:
             completions=[CompletionDelta(**c) for c in completions],
             start=None if start is None else RequestStart(**start),
             prompt_logprobs=pl,
+            metrics=None if m is None else RequestMetrics(**m),
         )
 
 
@@ -178,6 +186,7 @@ class OutputEncoder:
             start=start,
             error=out.error,
             num_generated_tokens=out.num_generated_tokens,
+            metrics=out.metrics,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -247,6 +256,7 @@ class OutputDecoder:
             error=d.error,
             num_generated_tokens=d.num_generated_tokens,
             prompt_logprobs=acc.prompt_logprobs,
+            metrics=d.metrics,
         )
 
     def forget(self, request_id: str) -> None:

@@ -12,9 +12,10 @@ the sequence's blocks and adapter, then calls `finished` here to settle the text
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -114,6 +115,20 @@ class RequestState:
             delta_token_ids=delta_ids,
             num_generated_tokens=sum(len(s.seq.output_token_ids) for s in self.samples),
             prompt_logprobs=scored,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_scheduled_time=seq.first_scheduled_time,
+                first_token_time=min(
+                    (t for s in self.samples if (t := s.seq.first_token_time) is not None),
+                    default=None,
+                ),
+                last_token_time=max(
+                    (t for s in self.samples if (t := s.seq.last_token_time) is not None),
+                    default=None,
+                ),
+                finished_time=time.time() if finished else None,
+                num_preemptions=sum(s.seq.num_preemptions for s in self.samples),
+            ),  # fmt: skip
         )
 
 

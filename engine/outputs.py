@@ -31,6 +31,19 @@ class PromptLogprobs:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request passed each stage, as vLLM's `RequestMetrics` names them: wall-clock
+    seconds (time.time()), None until it happens; and how often it was preempted."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -47,3 +60,4 @@ class RequestOutput:
     num_generated_tokens: int = 0
     # SamplingParams.prompt_logprobs: set once every prompt position is scored
     prompt_logprobs: PromptLogprobs | None = None
+    metrics: RequestMetrics | None = None

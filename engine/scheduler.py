@@ -31,6 +31,7 @@ one without blocks waits like any other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -129,6 +130,7 @@ class Scheduler:
                     self.resumed.remove(seq)
                     self.waiting.append(seq)
                 self.num_preemptions += 1
+                seq.num_preemptions += 1
                 return True
         return False
 
@@ -165,6 +167,7 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.append(seq)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -297,6 +300,8 @@ class Scheduler:
             seq.num_computed_tokens = start
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             self.waiting.remove(seq)
             self.running.append(seq)
             self.policy.on_admitted(seq)
@@ -329,6 +334,9 @@ class Scheduler:
             if rejected:
                 self.block_manager.trim(seq)
             if tokens is not None:  # first: accepted proposals count as computed tokens
+                now = time.time()
+                seq.first_token_time = seq.first_token_time or now
+                seq.last_token_time = now
                 seq.output_token_ids += tokens
                 self.policy.on_tokens(seq, len(tokens))
                 stepped.append(seq)

@@ -56,6 +56,12 @@ class Sequence:
     # urgent ones leave free, and preempted before them (engine/scheduler.py).
     priority: int = PRIORITY_INTERACTIVE
     arrival: float = 0.0
+    # wall-clock stage times and preemptions (RequestOutput.metrics)
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -86,9 +86,8 @@ def test_served_requests_record_their_latencies(server, stream):
     assert row.tpot_ms > 0
     # The parts add up: first token, then 11 more at the mean TPOT, within the request's time.
     assert row.ttft_ms + 11 * row.tpot_ms == pytest.approx(row.latency_ms, rel=0.05, abs=2.0)
-    # The engine sends no per-request queue time yet (see docs/observability.md); when it
-    # does, the wait must lie within the time to the first token.
-    assert row.queue_ms is None or 0 <= row.queue_ms <= row.ttft_ms
+    # The engine's own queue wait (RequestOutput.metrics) lies within the time to first token.
+    assert row.queue_ms is not None and 0 <= row.queue_ms <= row.ttft_ms
 
 
 def test_one_token_has_no_tpot(server):
