@@ -52,7 +52,7 @@ def _attend(
 
     - "sdpa": torch's fused attention with a boolean mask and native GQA;
     - "matmul" (always with a softcap or sinks, which sdpa cannot take): `reference.attend`.
-    Which is faster depends on the CPU by up to 10x either way (docs/cpu-path.md).
+    Which is faster depends on the CPU, by a wide margin either way (docs/cpu-path.md).
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
