@@ -195,6 +195,7 @@ class AdapterManager:
             ex.lora_down_a = torch.zeros(s, e, r, i, **z)
             ex.lora_down_b = torch.zeros(s, e, r, h, **z)
             ex.lora_widths = [0] * s
+            ex.lora_gate_up_widths, ex.lora_down_widths = [0] * s, [0] * s
 
     # ------------------------------------------------------------ host tier
     def acquire(self, lora: LoRARequest) -> None:
@@ -319,7 +320,7 @@ class AdapterManager:
         if ex.lora_widths[slot]:
             for t in (ex.lora_gate_up_a, ex.lora_gate_up_b, ex.lora_down_a, ex.lora_down_b):
                 t[slot].zero_()
-        width, i = 0, ex.inter
+        width, down_width, i = 0, 0, ex.inter
         gate_up, down = (ex.lora_gate_up_a, ex.lora_gate_up_b), (ex.lora_down_a, ex.lora_down_b)
         places = [("gate_up_proj", gate_up, 0), ("gate_proj", gate_up, 0),
                   ("up_proj", gate_up, i), ("down_proj", down, 0)]  # fmt: skip
@@ -334,5 +335,9 @@ class AdapterManager:
             b_t[slot, :, off : off + r, col : col + b.shape[1]].copy_(
                 b.transpose(1, 2), non_blocking=True
             )
-            width += r
-        ex.lora_widths[slot] = width
+            if proj == "down_proj":
+                down_width = r
+            else:
+                width += r
+        ex.lora_widths[slot] = width + down_width
+        ex.lora_gate_up_widths[slot], ex.lora_down_widths[slot] = width, down_width

@@ -186,6 +186,8 @@ def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None
                 f"supported; list the module names instead, e.g. {list(spec.lora_targets[:2])}"
             )
         targets = [targets]
+    if isinstance(targets, list) and not targets and cfg.get("target_parameters"):
+        return []  # peft 0.21's experts-only adapter: every target is a parameter
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
         raise AdapterError(f"{path}: target_modules must be a non-empty list of module names")
     supported = ", ".join(spec.lora_targets)

@@ -391,7 +391,8 @@ class QuantizedExperts(Experts):
         nn.Module.__init__(self)
         for name in ("num_experts", "hidden", "inter", "limit", "alpha", "_bound",
                      "gate_up_proj_bias", "down_proj_bias", "lora_gate_up_a", "lora_gate_up_b",
-                     "lora_down_a", "lora_down_b", "lora_widths"):  # fmt: skip
+                     "lora_down_a", "lora_down_b", "lora_widths", "lora_gate_up_widths",
+                     "lora_down_widths"):  # fmt: skip
             setattr(self, name, getattr(ex, name))
 
         def quantized(w: torch.Tensor) -> QuantizedLoRALinear:

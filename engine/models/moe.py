@@ -55,6 +55,8 @@ class Experts(UsesBackend, nn.Module):
         self.lora_down_a: torch.Tensor | None = None
         self.lora_down_b: torch.Tensor | None = None
         self.lora_widths: list[int] = []  # per slot: its expert LoRA rows (0: none)
+        self.lora_gate_up_widths: list[int] = []  # per slot: rows used in the gate|up stacks
+        self.lora_down_widths: list[int] = []
 
     def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Quantized experts (engine/quantization.py) replace the two base products."""
@@ -63,18 +65,22 @@ class Experts(UsesBackend, nn.Module):
     def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return self.backend.grouped_mm(x, self.down_proj.transpose(1, 2), offs)
 
-    def _lora(self, y: torch.Tensor, x: torch.Tensor, virt: tuple | None,
-              a: torch.Tensor | None, b: torch.Tensor | None) -> None:  # fmt: skip
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, virt: tuple | None, a: torch.Tensor | None,
+              b: torch.Tensor | None, widths: list[int]) -> None:  # fmt: skip
         """y[rows] += B_v A_v x[rows] for each row's virtual expert v (see the module doc);
-        `virt` = (rows that have one, their order by v, v's cumulative row ends). A slot's
-        unused width is zeros, so it adds nothing; views, so no stack is copied."""
-        if virt is None or a is None:
+        `virt` = (rows that have one, their order by v, v's cumulative row ends). Only the
+        widest slot's rows of the stacks are read (past a slot's own width they are zeros,
+        which add nothing), through views: no stack is copied."""
+        width = max(widths, default=0)
+        if virt is None or a is None or width == 0:
             return
         rows, order, offs = virt
-        s, e, width = a.shape[:3]
+        s, e = a.shape[:2]
         xa = x[rows[order]]
-        wa = a.view(s * e, width, a.shape[-1]).transpose(1, 2)
-        wb = b.view(s * e, width, b.shape[-1])
+        # [slots, experts, width, features] -> [slots * experts, ...]: a view (slots and
+        # experts stay one stride apart)
+        wa = a[:, :, :width].reshape(s * e, width, a.shape[-1]).transpose(1, 2)
+        wb = b[:, :, :width].reshape(s * e, width, b.shape[-1])
         delta = self.backend.grouped_mm(self.backend.grouped_mm(xa, wa, offs), wb, offs)
         y.index_add_(0, rows[order], delta.to(y.dtype))
 
@@ -94,12 +100,13 @@ class Experts(UsesBackend, nn.Module):
         h = self.base_gate_up(xs, offs)
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[sorted_experts]
-        self._lora(h, xs, virt, self.lora_gate_up_a, self.lora_gate_up_b)
+        self._lora(h, xs, virt, self.lora_gate_up_a, self.lora_gate_up_b,
+                   self.lora_gate_up_widths)  # fmt: skip
         a = self.activation(*h.chunk(2, dim=-1))
         y = self.base_down(a, offs)
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[sorted_experts]
-        self._lora(y, a, virt, self.lora_down_a, self.lora_down_b)
+        self._lora(y, a, virt, self.lora_down_a, self.lora_down_b, self.lora_down_widths)
         y = y * weights.flatten()[order].unsqueeze(-1)
         out = torch.zeros_like(x)
         # In expert order for every token: the sum runs as transformers' loop over experts.

@@ -343,3 +343,14 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(gpt_oss, tm
     # and into our int4 layers
     int4 = LLM(str(mx), dtype="float32", quantization="int4", max_loras=2, max_lora_rank=16)
     assert isinstance(int4.engine.model.model.layers[0].mlp.experts, QuantizedExperts)
+
+
+def test_experts_only_adapter_with_empty_target_modules(moe, tmp_path):
+    """peft 0.21 writes `target_modules: []` for an adapter on the experts only."""
+    base, _ = moe["qwen3_moe"]
+    spec = spec_from_config(json.loads((base / "config.json").read_text()))
+    folder = make_adapter(base, tmp_path / "experts-only", targets=(), target_parameters=EXPERTS)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": []}))
+    adapter = load_adapter(folder, spec, 16, torch.float32)
+    assert adapter.experts and not adapter.weights
