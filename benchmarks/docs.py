@@ -426,6 +426,24 @@ SECTIONS = [  # (title, file prefix, renderer)
 ]
 
 
+# Benchmarks that write their own page (tables, plots, the machine and the command there).
+OWN_PAGES = "\n".join(
+    [
+        "## Benchmarks with a page of their own\n",
+        "| what | command | page |",
+        "| --- | --- | --- |",
+        "| Mixture of experts: decode with 0 / 4 / 32 expert adapters against the base alone, our "
+        "MoE forward against transformers' | `python -m benchmarks.moe` | [moe.md](moe.md) |",
+        "| Host time and ops per decode step, this tree against a baseline commit | "
+        "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) |",
+        "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
+        "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
+        "| Interactive TTFT and machine throughput beside a Batch API job | "
+        "`python -m benchmarks.batch_priority` | [batch-priority.md](batch-priority.md) |\n",
+    ]
+)
+
+
 # Figures that once sat in code comments: a comment says why, this page says how much, on
 # which machine, and how to measure it again.
 CODE_NOTES = """\
@@ -539,6 +557,7 @@ def render(results: Path = RESULTS, out: Path = OUTPUT) -> str:
         "benchmarks/results/*.json; do not edit by hand -->\n",
         SETUP,
         f"## Hardware\n\n{hardware}",
+        OWN_PAGES,
         CODE_NOTES,
     ]
     for title, prefix, fn in SECTIONS:
