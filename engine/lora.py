@@ -409,8 +409,9 @@ def load_adapter(
         for e, (a, b) in by_expert.items():
             a_all[e], b_all[e] = a, b
         experts[(layer, proj)] = (a_all, b_all)
+    modules = {what for (_, kind, what) in pairs if kind == "module"}
     targets = tuple(dict.fromkeys(
-        [t for t in spec.lora_targets if any(m == t for _, m in weights)]
+        [t for t in spec.lora_targets if t in modules]
         + sorted({m for _, m in weights if m.startswith(SHARED_EXPERT + ".")})
         + [f"experts.{p}" for p in ("gate_up_proj", *EXPERT_PROJECTIONS)
            if any(q == p for _, q in experts)]

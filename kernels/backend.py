@@ -127,17 +127,17 @@ class KernelBackend:
         mod = _triton("moe_triton") if which == "triton" else (cpu if which == "cpu" else reference)
         return mod.grouped_mm(x, w, offs)
 
-    def int8_matmul(self, *args):
-        return self._matmul("int8_matmul", args)
+    def int8_matmul(self, *args, **kwargs):
+        return self._matmul("int8_matmul", args, kwargs)
 
-    def int4_matmul(self, *args):
-        return self._matmul("int4_matmul", args)
+    def int4_matmul(self, *args, **kwargs):
+        return self._matmul("int4_matmul", args, kwargs)
 
-    def _matmul(self, name: str, args: tuple):
+    def _matmul(self, name: str, args: tuple, kwargs: dict):
         which = self.which(args[0])
         mod = (_triton("dequant_matmul") if which == "triton"
                else (cpu if which == "cpu" else reference))  # fmt: skip
-        return getattr(mod, name)(*args)
+        return getattr(mod, name)(*args, **kwargs)
 
 
 def bind(model: torch.nn.Module, backend: KernelBackend) -> None:

@@ -31,6 +31,7 @@ the fixed one. A failing example found this way belongs in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -437,6 +438,15 @@ EVERY_FEATURE = Case(
     ),
     label="every feature at once: chunks, preemption, slot churn, host LRU, cache hits",
 )
+# EVERY_FEATURE's pressure (8 blocks, 7-token chunks, 2 slots) with expert adapters of both
+# formats beside the others, unlabelled so that it counts towards the MoE coverage check
+# whatever the drawn examples reach.
+MOE_PRESSURE = dataclasses.replace(
+    EVERY_FEATURE,
+    first=tuple(dataclasses.replace(r, adapter=a) for r, a in
+                zip(EVERY_FEATURE.first, ("exp8", None, "mlp16", "exp3split", "kv1"), strict=True)),
+    label="",
+)  # fmt: skip
 
 
 EXAMPLE_SEEDING = (lambda f: f) if SEED is None else seed(int(SEED))
@@ -486,6 +496,7 @@ def test_more_families_match_hf_peft(kind, case, family_models, more_adapters):
 )
 @given(case=cases(MOE_ADAPTER_NAMES))
 @example(case=EVERY_FEATURE)
+@example(case=MOE_PRESSURE)
 def test_qwen3_moe_matches_hf_peft(case, moe_model):
     """Qwen3-MoE with attention-only and expert adapters (both formats) in the same batches."""
     base, folders, made = moe_model

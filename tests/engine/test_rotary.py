@@ -1,4 +1,4 @@
-"""RoPE rows looked up once per forward pass and shared by the layers that use one table."""
+"""RoPE rows looked up once per step (the step plan) and shared by the layers of one table."""
 
 from __future__ import annotations
 
@@ -16,21 +16,19 @@ def _rotaries(n: int, rope: RopeSpec, head_dim: int = 16) -> list[Rotary]:
     return rotaries
 
 
-def test_memo_gives_bitwise_the_same_rotation_and_one_entry_per_table_and_step():
+def test_planned_rows_give_bitwise_the_same_rotation_one_per_table():
+    """The step plan looks each distinct table's rows up once (engine/step_plan.py); a layer
+    given them rotates exactly as it would looking them up itself."""
     local, glob = _rotaries(2, RopeSpec(theta=10_000.0)), _rotaries(1, RopeSpec(theta=1e6))
+    assert local[0].key == local[1].key != glob[0].key  # the two layers share one table
     gen = torch.Generator().manual_seed(0)
-    memo: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         positions = torch.tensor([3, 0, 17, 63, 5])
+        rope = {r.key: r.tables(positions, dtype) for r in (local[0], glob[0])}
         for rot in (*local, *glob):
             for heads in (4, 1):  # q, then k
                 x = torch.randn(5, heads, 16, generator=gen).to(dtype)
-                assert torch.equal(rot(x, positions, memo), rot(x, positions))
-        # The two layers of one RoPE share an entry; the other RoPE has its own.
-        assert sum(1 for k in memo if k[-1] == dtype) == 2
-    # Other positions (the next step, or a context reused by mistake) get their own rows.
-    x = torch.randn(2, 4, 16, generator=gen)
-    later = torch.tensor([40, 41])
-    assert torch.equal(local[0](x, later, memo), local[0](x, later))
+                assert torch.equal(rot(x, positions, rope), rot(x, positions))
     # Position 0 leaves x as it is.
-    assert torch.equal(local[0](x[:1], torch.tensor([0]), memo), x[:1])
+    x = torch.randn(2, 4, 16, generator=gen)
+    assert torch.equal(local[0](x[:1], torch.tensor([0])), x[:1])

@@ -659,8 +659,9 @@ As vLLM answers them (tests/platform/test_vllm_routes.py): `GET /health` and `GE
 /ping` answer 200 with an empty body while requests can be served, 503 while the model
 loads, while the server drains, or once the engine has died; `GET /version` gives
 `{"version": ...}`. `/v1/models` lists vLLM's model cards (`id`, `object`, `created`,
-`owned_by`, `root`, `parent`, `max_model_len`, `permission`). `/healthz` and `/readyz` say
-why in JSON.
+`owned_by`, `root`, `parent`, `max_model_len`, `permission`) and our `architecture`: the
+base's `family` (its config's `model_type`) and `mixture_of_experts` (`num_experts`,
+`experts_per_token`; null for a dense model). `/healthz` and `/readyz` say why in JSON.
 
 ## Tokenization
 
