@@ -12,6 +12,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from benchmarks.server import stop_process
+
 # moto ignores credentials unless auth is switched on; any non-empty pair signs requests.
 ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
 
@@ -58,9 +60,4 @@ def moto_server(*, auth: bool = False, timeout: float = 30.0) -> Iterator[str]:
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=10)

@@ -43,8 +43,10 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_batch: int, max_blocks: int, scratch_slot: int, capture: bool):
+    def __init__(self, model, rotaries: list[Rotary], max_batch: int, max_blocks: int,
+                 scratch_slot: int, capture: bool):  # fmt: skip
         self.model, self.capture, self.scratch = model, capture, scratch_slot
+        self.rotaries = rotaries  # the model's distinct RoPE tables (StepPlanner's)
         self.buckets = buckets(max_batch)
         dev, z = model.device, dict(dtype=torch.int64, device=model.device)
         n = self.buckets[-1]
@@ -55,7 +57,6 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **z)
         self.row_slots = torch.full((n,), -1, **z)
         self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=dev)
-        self.rotaries = list({m.key: m for m in model.modules() if isinstance(m, Rotary)}.values())
         self.graphs: dict[tuple[int, bool], Callable[[], None]] = {}
         self.replays = 0
 

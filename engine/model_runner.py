@@ -102,9 +102,10 @@ class ModelRunner:
         self.graphs = None
         if graphs:
             max_blocks = -(-config.max_model_len // bs)
-            self.graphs = DecodeGraphs(model, config.max_num_seqs, max_blocks,
-                                       scratch_slot=self.num_blocks * bs,
-                                       capture=self.device.type == "cuda")  # fmt: skip
+            self.graphs = DecodeGraphs(
+                model, self.planner.rotaries, config.max_num_seqs, max_blocks,
+                scratch_slot=self.num_blocks * bs, capture=self.device.type == "cuda",
+            )  # fmt: skip
 
     @property
     def kv_cache_bytes(self) -> int:

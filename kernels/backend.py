@@ -47,9 +47,10 @@ class KernelBackend:
                 f"CPU attention must be one of {cpu.ATTENTION_IMPLS}, not {self.cpu_attention!r}"
             )
 
-    def which(self, t: torch.Tensor) -> str:
-        """ "triton", "cpu" or "reference" for an op on tensor `t`."""
-        if self.mode == "triton" or (self.mode == "auto" and t.is_cuda):
+    def which(self, t: torch.Tensor | torch.device) -> str:
+        """ "triton", "cpu" or "reference" for an op on tensor (or device) `t`."""
+        cuda = (t if isinstance(t, torch.device) else t.device).type == "cuda"
+        if self.mode == "triton" or (self.mode == "auto" and cuda):
             return "triton"
         return "reference" if self.mode == "reference" else "cpu"
 
@@ -72,7 +73,7 @@ class KernelBackend:
     def plan_lora(self, segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
                   device: torch.device):  # fmt: skip
         """lora_apply's plan for one step's segments and one set of slot widths."""
-        which = self.which(torch.empty(0, device=device))
+        which = self.which(torch.device(device))
         if which == "cpu":
             return cpu.plan_lora(segments, widths, device)
         if which == "triton":

@@ -65,18 +65,32 @@ def csrf_token(admin_key: str, session_value: str) -> str:
     return _mac(admin_key, "csrf", session_value)
 
 
-def set_session_cookie(response: Response, request: Request, value: str) -> None:
+def _set_cookie(response: Response, request: Request, name: str, value: str, path: str):
     response.set_cookie(
-        SESSION_COOKIE,
+        name,
         value,
         max_age=SESSION_SECONDS,
-        path=COOKIE_PATH,
+        path=path,
         httponly=True,
         samesite="strict",
         # Behind TLS (directly, or a proxy uvicorn trusts for X-Forwarded-Proto) the cookie
         # never travels over plain HTTP; on a laptop's http://127.0.0.1 it has to.
         secure=request.url.scheme == "https",
     )
+
+
+def _check_csrf(request: Request, expected: str, what: str) -> None:
+    """A request that changes state must carry its session's CSRF token (403 otherwise)."""
+    if request.method in _SAFE_METHODS:
+        return
+    if not hmac.compare_digest(request.headers.get(CSRF_HEADER, ""), expected):
+        raise APIError(
+            403, f"missing or wrong {CSRF_HEADER} header for a {what} request", "csrf_failed"
+        )
+
+
+def set_session_cookie(response: Response, request: Request, value: str) -> None:
+    _set_cookie(response, request, SESSION_COOKIE, value, COOKIE_PATH)
 
 
 def clear_session_cookie(response: Response) -> None:
@@ -88,13 +102,7 @@ def check_session_request(request: Request, admin_key: str) -> None:
     value = request.cookies.get(SESSION_COOKIE, "")
     if session_expiry(admin_key, value) is None:
         raise APIError(401, "dashboard session missing or expired: sign in again", "no_session")
-    if request.method in _SAFE_METHODS:
-        return
-    sent = request.headers.get(CSRF_HEADER, "")
-    if not hmac.compare_digest(sent, csrf_token(admin_key, value)):
-        raise APIError(
-            403, f"missing or wrong {CSRF_HEADER} header for a dashboard request", "csrf_failed"
-        )
+    _check_csrf(request, csrf_token(admin_key, value), "dashboard")
 
 
 # --- the tenant portal ---------------------------------------------------------------------
@@ -138,15 +146,7 @@ def portal_csrf_token(admin_key: str, session_value: str) -> str:
 
 
 def set_portal_cookie(response: Response, request: Request, value: str) -> None:
-    response.set_cookie(
-        PORTAL_COOKIE,
-        value,
-        max_age=SESSION_SECONDS,
-        path=PORTAL_PATH,
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
+    _set_cookie(response, request, PORTAL_COOKIE, value, PORTAL_PATH)
 
 
 def clear_portal_cookie(response: Response) -> None:
@@ -160,10 +160,5 @@ def check_portal_request(request: Request, admin_key: str) -> tuple[int, int]:
     found = portal_session(admin_key, value)
     if found is None:
         raise APIError(401, "portal session missing or expired: sign in again", "no_session")
-    if request.method not in _SAFE_METHODS:
-        sent = request.headers.get(CSRF_HEADER, "")
-        if not hmac.compare_digest(sent, portal_csrf_token(admin_key, value)):
-            raise APIError(
-                403, f"missing or wrong {CSRF_HEADER} header for a portal request", "csrf_failed"
-            )
+    _check_csrf(request, portal_csrf_token(admin_key, value), "portal")
     return found[0], found[1]

@@ -2,34 +2,8 @@
 // (optionally ending the streams running on the key at once).
 
 import { api } from "./api.js";
-import { attempt, badge, field, flash, h, table, when } from "./dom.js";
-
-async function copy(text, input) {
-  // The Clipboard API needs a secure context (https or localhost); elsewhere fall back to a
-  // selection the operator can copy by hand.
-  if (navigator.clipboard && window.isSecureContext) {
-    await navigator.clipboard.writeText(text);
-    flash("Copied to the clipboard.");
-  } else {
-    input.select();
-    flash("Selected: press Ctrl+C (or ⌘C) to copy.");
-  }
-}
-
-function secretBox(created) {
-  const out = h("input", { id: "new-secret", readonly: true, value: created.secret, "aria-label": "New key secret" });
-  return h("section", { class: "card secret", role: "alert" },
-    h("h2", {}, `Key ${created.name} created`),
-    h("p", {}, "Copy the secret now: it is shown this once, and only its hash is kept."),
-    h("div", { class: "copy-row" }, out,
-      h("button", { type: "button", class: "primary", id: "copy-secret", onclick: () => attempt(() => copy(created.secret, out)) }, "Copy")));
-}
-
-function keyState(k) {
-  if (k.revoked_at) return badge("revoked");
-  if (k.expires_at && new Date(k.expires_at) < new Date()) return badge("expired");
-  return badge("active");
-}
+import { keyState, secretBox } from "./key-secret.js";
+import { attempt, field, h, table, when } from "./dom.js";
 
 export async function keysPage(main, query) {
   const { data: tenants } = await api.get("/tenants");

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.kernels import dispatch
 from tests.conftest import ADAPTER_SPECS
 from tests.utils.factories import FAMILY_KINDS, make_adapter, make_tiny_model
 
@@ -40,3 +41,12 @@ def parity_models(tiny_models, family_models) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def parity_adapters(tiny_adapters, family_adapters) -> dict[str, dict[str, Path]]:
     return {**tiny_adapters, **family_adapters}
+
+
+@pytest.fixture
+def reference_mode():
+    """The kernels' exact forms (the torch reference) for engines built in the test: the CPU's
+    fast int8/int4 products round differently from a matmul on the dequantized weights."""
+    dispatch.set_mode("reference")
+    yield
+    dispatch.set_mode("auto")

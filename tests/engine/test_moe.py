@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import LoRALinear
-from loraplex.engine.models.spec import PROJECTIONS, spec_from_config
+from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.quantization import QuantizedExperts, QuantizedLoRALinear
-from loraplex.kernels import dispatch
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
+from tests.engine.test_quantization import dequantized_folder
 from tests.utils.factories import (
     EXPERT_PARAMETERS,
     MOE_KINDS,
@@ -210,43 +210,6 @@ def test_bad_expert_adapters_are_refused(moe, tmp_path):
         load_adapter(mlp, spec, 16, torch.float32)
 
 
-def _dequantized_moe_folder(llm: LLM, src, dst):
-    """A copy of `src` whose quantized weights (attention, dense MLP, every expert) are our
-    quantized model's, dequantized; the router stays as it was (never quantized)."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    model = llm.engine.model
-    for f in src.glob("*.safetensors"):
-        tensors = load_file(f)
-        for name in tensors:
-            parts = name.split(".")
-            if parts[-1] != "weight" or parts[-2] not in PROJECTIONS:
-                continue
-            if parts[-4] == "experts":
-                ex = model.get_submodule(".".join(parts[:-3]))
-                e, proj, i = int(parts[-3]), parts[-2], ex.inter
-                w = (ex.down_q if proj == "down_proj" else ex.gate_up_q)[e].dequantize()
-                w = {"gate_proj": w[:i], "up_proj": w[i:], "down_proj": w}[proj]
-            else:
-                fused, idx = PROJECTIONS[parts[-2]]
-                mod = model.get_submodule(".".join(parts[:-2] + [fused]))
-                start = sum(mod.out_sizes[:idx])
-                w = mod.dequantize()[start : start + mod.out_sizes[idx]]
-            tensors[name] = w.to(tensors[name].dtype).contiguous()
-        save_file(tensors, dst / f.name, metadata={"format": "pt"})
-    return dst
-
-
-@pytest.fixture
-def reference_mode():
-    """The kernels' exact forms: the CPU's fast int8/int4 products round differently."""
-    dispatch.set_mode("reference")
-    yield
-    dispatch.set_mode("auto")
-
-
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_expert_adapters_on_a_quantized_moe_base(method, moe, tmp_path, reference_mode):
     """Experts are quantized too (the router is not): the engine's answers equal transformers +
@@ -257,7 +220,7 @@ def test_expert_adapters_on_a_quantized_moe_base(method, moe, tmp_path, referenc
     assert isinstance(experts, QuantizedExperts) and experts.gate_up_proj is None
     assert isinstance(llm.engine.model.model.layers[0].mlp.gate, LoRALinear)
     assert not isinstance(llm.engine.model.model.layers[0].mlp.gate, QuantizedLoRALinear)
-    folder = _dequantized_moe_folder(llm, base, tmp_path / "dequantized")
+    folder = dequantized_folder(llm, base, tmp_path / "dequantized")
     rows = ROWS[:5]
     ref_adapters = {n: p for n, p in adapters.items() if n not in ROUTER}
     ref = hf_reference(folder, ref_adapters, rows, same_as=SPLIT)

@@ -23,7 +23,6 @@ from loraplex.engine.quantization import (
     WeightOnlyInt4Linear,
     resident_weight_bytes,
 )
-from loraplex.kernels import dispatch
 from tests.conftest import ADAPTER_SPECS
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.utils.factories import make_adapter, make_tiny_model
@@ -63,12 +62,6 @@ def wide(tmp_path_factory):
         out[kind] = (base, adapters)
     return out
 
-
-@pytest.fixture
-def reference_mode():
-    dispatch.set_mode("reference")
-    yield
-    dispatch.set_mode("auto")
 
 
 def _folders(wide, kind: str, case: str, tmp_path):

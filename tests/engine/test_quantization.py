@@ -240,8 +240,9 @@ def test_config_refuses_unknown_quantization(tiny_models):
         EngineConfig(model=str(tiny_models["llama"]), quantization="int3")
 
 
-def _dequantized_folder(llm: LLM, src: Path, dst: Path) -> Path:
-    """A copy of `src` whose linear weights are our quantized model's, dequantized."""
+def dequantized_folder(llm: LLM, src: Path, dst: Path) -> Path:
+    """A copy of `src` whose quantized weights (linears, and a mixture of experts' experts)
+    are our quantized model's, dequantized; the rest (a router too) stays as it was."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -253,21 +254,20 @@ def _dequantized_folder(llm: LLM, src: Path, dst: Path) -> Path:
             parts = name.split(".")
             if len(parts) < 2 or parts[-2] not in PROJECTIONS or parts[-1] != "weight":
                 continue
-            fused, idx = PROJECTIONS[parts[-2]]
-            mod = model.get_submodule(".".join(parts[:-2] + [fused]))
-            assert isinstance(mod, QuantizedLoRALinear)
-            start = sum(mod.out_sizes[:idx])
-            w = mod.dequantize()[start : start + mod.out_sizes[idx]]
+            if len(parts) >= 4 and parts[-4] == "experts":  # one expert's projection
+                ex = model.get_submodule(".".join(parts[:-3]))
+                e, proj, i = int(parts[-3]), parts[-2], ex.inter
+                w = (ex.down_q if proj == "down_proj" else ex.gate_up_q)[e].dequantize()
+                w = {"gate_proj": w[:i], "up_proj": w[i:], "down_proj": w}[proj]
+            else:
+                fused, idx = PROJECTIONS[parts[-2]]
+                mod = model.get_submodule(".".join(parts[:-2] + [fused]))
+                assert isinstance(mod, QuantizedLoRALinear)
+                start = sum(mod.out_sizes[:idx])
+                w = mod.dequantize()[start : start + mod.out_sizes[idx]]
             tensors[name] = w.to(tensors[name].dtype).contiguous()
         save_file(tensors, dst / f.name, metadata={"format": "pt"})
     return dst
-
-
-@pytest.fixture
-def reference_mode():
-    dispatch.set_mode("reference")
-    yield
-    dispatch.set_mode("auto")
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
@@ -282,7 +282,7 @@ def test_lora_on_quantized_base_matches_peft_on_dequantized_weights(
     )  # fmt: skip
     fp_bytes = LLM(str(tiny_models[kind]), dtype="float32").engine.model
     assert resident_weight_bytes(llm.engine.model) < resident_weight_bytes(fp_bytes)
-    folder = _dequantized_folder(llm, tiny_models[kind], tmp_path / "dequantized")
+    folder = dequantized_folder(llm, tiny_models[kind], tmp_path / "dequantized")
     check_rows(run_rows(llm, adapters), hf_reference(folder, adapters))
 
 

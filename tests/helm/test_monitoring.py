@@ -17,6 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.server import stop_process
 from tests.helm.chart import SECRETS, kinds, prometheus, render
 from tests.utils.factories import make_adapter, make_tiny_model
 from tests.utils.server import free_port, run_server, upload_adapter
@@ -393,12 +394,7 @@ def prometheus_query(server, tmp_path_factory):
                 time.sleep(0.5)
             yield query
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout_s=10)
 
 
 def test_prometheus_scraping_a_live_server_answers_every_query(chart_on, prometheus_query):

@@ -16,7 +16,6 @@ import sys
 import time
 from contextlib import contextmanager
 
-import boto3
 import httpx
 import pytest
 from sqlalchemy import make_url, select
@@ -26,8 +25,9 @@ from loraplex.platform.db.models import BatchLine, UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from tests.platform.conftest import PG_SERVER, _pg_admin_connect
 from tests.utils.factories import make_adapter
-from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
-from tests.utils.server import ADMIN_KEY, upload_adapter
+from tests.utils.moto import free_port
+from tests.utils.replicas import fleet_settings
+from tests.utils.server import upload_adapter
 
 LINES = 24
 KILLS = 1  # each costs a server start; the kill points are drawn anew each run
@@ -51,24 +51,10 @@ def pg_url():
 
 @contextmanager
 def environment(model_dir, pg_url, root):
-    with moto_server() as s3_url:
-        boto3.client("s3", endpoint_url=s3_url, region_name=REGION, aws_access_key_id=ACCESS_KEY,
-                     aws_secret_access_key=SECRET_KEY).create_bucket(Bucket="batches")  # fmt: skip
+    with fleet_settings(model_dir, pg_url, "batches", "store") as common:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
         env.update(
-            LORAPLEX_DATABASE_URL=pg_url,
-            LORAPLEX_STORE_URL="s3://batches/store",
-            LORAPLEX_S3_ENDPOINT_URL=s3_url,
-            LORAPLEX_S3_REGION=REGION,
-            LORAPLEX_AWS_ACCESS_KEY_ID=ACCESS_KEY,
-            LORAPLEX_AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-            LORAPLEX_MODEL=str(model_dir),
-            LORAPLEX_ADMIN_KEY=ADMIN_KEY,
-            LORAPLEX_DTYPE="float32",
-            LORAPLEX_MAX_MODEL_LEN="256",
-            LORAPLEX_ENGINE_THREADS="1",
-            LORAPLEX_ENGINE_PROCESS="false",
-            LORAPLEX_HOST="127.0.0.1",
+            common,
             LORAPLEX_DATA_DIR=str(root),
             LORAPLEX_BATCH_LEASE_S="2",
             LORAPLEX_BATCH_POLL_INTERVAL_S="0.2",

@@ -55,15 +55,16 @@ def _wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout: float =
 
 
 @contextmanager
-def start_replicas(model_dir: Path, pg_database_url: str, root: Path) -> Iterator[Replicas]:
-    """Two replicas on a PostgreSQL database and a new moto server: (url of A, url of
-    B, sessions on the shared database, adapter folders x and y, the store)."""
+def fleet_settings(model_dir: Path, pg_database_url: str, bucket: str, prefix: str
+                   ) -> Iterator[dict[str, str]]:  # fmt: skip
+    """A new moto server holding `bucket`, and the settings every server process of one fleet
+    shares: the PostgreSQL database, the store under s3://bucket/prefix, the tiny model."""
     with moto_server() as s3_url:
         boto3.client("s3", endpoint_url=s3_url, region_name=REGION, aws_access_key_id=ACCESS_KEY,
-                     aws_secret_access_key=SECRET_KEY).create_bucket(Bucket=BUCKET)  # fmt: skip
-        common = dict(
+                     aws_secret_access_key=SECRET_KEY).create_bucket(Bucket=bucket)  # fmt: skip
+        yield dict(
             LORAPLEX_DATABASE_URL=pg_database_url,
-            LORAPLEX_STORE_URL=f"s3://{BUCKET}/fleet",
+            LORAPLEX_STORE_URL=f"s3://{bucket}/{prefix}",
             LORAPLEX_S3_ENDPOINT_URL=s3_url,
             LORAPLEX_S3_REGION=REGION,
             LORAPLEX_AWS_ACCESS_KEY_ID=ACCESS_KEY,
@@ -76,6 +77,13 @@ def start_replicas(model_dir: Path, pg_database_url: str, root: Path) -> Iterato
             LORAPLEX_ENGINE_PROCESS="false",
             LORAPLEX_HOST="127.0.0.1",
         )
+
+
+@contextmanager
+def start_replicas(model_dir: Path, pg_database_url: str, root: Path) -> Iterator[Replicas]:
+    """Two replicas on a PostgreSQL database and a new moto server: (url of A, url of
+    B, sessions on the shared database, adapter folders x and y, the store)."""
+    with fleet_settings(model_dir, pg_database_url, BUCKET, "fleet") as common:
         cli = [sys.executable, "-m", "loraplex.platform.cli"]
         # Migrations run once, by the operator's `db upgrade`; replicas on a shared database
         # only check the schema.
@@ -95,7 +103,8 @@ def start_replicas(model_dir: Path, pg_database_url: str, root: Path) -> Iterato
             _wait_ready(urls, procs)
             folders = {name: make_adapter(model_dir, root / name, r=4, seed=seed)
                        for name, seed in (("x", 1), ("y", 2))}  # fmt: skip
-            store = make_store(f"s3://{BUCKET}/fleet", endpoint_url=s3_url, region=REGION,
+            store = make_store(common["LORAPLEX_STORE_URL"],
+                               endpoint_url=common["LORAPLEX_S3_ENDPOINT_URL"], region=REGION,
                                access_key=ACCESS_KEY, secret_key=SECRET_KEY)  # fmt: skip
             yield Replicas(urls[0], urls[1], make_sessionmaker(db), folders, store)
         finally:

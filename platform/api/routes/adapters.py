@@ -7,11 +7,11 @@ import logging
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
-from starlette.types import Message, Receive
 
 from loraplex.platform.adapter_service import remove_adapter, store_and_register
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
+from loraplex.platform.api.form_limits import limited
 from loraplex.platform.db import crud
 from loraplex.platform.names import ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE, is_adapter_name
 from loraplex.platform.store import StoreError
@@ -28,23 +28,6 @@ log = logging.getLogger("loraplex.platform")
 
 
 # Room for the multipart framing and the name field around `limit` bytes of files.
-FORM_SLACK = 64 * 1024
-
-
-def _capped(receive: Receive, limit: int) -> Receive:
-    """`receive` that refuses bodies past limit + FORM_SLACK as they arrive: a chunked upload
-    has no Content-Length to check, and the form parser spools whatever it reads to disk."""
-    seen = 0
-
-    async def capped() -> Message:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > limit + FORM_SLACK:
-            raise APIError(413, f"upload exceeds the limit of {limit} bytes", "too_large")
-        return message
-
-    return capped
 
 
 def store_unavailable(tenant_id: int | str, name: str, cause: Exception) -> APIError:
@@ -114,11 +97,7 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
         quota = crud.get_quota(session, tenant_id=caller.tenant.id)
     if quota is not None and quota.max_adapter_bytes is not None:
         limit = min(limit, quota.max_adapter_bytes)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + FORM_SLACK:
-        raise APIError(
-            413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", "too_large"
-        )
+    body = limited(request, limit)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind and kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
         raise APIError(
@@ -126,7 +105,6 @@ async def upload_adapter(request: Request, state: StateDep, caller: CallerDep):
             f"an upload is a multipart/form-data form (name + files), not {kind}",
             "unsupported_media_type",
         )
-    body = Request(request.scope, _capped(request.receive, limit))
     form = await body.form(max_files=4, max_fields=4)
     name = form.get("name")
     if not is_adapter_name(name):

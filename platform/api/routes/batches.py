@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
+from loraplex.platform.api.routes.files import cursor_page
 from loraplex.platform.batches import (
     BatchCreate,
     batch_public,
@@ -47,13 +48,7 @@ def list_batches(state: StateDep, caller: CallerDep, limit: int = 20, after: str
             )
         )
         data = [batch_public(session, r) for r in rows[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(rows) > limit,
-    }
+    return cursor_page(data, len(rows) > limit)
 
 
 @router.get("/{batch_id}")

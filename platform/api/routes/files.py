@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from sqlalchemy import select
 from starlette.datastructures import UploadFile
-from starlette.types import Message, Receive
 
 from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
+from loraplex.platform.api.form_limits import limited
 from loraplex.platform.db.models import Batch, BatchStatus, StoredFile
 from loraplex.platform.files import (
     FileBlobs,
@@ -26,13 +26,23 @@ from loraplex.platform.store import StoreError
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=API_ERRORS)
 log = logging.getLogger("loraplex.platform")
-FORM_SLACK = 64 * 1024  # the multipart framing and the purpose field around the file
 _ACTIVE = (
     BatchStatus.validating,
     BatchStatus.in_progress,
     BatchStatus.finalizing,
     BatchStatus.cancelling,
 )
+
+
+def cursor_page(data: list[dict], has_more: bool) -> dict:
+    """OpenAI's list object, with the cursors its `after` parameter pages by."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def store_unavailable(cause: Exception) -> APIError:
@@ -42,21 +52,6 @@ def store_unavailable(cause: Exception) -> APIError:
         503, "the file store is unavailable; retry later", "store_unavailable",
         headers={"Retry-After": "30"},
     )  # fmt: skip
-
-
-def _capped(receive: Receive, limit: int) -> Receive:
-    """Refuse a body past the limit as it arrives (a chunked upload declares no length)."""
-    seen = 0
-
-    async def capped() -> Message:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > limit + FORM_SLACK:
-            raise APIError(413, f"the file exceeds the limit of {limit} bytes", "too_large")
-        return message
-
-    return capped
 
 
 _UPLOAD_FORM = {
@@ -82,11 +77,7 @@ _UPLOAD_FORM = {
 async def upload_file(request: Request, state: StateDep, caller: CallerDep):
     settings = state.settings
     limit = settings.batch_file_max_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + FORM_SLACK:
-        raise APIError(
-            413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", "too_large"
-        )
+    body = limited(request, limit)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "multipart/form-data":
         raise APIError(
@@ -94,9 +85,7 @@ async def upload_file(request: Request, state: StateDep, caller: CallerDep):
             f"a file upload is a multipart/form-data form (purpose + file), not {kind or 'none'}",
             "unsupported_media_type",
         )
-    form = await Request(request.scope, _capped(request.receive, limit)).form(
-        max_files=1, max_fields=2
-    )
+    form = await body.form(max_files=1, max_fields=2)
     try:
         purpose = form.get("purpose")
         if purpose != "batch":
@@ -177,14 +166,7 @@ def list_files(
             query = query.where(older if order == "desc" else newer)
         query = query.order_by(*(k.desc() if order == "desc" else k.asc() for k in key))
         rows = list(session.scalars(query.limit(limit + 1)))
-    data = [file_public(r) for r in rows[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(rows) > limit,
-    }
+    return cursor_page([file_public(r) for r in rows[:limit]], len(rows) > limit)
 
 
 @router.get("/{file_id}")
