@@ -209,9 +209,11 @@ def adjust_tokens(
 
 
 def check_adapter_quota(
-    session: Session, tenant_id: int, *, rank: int, bytes: int
+    session: Session, tenant_id: int, *, rank: int, bytes: int, new_name: bool = True
 ) -> QuotaDecision:
-    """May the tenant store one more adapter of this rank and size? (For uploads.)
+    """May the tenant store one more adapter (or, with `new_name` false, one more version of
+    an adapter it has) of this rank and size? (For uploads.) Versions count towards the
+    bytes, not the number of adapters.
 
     Two uploads racing past the check can exceed `max_adapters` by one each; uploads are rare
     and the registry stays consistent, so this is not worth a lock.
@@ -223,7 +225,7 @@ def check_adapter_quota(
         reason = f"adapter rank {rank} exceeds this tenant's max rank {quota.max_rank}"
         return QuotaDecision(allowed=False, reason=reason, limit="max_rank")
     count, total = adapter_totals(session, tenant_id=tenant_id)
-    if quota.max_adapters is not None and count + 1 > quota.max_adapters:
+    if quota.max_adapters is not None and new_name and count + 1 > quota.max_adapters:
         reason = f"this tenant already has {count} of {quota.max_adapters} adapters: delete one"
         return QuotaDecision(allowed=False, reason=reason, limit="max_adapters")
     if quota.max_adapter_bytes is not None and total + bytes > quota.max_adapter_bytes:

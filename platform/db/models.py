@@ -149,10 +149,15 @@ class ApiKey(Base):
 
 
 class Adapter(Base):
+    """One immutable version of a tenant's adapter: an upload under a name the tenant already
+    has adds version n+1 beside the others; requests reach a version through the name's
+    aliases (`AdapterAlias`) or pin it as `name@vN`."""
+
     __tablename__ = "adapters"
     __table_args__ = (
-        UniqueConstraint("tenant_id", "name"),
+        UniqueConstraint("tenant_id", "name", "version"),
         CheckConstraint("rank > 0", name="rank_positive"),
+        CheckConstraint("version > 0", name="version_positive"),
         _one_of("status", AdapterStatus),
     )
 
@@ -160,6 +165,7 @@ class Adapter(Base):
     # Indexed by the (tenant_id, name) unique constraint's index.
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     base_model: Mapped[str] = mapped_column(String(255))
     rank: Mapped[int] = mapped_column(Integer)
     alpha: Mapped[float] = mapped_column(Float)
@@ -170,6 +176,26 @@ class Adapter(Base):
     status: Mapped[str] = mapped_column(String(16), default=AdapterStatus.ready.value)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_used_at: Mapped[datetime | None]
+
+
+class AdapterAlias(Base):
+    """Where a name's alias sends requests: one version, or a weighted split for a canary.
+
+    `weights` maps version numbers (as strings, JSON keys) to positive integer weights;
+    `previous` is the mapping before the last change, so a rollback is one atomic swap. The
+    alias `default` is what a request naming just the adapter follows.
+    """
+
+    __tablename__ = "adapter_aliases"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", "alias"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    alias: Mapped[str] = mapped_column(String(64))
+    weights: Mapped[dict[str, int]] = mapped_column(JSON)
+    previous: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Quota(Base):
@@ -186,6 +212,8 @@ class Quota(Base):
     max_adapters: Mapped[int | None] = mapped_column(Integer)
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)  # all adapters together
     max_rank: Mapped[int | None] = mapped_column(Integer)
+    # Tokens of Batch API lines in a calendar month, on top of (not instead of) the limits above.
+    batch_tokens_per_month: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class UsageRecord(Base):
@@ -205,6 +233,7 @@ class UsageRecord(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     adapter_name: Mapped[str | None] = mapped_column(String(128))  # None: the base model
+    adapter_version: Mapped[int | None] = mapped_column(Integer)  # the version that answered
     model: Mapped[str] = mapped_column(String(255))
     # The request's `user` field: the tenant's own end-user id, for their abuse tracking.
     end_user: Mapped[str | None] = mapped_column(String(256))
