@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,10 +39,23 @@ from loraplex.engine.speculative import (
     SpecPlanner,
     accept_prefix,
 )
+from loraplex.engine.stats import AdapterLoads
 from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
+
+
+@dataclass
+class _AdapterLoad:
+    """One request's adapter on its way into a device slot (RequestMetrics.adapter_*),
+    measured here, where the engine asks the adapter manager for it."""
+
+    name: str
+    tier: str  # where the adapter was when the request arrived: device | host | disk
+    asked: float  # time.monotonic() when the request asked for it
+    in_host: float | None = None  # when the engine took a disk load into host memory
+    seconds: float | None = None  # the request's wait, once its first step has it in a slot
 
 
 def _sample_seed(seed: int | None, index: int) -> int | None:
@@ -126,6 +140,10 @@ class LLMEngine:
         # Trims drafts to what pays on this hardware (None: score every proposal).
         self.spec_planner = SpecPlanner() if self.proposer else None
         self.spec_stats = SpecDecodeStats()
+        self.adapter_loads = AdapterLoads()
+        self._adapter_load: dict[str, _AdapterLoad] = {}  # request id -> its adapter's load
+        self._unplaced: dict[str, _AdapterLoad] = {}  # of those, not yet in a slot
+        self._reading: dict[int, list[_AdapterLoad]] = {}  # lora id -> loads waiting on disk
 
     def _make_swap_space(self, config: EngineConfig):
         """The host KV pool for preemption by swap and its measured copy costs (or none)."""
@@ -193,12 +211,15 @@ class LLMEngine:
         if params.has_processors:
             processors = build_processors(params, self.processor_context)
         if lora_request is not None:
+            self._adapter_asked(request_id, lora_request)
             self.adapters.acquire(lora_request)
             if wait_for_adapter and not self.adapters.loaded(lora_request.lora_int_id):
                 self.adapters.wait(lora_request.lora_int_id)
                 err = self._poll_adapters().get(lora_request.lora_int_id)
                 if err is not None:
                     self.adapters.release(lora_request)
+                    self._adapter_load.pop(request_id, None)
+                    self._unplaced.pop(request_id, None)
                     raise err
         self.load_errors.pop(request_id, None)
         arrival, arrival_time = time.monotonic(), time.time()
@@ -226,6 +247,27 @@ class LLMEngine:
         first.fork_children = [r.seq for r in group.samples[1:]]
         self.requests[request_id] = group
         self.scheduler.add(first)
+
+    def _adapter_asked(self, request_id: str, lora: LoRARequest) -> None:
+        """Note where the request's adapter is now, before the manager is asked for it."""
+        lora_id, ad = lora.lora_int_id, self.adapters
+        tier = "device" if lora_id in ad.slots else "host" if ad.loaded(lora_id) else "disk"
+        load = _AdapterLoad(lora.lora_name, tier, time.monotonic())
+        self._adapter_load[request_id] = self._unplaced[request_id] = load
+        if tier == "disk":
+            self._reading.setdefault(lora_id, []).append(load)
+
+    def _adapters_placed(self, seqs: list[Sequence], written: set[int], seconds: float) -> None:
+        """The requests whose first step this is have their adapter in a slot now: their
+        wait is the disk read (asked to taken in) plus this step's slot writes, if it wrote
+        theirs (every adapter written waited for the whole activation)."""
+        for seq in seqs:
+            load = self._unplaced.pop(seq.request_id, None)
+            if load is None:
+                continue
+            read = load.in_host - load.asked if load.in_host is not None else 0.0
+            load.seconds = read + (seconds if seq.adapter_id in written else 0.0)
+            self.adapter_loads.record(load.name, load.tier, load.seconds)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; returns its final output."""
@@ -255,6 +297,11 @@ class LLMEngine:
     def _poll_adapters(self) -> dict[int, Exception]:
         """Take in finished adapter loads; fail the requests of each load that failed."""
         failed = self.adapters.poll()
+        if self._reading:  # the loads that finished now: their requests' reads end here
+            now = time.monotonic()
+            for lora_id in [i for i in self._reading if i not in self.adapters.loading]:
+                for load in self._reading.pop(lora_id):
+                    load.in_host = now
         for lora_id, err in failed.items():
             for group in list(self.requests.values()):
                 seq = group.samples[0].seq
@@ -282,9 +329,14 @@ class LLMEngine:
             if not self.scheduler.running:  # only loads to wait for: do not spin
                 self.adapters.wait_any(0.01)
             return outputs
-        slots = self.adapters.activate(
-            {s.adapter_id for s in out.seqs if s.adapter_id}, self.scheduler.running_adapters()
-        )
+        ids = {s.adapter_id for s in out.seqs if s.adapter_id}
+        if self._unplaced:  # some request waits for its adapter: time the slot writes
+            written = ids.difference(self.adapters.slots)
+            start = time.perf_counter()
+            slots = self.adapters.activate(ids, self.scheduler.running_adapters())
+            self._adapters_placed(out.seqs, written, time.perf_counter() - start)
+        else:
+            slots = self.adapters.activate(ids, self.scheduler.running_adapters())
         self.num_prompt_tokens_computed += sum(
             max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
             for s, n in zip(out.seqs, out.num_new_tokens, strict=True)
@@ -410,6 +462,14 @@ class LLMEngine:
 
     def _output(self, group: RequestState) -> RequestOutput | None:
         output = group.output()
+        request_id = group.samples[0].seq.request_id
+        load = self._adapter_load.get(request_id) if self._adapter_load else None
+        if load is not None and output is not None and output.metrics is not None:
+            output.metrics.adapter_tier = load.tier
+            output.metrics.adapter_load_time = load.seconds
         if group.finished:
-            self.requests.pop(group.samples[0].seq.request_id, None)
+            self.requests.pop(request_id, None)
+            if load is not None:
+                self._adapter_load.pop(request_id, None)
+                self._unplaced.pop(request_id, None)
         return output

@@ -33,7 +33,13 @@ class PromptLogprobs:
 @dataclass
 class RequestMetrics:
     """When a request passed each stage, as vLLM's `RequestMetrics` names them: wall-clock
-    seconds (time.time()), None until it happens; and how often it was preempted."""
+    seconds (time.time()), None until it happens; and how often it was preempted.
+
+    A request with an adapter also says where the engine held that adapter when the request
+    arrived (`adapter_tier`: "device" a slot, "host" host memory, "disk" to be read) and, once
+    its first step has the adapter in a slot, how long the request waited for that
+    (`adapter_load_time`, seconds: the read from disk until the engine took it into host
+    memory, plus the slot write when its step made one; 0.0 when neither was needed)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -41,6 +47,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    adapter_tier: str | None = None
+    adapter_load_time: float | None = None
 
 
 @dataclass

@@ -7,10 +7,17 @@ and then, so every field is a number, a bool or a list (of adapter names, or of 
 Adapter residency is reported as it is, not as request states: `resident_adapters` hold a
 device slot now, `host_adapters` are in host memory, `waiting_adapters` have requests queued
 whose adapter is not in a slot (loading from disk, or loaded but not yet activated).
+
+Adapter loads per request (`AdapterLoads`): every request with an adapter counts once, when
+its first step has the adapter in a slot, under the tier the adapter was in when the request
+arrived, with the time it waited for it (`RequestMetrics.adapter_load_time`). The snapshot
+carries a histogram of those times per tier (`/metrics`' `loraplex_adapter_load_seconds`) and
+the adapters with the most cold loads (tier host or disk), for the admin overview.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +63,65 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Adapter loads per request, by tier (AdapterLoads): per tier, the count in each of
+    # ADAPTER_LOAD_BUCKETS' buckets (not cumulative; the last is above the highest bound) and
+    # the summed seconds; and the adapters with the most cold loads, most first.
+    adapter_load_buckets: dict[str, list[int]] = field(default_factory=dict)
+    adapter_load_sum: dict[str, float] = field(default_factory=dict)
+    cold_adapters: list[dict] = field(default_factory=list)
+
+
+# Upper bounds (seconds) of the adapter-load histogram: a slot write of a small adapter takes
+# well under a millisecond, a read of a large one from a slow disk seconds.
+ADAPTER_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0)  # fmt: skip
+TIERS = ("device", "host", "disk")
+COLD_TOP = 20  # adapters in a snapshot's `cold_adapters`
+
+
+class AdapterLoads:
+    """Every adapter request's load, by tier, and the cold ones per adapter. The engine
+    thread records; a snapshot may read from another thread (AsyncLLMEngine.stats), so reads
+    copy first and the top list is tagged with the count it was made from. One entry per
+    adapter name served since start: bounded by what the replica serves, a few numbers each."""
+
+    def __init__(self) -> None:
+        self.buckets = {t: [0] * (len(ADAPTER_LOAD_BUCKETS) + 1) for t in TIERS}
+        self.sums = dict.fromkeys(TIERS, 0.0)
+        # adapter name -> [cold loads, of them from disk, summed seconds, the longest]
+        self.cold: dict[str, list] = {}
+        self.cold_loads = 0  # all adapters together: the top list is stale when it moved
+        self._top: tuple[int, list[dict]] = (0, [])
+
+    def record(self, name: str, tier: str, seconds: float) -> None:
+        i = 0
+        while i < len(ADAPTER_LOAD_BUCKETS) and seconds > ADAPTER_LOAD_BUCKETS[i]:
+            i += 1
+        self.buckets[tier][i] += 1
+        self.sums[tier] += seconds
+        if tier == "device":
+            return
+        c = self.cold.setdefault(name, [0, 0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += tier == "disk"
+        c[2] += seconds
+        c[3] = max(c[3], seconds)
+        self.cold_loads += 1
+
+    def top(self) -> list[dict]:
+        """The COLD_TOP adapters with the most cold loads (then the most load time), most first."""
+        seen, top = self._top
+        if seen != self.cold_loads:  # only after a cold load: snapshots come far more often
+            seen = self.cold_loads
+            rows = list(self.cold.items())  # one C-level copy: the engine may add meanwhile
+            best = heapq.nlargest(COLD_TOP, rows, key=lambda kv: (kv[1][0], kv[1][2]))
+            top = [
+                {"adapter": name, "loads": c[0], "from_disk": c[1], "seconds": c[2],
+                 "max_seconds": c[3]}
+                for name, c in best
+            ]  # fmt: skip
+            self._top = (seen, top)
+        return top
 
 
 def _names(ids, names: dict[int, str]) -> list[str]:
@@ -94,6 +160,7 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
         s.adapter_id for s in waiting if s.adapter_id and s.adapter_id not in slots
     )
     spec = engine.spec_stats
+    loads = engine.adapter_loads
     return EngineStats(
         running=len(running),
         waiting=len(waiting),
@@ -130,4 +197,7 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
         spec_draft_tokens=spec.num_draft_tokens,
         spec_accepted_tokens=spec.num_accepted_tokens,
         spec_accepted_per_pos=list(spec.accepted_per_pos),
+        adapter_load_buckets={t: list(b) for t, b in loads.buckets.items()},
+        adapter_load_sum=dict(loads.sums),
+        cold_adapters=[dict(row) for row in loads.top()],
     )

@@ -12,7 +12,9 @@ The request span's children, each with its own start and end:
     quota         the quota check and token reservation
     adapter_fetch the adapter's files from the adapter store, or the local disk cache
     queue         the engine's wait before it first scheduled the request   (engine timing)
-    adapter_load  the adapter brought into a device slot, from its tier      (engine timing)
+    adapter_load  the request's wait for its adapter, from the tier it was in (engine timing):
+                  from the arrival for a read from disk, at the first scheduled step for a
+                  slot write from host memory, empty for an adapter already in a slot
     prefill       first computed step to first token
     decode        first token to the last
     stream        the response body: first byte to last
@@ -175,9 +177,12 @@ def record_job(job: JobTrace) -> None:
     tier = e.adapter_tier or job.adapter_tier
     trace.child("queue", e.arrival, e.first_scheduled, **index)
     if job.adapter is not None and e.adapter_load_ns is not None:
-        load_start = e.arrival or submitted
+        # A disk read starts when the request arrives; a slot write in its first step.
+        at = e.arrival if e.adapter_tier == "disk" else e.first_scheduled or e.arrival
+        load_start = at or submitted
         trace.child("adapter_load", load_start, load_start + e.adapter_load_ns,
-                    **{"loraplex.adapter.tier": tier}, **index)  # fmt: skip
+                    **{"loraplex.adapter.tier": tier,
+                       "loraplex.adapter.load_ms": e.adapter_load_ns / 1e6}, **index)  # fmt: skip
     timing = {} if e.first_scheduled else {"loraplex.timing": "server"}
     trace.child("prefill", e.first_scheduled or submitted, first,
                 **{"gen_ai.usage.input_tokens": job.prompt_tokens}, **timing, **index)  # fmt: skip

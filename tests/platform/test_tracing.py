@@ -88,8 +88,10 @@ def test_engine_times_become_spans_with_their_own_times():
         ns(Metrics.arrival_time),
         ns(Metrics.first_scheduled_time),
     )
-    assert load.end_time - load.start_time == ns(0.015)
+    # A slot write from host memory: in the request's first scheduled step.
+    assert (load.start_time, load.end_time - load.start_time) == (q.end_time, ns(0.015))
     assert load.attributes["loraplex.adapter.tier"] == "host"  # the engine's word wins
+    assert load.attributes["loraplex.adapter.load_ms"] == pytest.approx(15.0)
     assert (pre.start_time, pre.end_time) == (q.end_time, ns(Metrics.first_token_time))
     assert (dec.start_time, dec.end_time) == (pre.end_time, ns(Metrics.finished_time))
     assert "loraplex.timing" not in pre.attributes
@@ -199,6 +201,10 @@ def test_served_request_in_memory(tiny_models, tiny_adapters, tmp_path):
     assert root.attributes["gen_ai.usage.output_tokens"] == 4
     assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("length",)
     by_name = {s.name: s for s in ours}
+    # The engine's own word on the adapter: read from disk for this first request.
+    load = by_name["adapter_load"].attributes
+    assert load["loraplex.adapter.tier"] == "disk" and load["loraplex.adapter.load_ms"] > 0
+    assert root.attributes["loraplex.adapter.tier"] == "disk"
     # In order: auth, then quota, then the engine's part; the stream ends last.
     assert by_name["auth"].end_time <= by_name["quota"].start_time
     assert by_name["quota"].end_time <= by_name["prefill"].start_time
@@ -281,7 +287,12 @@ def test_end_to_end_to_an_otlp_receiver(tiny_models, tiny_adapters, tmp_path, re
     ours = [s for _, s in spans if s.trace_id.hex() == TRACE_ID]
     root = next(s for s in ours if s.name == "POST /v1/completions")
     assert root.parent_span_id.hex() == PARENT_ID
-    assert {s.name for s in ours} >= SERVER_PHASES | {"adapter_fetch", "response"}
+    assert {s.name for s in ours} >= SERVER_PHASES | {"adapter_fetch", "adapter_load", "response"}
+    # The adapter's tier and load time came across the engine process's pipe.
+    (load,) = [s for s in ours if s.name == "adapter_load"]
+    load_attrs = {a.key: a.value for a in load.attributes}
+    assert load_attrs["loraplex.adapter.tier"].string_value == "disk"
+    assert load_attrs["loraplex.adapter.load_ms"].double_value > 0
     assert all(s.parent_span_id == root.span_id for s in ours if s is not root)
     attrs = {a.key: a.value for a in root.attributes}
     assert attrs["loraplex.tenant.id"].int_value == tenant_id
