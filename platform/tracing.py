@@ -159,6 +159,7 @@ class JobTrace:
     tenant_id: int
     model: str
     request_id: str
+    adapter_version: int | None = None  # the registry's version number that answered
 
 
 def record_job(job: JobTrace) -> None:
@@ -193,7 +194,8 @@ def record_job(job: JobTrace) -> None:
         trace.set(**{
             "loraplex.tenant.id": job.tenant_id,
             "loraplex.adapter": job.adapter,
-            "loraplex.adapter.version": job.adapter_digest and f"sha256:{job.adapter_digest}",
+            "loraplex.adapter.version": job.adapter_version and f"v{job.adapter_version}",
+            "loraplex.adapter.digest": job.adapter_digest and f"sha256:{job.adapter_digest}",
             "loraplex.adapter.tier": tier,
             "loraplex.status": job.status,
             "loraplex.preemptions": e.preemptions,

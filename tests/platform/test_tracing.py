@@ -98,7 +98,7 @@ def test_engine_times_become_spans_with_their_own_times():
     a = root.attributes
     assert (a["loraplex.tenant.id"], a["loraplex.adapter"], a["loraplex.preemptions"]) == (
         3, "pirate", 2)  # fmt: skip
-    assert a["loraplex.adapter.version"] == "sha256:" + "ab" * 32
+    assert a["loraplex.adapter.digest"] == "sha256:" + "ab" * 32
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (7, 5)
     assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
     assert a["http.response.status_code"] == 200
