@@ -89,14 +89,15 @@ def usage_export(args: argparse.Namespace) -> int:
 
     start, end = period(args.start, args.end, names=("--from", "--to"))
     with registry_session() as session:
-        rows = usage.billing_export(session, start=start, end=end)
+        rows = usage.billing_export(session, start=start, end=end, by=args.by)
     text = usage.to_csv(rows) if args.format == "csv" else usage.to_json(rows) + "\n"
     if args.output is None:
         sys.stdout.write(text)
         return 0
     Path(args.output).write_text(text)
     days = f"{start.date()} to {last_day(end)}"
-    print(f"wrote billing of {len(rows)} tenant(s) for {days} (UTC) to {args.output}")
+    what = "tenant(s)" if args.by == "tenant" else "tenant/adapter version(s)"
+    print(f"wrote billing of {len(rows)} {what} for {days} (UTC) to {args.output}")
     return 0
 
 
@@ -144,8 +145,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p = usub.add_parser("export", parents=[when], help="billing per tenant: tokens and cost")
     p.add_argument("--format", choices=["csv", "json"], default="csv")
     p.add_argument("--output", "-o", help="file to write (default: stdout)")
+    p.add_argument(
+        "--by",
+        choices=["tenant", "version"],
+        default="tenant",
+        help="one row per tenant, or per tenant, adapter and the adapter version that answered",
+    )
     p.set_defaults(func=usage_export)
     p = usub.add_parser("summary", parents=[when, out], help="requests and tokens per group")
-    p.add_argument("--group-by", choices=["tenant", "adapter", "day"], default="tenant")
+    p.add_argument(
+        "--group-by", choices=["tenant", "adapter", "version", "day"], default="tenant"
+    )
     p.add_argument("--tenant", help="only this tenant (name or id)")
     p.set_defaults(func=usage_summary)

@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session
 from loraplex.platform.db.models import RequestClass, Tenant, UsageRecord, UsageStatus
 
 COST_QUANTUM = Decimal("0.000001")  # costs are rounded half-up to 6 decimal places
-GroupBy = Literal["tenant", "adapter", "day"]
+GroupBy = Literal["tenant", "adapter", "version", "day"]
+BillingBy = Literal["tenant", "version"]
 
 
 def record_usage(
@@ -42,6 +43,7 @@ def record_usage(
     latency_ms: float,
     api_key_id: int | None = None,
     adapter_name: str | None = None,
+    adapter_version: int | None = None,
     end_user: str | None = None,
     cached_tokens: int = 0,
     queue_ms: float | None = None,
@@ -70,6 +72,7 @@ def record_usage(
         tenant_id=tenant_id,
         api_key_id=api_key_id,
         adapter_name=adapter_name,
+        adapter_version=adapter_version,
         end_user=end_user,
         model=model,
         prompt_tokens=prompt_tokens,
@@ -112,6 +115,7 @@ class UsageSummary:
     aborted: int
     errors: int
     avg_latency_ms: float | None
+    version: int | None = None  # the adapter version (in "version" grouping)
 
 
 def _day(session: Session) -> ColumnElement[str]:
@@ -148,7 +152,8 @@ def usage_summary(
     group_by: GroupBy = "tenant",
     tenant_id: int | None = None,
 ) -> list[UsageSummary]:
-    """Request and token totals per tenant, per (tenant, adapter) or per UTC day."""
+    """Request and token totals per tenant, per (tenant, adapter), per (tenant, adapter,
+    version) or per UTC day."""
     where = _in_period(start, end)
     if tenant_id is not None:
         where.append(UsageRecord.tenant_id == tenant_id)
@@ -156,10 +161,19 @@ def usage_summary(
         keys: list[ColumnElement[Any]] = [UsageRecord.tenant_id, Tenant.name]
     elif group_by == "adapter":
         keys = [UsageRecord.tenant_id, Tenant.name, UsageRecord.adapter_name]
+    elif group_by == "version":
+        keys = [
+            UsageRecord.tenant_id,
+            Tenant.name,
+            UsageRecord.adapter_name,
+            UsageRecord.adapter_version,
+        ]
     elif group_by == "day":
         keys = [_day(session).label("day")]
     else:
-        raise ValueError(f"group_by must be 'tenant', 'adapter' or 'day', not {group_by!r}")
+        raise ValueError(
+            f"group_by must be 'tenant', 'adapter', 'version' or 'day', not {group_by!r}"
+        )
     query = select(*keys, *_totals()).join(Tenant, Tenant.id == UsageRecord.tenant_id)
     # NULLS FIRST: the base model sorts before adapters on both backends.
     order = [key.nulls_first() for key in keys]
@@ -172,7 +186,8 @@ def usage_summary(
             UsageSummary(
                 tenant_id=m["tenant_id"] if group_by != "day" else None,
                 tenant=m["name"] if group_by != "day" else None,
-                adapter=m["adapter_name"] if group_by == "adapter" else None,
+                adapter=m["adapter_name"] if group_by in ("adapter", "version") else None,
+                version=m["adapter_version"] if group_by == "version" else None,
                 day=date.fromisoformat(m["day"]) if group_by == "day" else None,
                 requests=int(m["requests"]),
                 prompt_tokens=int(m["prompt_tokens"]),
@@ -208,6 +223,10 @@ class BillingRow:
     batch_price_factor: Decimal = Decimal("0.5")
     batch_cost: Decimal = Decimal(0)
     cost: Decimal = Decimal(0)  # prompt_cost + completion_cost + batch_cost: the columns add up
+    # In the per-version export (`by="version"`): the adapter and the version that answered
+    # (both None for the base model); empty in the per-tenant one.
+    adapter: str | None = None
+    adapter_version: int | None = None
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -219,27 +238,35 @@ def _cost(tokens: int, price_per_1k: Decimal) -> Decimal:
     return (Decimal(tokens) * price_per_1k / 1000).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
 
 
-def billing_export(session: Session, *, start: datetime, end: datetime) -> list[BillingRow]:
-    """Per tenant with usage in [start, end): tokens and their cost at the tenant's prices.
+def billing_export(
+    session: Session, *, start: datetime, end: datetime, by: BillingBy = "tenant"
+) -> list[BillingRow]:
+    """Per tenant with usage in [start, end) (or, `by="version"`, per tenant, adapter and
+    adapter version that answered): tokens and their cost at the tenant's prices.
 
     Uses the prices current at export time (the registry keeps no price history). Batch API
     tokens are in the totals and, apart, in the batch columns, at the batch price.
     """
     start, end = _as_utc(start), _as_utc(end)
     tenants = {t.id: t for t in session.scalars(select(Tenant))}
+    keys: list[Any] = [UsageRecord.tenant_id]
+    if by == "version":
+        keys += [UsageRecord.adapter_name, UsageRecord.adapter_version]
     batch = {
-        row.tenant_id: row
+        tuple(row)[: len(keys)]: row
         for row in session.execute(
-            select(UsageRecord.tenant_id, *_totals()[:3])
+            select(*keys, *_totals()[:3])
             .where(*_in_period(start, end), UsageRecord.request_class == RequestClass.batch.value)
-            .group_by(UsageRecord.tenant_id)
+            .group_by(*keys)
         )
     }
     rows = []
-    for s in usage_summary(session, start=start, end=end, group_by="tenant"):
+    group = "version" if by == "version" else "tenant"
+    for s in usage_summary(session, start=start, end=end, group_by=group):
         assert s.tenant_id is not None and s.tenant is not None
         tenant = tenants[s.tenant_id]
-        b = batch.get(s.tenant_id)
+        key = (s.tenant_id, s.adapter, s.version) if by == "version" else (s.tenant_id,)
+        b = batch.get(key)
         b_requests, b_prompt, b_completion = (
             (int(b.requests), int(b.prompt_tokens), int(b.completion_tokens)) if b else (0, 0, 0)
         )
@@ -269,6 +296,8 @@ def billing_export(session: Session, *, start: datetime, end: datetime) -> list[
                 batch_price_factor=factor,
                 batch_cost=batch_cost,
                 cost=prompt_cost + completion_cost + batch_cost,
+                adapter=s.adapter if by == "version" else None,
+                adapter_version=s.version if by == "version" else None,
             )
         )
     return rows

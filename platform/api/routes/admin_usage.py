@@ -87,11 +87,13 @@ def billing(
     end: str | None = None,
     fmt: Annotated[Literal["json", "csv"], Query(alias="format")] = "json",
     tenant_id: int | None = None,
+    by: usage.BillingBy = "tenant",
 ) -> Response:
-    """Tokens and cost per tenant at each tenant's current prices (per 1k tokens)."""
+    """Tokens and cost per tenant (or, `by=version`, per tenant, adapter and the adapter
+    version that answered) at each tenant's current prices (per 1k tokens)."""
     lo, hi = _period(start, end)
     _check_tenant(session, tenant_id)
-    rows = usage.billing_export(session, start=lo, end=hi)
+    rows = usage.billing_export(session, start=lo, end=hi, by=by)
     if tenant_id is not None:
         rows = [r for r in rows if r.tenant_id == tenant_id]
     if fmt == "csv":
