@@ -39,6 +39,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Tokens one step may give the Batch API's class (engine/scheduler.py): a request that
+    # arrives while a step runs waits for its end, so steps carrying batch work stay short.
+    max_batch_step_tokens: int = 32
     enable_prefix_caching: bool = True
     max_loras: int = 4
     max_lora_rank: int = 64
@@ -129,6 +132,8 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1 (or None for torch's default)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_batch_step_tokens < 1:
+            raise ValueError("max_batch_step_tokens must be >= 1")
         if self.max_loras < 1:
             raise ValueError("max_loras (adapter slots) must be >= 1")
         if not 0 <= self.num_speculative_tokens <= 16:

@@ -39,7 +39,7 @@ from loraplex.engine.admission import KVAdmission
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.policy import SchedulingPolicy, make_policy
-from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.sequence import PRIORITY_INTERACTIVE, Sequence, SequenceStatus
 from loraplex.engine.swap import SwapSpace
 
 
@@ -81,6 +81,7 @@ class Scheduler:
         self.resumed: list[Sequence] = []  # resumed with their blocks: back to running first
         self.num_preemptions = 0
         self.swap = swap  # the host KV pool, if any: preemption by swap
+        self.batch_step_tokens = config.max_batch_step_tokens
         # config.kv_admission: admit by expected KV growth, not by prompt alone
         self.admission = (
             KVAdmission(block_manager, config.max_model_len) if config.kv_admission else None
@@ -180,18 +181,26 @@ class Scheduler:
         # Each class's running sequences, then its admissions; a class is admitted only while
         # no request of a more urgent one waits ready, so batch work fills what is left.
         admit = True
+        low = self.batch_step_tokens  # what classes after the interactive one may still take
         for cls in sorted({s.priority for s in self.running} | {s.priority for s in self.waiting}):
             if out.seqs and any(s.num_computed_tokens < s.num_prompt_tokens for s in out.seqs):
                 # A step that computes a more urgent prompt carries nothing less urgent: the
                 # first token is what batch work would delay most (its tokens lengthen the step).
                 break
-            budget = self._schedule_running(cls, out, budget)
+            # A request that arrives while a step runs waits for the step's end, so a step
+            # that carries batch work must stay short: the batch class gets at most
+            # `batch_step_tokens` of it (its prompts in chunks, its decodes oldest first).
+            cap = budget if cls == PRIORITY_INTERACTIVE else min(budget, max(0, low))
+            left = self._schedule_running(cls, out, cap)
+            if admit and not out.preempted:
+                left, admit = self._admit(cls, out, left)
+            if cls != PRIORITY_INTERACTIVE:
+                low -= cap - left
+            budget -= cap - left
             # A step that had to preempt admits nothing more: blocks are short, and a newer
             # request must not take the blocks an older one just gave up.
             if out.preempted:
                 admit = False
-            if admit:
-                budget, admit = self._admit(cls, out, budget)
         return out
 
     def _victim(self) -> Sequence:

@@ -65,7 +65,8 @@ def test_batch_is_preempted_first_when_blocks_run_short(model_dir):
     sched = make_scheduler(model_dir, num_blocks=12, block_size=8, max_num_batched_tokens=128)
     sim = _Sim(sched)
     bg = add(sim, list(range(5, 69)), batch=True, max_tokens=20)  # 8 blocks of prompt
-    sim.step()
+    while bg.num_computed_tokens < 64:  # in chunks of max_batch_step_tokens
+        sim.step()
     assert bg in sched.running
     fg = add(sim, list(range(100, 140)), batch=False, max_tokens=2)  # 5 blocks
     out = sim.step()
@@ -184,3 +185,29 @@ def test_a_step_with_an_interactive_prompt_carries_no_batch_tokens(model_dir):
     assert out.seqs == [fg]  # its first token comes from a step as short as alone
     out = sim.step()
     assert set(out.seqs) == {fg, *batch}  # decodes share steps again
+
+
+def test_batch_work_per_step_stays_within_max_batch_step_tokens(model_dir):
+    """A step carrying batch work is what a newly arrived request waits for: the batch class
+    takes at most `max_batch_step_tokens` of any step (prompts chunked, decodes oldest first),
+    interactive work beside it as much as the budget allows; every line still finishes."""
+    sched = make_scheduler(model_dir, num_blocks=256, max_num_seqs=16, max_batch_step_tokens=12)
+    sim = _Sim(sched)
+    batch = [add(sim, p, batch=True, max_tokens=4) for p in random_prompts(5, 10, 20, 30)]
+    fg = None
+    steps, first = 0, []
+
+    def check(out, _outputs, _running):
+        nonlocal fg, steps
+        steps += 1
+        low = sum(n for s, n in zip(out.seqs, out.num_new_tokens, strict=True) if s.priority)
+        assert low <= 12
+        if fg in out.seqs and not first:
+            first.append(out.num_new_tokens[out.seqs.index(fg)])
+        if steps == 3:
+            fg = add(sim, list(range(5, 45)), batch=False, max_tokens=3)
+
+    sim.run(on_step=check)
+    assert first == [40]  # its whole prompt in one step, at once
+    assert len(fg.output_token_ids) == 3 and all(len(s.output_token_ids) == 4 for s in batch)
+    sched.block_manager.check_all_free()
