@@ -14,6 +14,14 @@ step: the scheduler admits a request only once its adapter is in host memory.
 Slot layout (see kernels/reference.py): for a fused module with slices s_0..s_k, an adapter's
 A matrices are stacked along the rank dimension and its B^T matrices form a block-diagonal
 [width, out] matrix, scale folded in. A slot only holds the width the adapter uses.
+
+DoRA (peft's use_dora): y = bias + m / ||W + B A||_row * (W x + B A x) per target module. The
+factor m / ||W + B A||_row depends only on the adapter and the base weights, so the loader
+thread computes it once per load (`dora_scales`, against the weights `base` multiplies by:
+dequantized on a quantized base) and a slot holds it per output row in `lora_dora` (ones
+where the slot's adapter has no DoRA on that module; `lora_dora_shift` = (1 - factor) * bias
+where the module has a bias). `model.lora_dora_slots` says per slot whether its adapter uses
+DoRA anywhere, for the step planner and the graph runner to skip the epilogue otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.lora import AdapterError, LoRAAdapter, load_adapter
+from loraplex.engine.lora import AdapterError, LoRAAdapter, dora_scales, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE
@@ -72,8 +80,9 @@ class AdapterCounters:
 
 
 def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool,
-          expert_lora: bool = True):  # fmt: skip
-    """Runs on a loader thread: read + validate, then page-lock for async device copies."""
+          expert_lora: bool = True, base_rows=None):  # fmt: skip
+    """Runs on a loader thread: read + validate, DoRA's factors against the base weights
+    (`base_rows(layer, target)`, see `dora_scales`), then page-lock for async device copies."""
     start = time.monotonic()
     try:
         adapter = load_adapter(lora.lora_path, spec, max_rank, dtype, name=lora.lora_name)
@@ -84,7 +93,11 @@ def _read(lora: LoRARequest, spec, max_rank: int, dtype: torch.dtype, pin: bool,
             f"adapter '{lora.lora_name}' adapts the experts, and this server runs with "
             "expert_lora off (attention and router adapters only)"
         )
+    if adapter.use_dora:
+        with torch.no_grad():
+            adapter.dora = dora_scales(adapter, base_rows, dtype)
     if pin:
+        adapter.dora = {k: v.pin_memory() for k, v in adapter.dora.items()}
         adapter.weights = {
             k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.weights.items()
         }
@@ -129,7 +142,16 @@ class AdapterManager:
                     max_loras, width, mod.out_features, dtype=self.dtype, device=dev
                 )
                 mod.lora_widths = [0] * max_loras
+                # DoRA's factor per slot and output row, plus a last row of ones that rows
+                # without an adapter (slot -1) index
+                mod.lora_dora = torch.ones(
+                    max_loras + 1, mod.out_features, dtype=self.dtype, device=dev
+                )
+                mod.lora_dora_shift = None if mod.bias is None else torch.zeros_like(mod.lora_dora)
+                mod.lora_dora_on = set()
             self.modules.append(mods)
+        self.dora_slots = [False] * max_loras  # per slot: its adapter uses DoRA
+        model.lora_dora_slots = self.dora_slots  # read by the step planner and graph runner
         # Expert LoRA stacks for every slot, allocated now so that they come out of the
         # start's memory budget (engine/llm_engine.py) and never move (CUDA graphs).
         self.expert_lora = expert_lora and any(ex is not None for ex in self.experts)
@@ -209,8 +231,20 @@ class AdapterManager:
         self.counters.misses += 1
         if lora_id not in self.loading:
             self.loading[lora_id] = self._pool.submit(
-                _read, lora, self.spec, self.max_rank, self.dtype, self.pin, self.expert_lora
-            )
+                _read, lora, self.spec, self.max_rank, self.dtype, self.pin, self.expert_lora,
+                self._base_rows,
+            )  # fmt: skip
+
+    def _base_rows(self, layer: int, target: str) -> torch.Tensor:
+        """float32 [out, in]: the base weight rows of PEFT target `target` in `layer`, as the
+        engine multiplies by them (a loader thread calls this; it only reads the model)."""
+        for name, targets in self.slices[layer].items():
+            if target in targets:
+                mod = self.modules[layer][name]
+                idx = targets.index(target)
+                off = sum(mod.out_sizes[:idx])
+                return mod.base_weight()[off : off + mod.out_sizes[idx]]
+        raise AdapterError(f"layers.{layer}.{target}: not a module this model serves LoRA on")
 
     def loaded(self, lora_id: int) -> bool:
         return lora_id in self.host
@@ -311,6 +345,29 @@ class AdapterManager:
                         )
                         width += r
                     mod.lora_widths[slot] = width
+                    self._write_dora(mod, slot, layer, name, adapter)
+            self.dora_slots[slot] = adapter.use_dora
+
+    def _write_dora(self, mod: LoRALinear, slot: int, layer: int, name: str,
+                    adapter: LoRAAdapter) -> None:  # fmt: skip
+        """The slot's DoRA factors for this module (ones where it has none) and, with a bias,
+        (1 - factor) * bias, so that y * factor + shift = bias + factor * (y - bias)."""
+        if slot in mod.lora_dora_on:
+            mod.lora_dora[slot].fill_(1)
+            if mod.lora_dora_shift is not None:
+                mod.lora_dora_shift[slot].zero_()
+            mod.lora_dora_on.discard(slot)
+        for idx, target in enumerate(self.slices[layer][name]):
+            scale = adapter.dora.get((layer, target))
+            if scale is None:
+                continue
+            off = sum(mod.out_sizes[:idx])
+            rows = slice(off, off + scale.shape[0])
+            mod.lora_dora[slot, rows].copy_(scale, non_blocking=True)
+            if mod.lora_dora_shift is not None:
+                factor = mod.lora_dora[slot, rows]
+                mod.lora_dora_shift[slot, rows] = (1 - factor) * mod.bias[rows].to(factor.dtype)
+            mod.lora_dora_on.add(slot)
 
     def _write_experts(self, ex: Experts, slot: int, layer: int, adapter: LoRAAdapter) -> None:
         """Expert LoRA into slot `slot`: gate and up stacked along the rank (their B rows in

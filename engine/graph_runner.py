@@ -6,13 +6,15 @@ nothing else: token ids, positions, KV slots, block tables and context lengths a
 LoRA as each row's slot (`lora_apply_static`: every slot's columns in one matmul, the others
 zeroed per row), so writing another adapter into a slot changes only the slot tensors a
 captured graph already reads; padded rows have no adapter, no KV slot (-1: not written) and
-a context of one. A batch with no adapter at all takes a forward without LoRA.
+a context of one. A batch with no adapter at all takes a forward without LoRA; one where some
+row's adapter uses DoRA takes a third forward, in which every LoRA module applies the slots'
+DoRA factors to its rows (ones for rows and modules without DoRA: exact).
 
-On CUDA each (bucket, LoRA or not) forward is captured once as a CUDA graph and replayed.
-On the CPU the same forward runs eagerly from the same buffers (`enforce_eager=False`): the
-emulation that tests/engine/test_graph_decode.py compares with the ordinary step, so the bugs
-graphs cause (stale metadata, shapes that follow the batch, lists read inside the forward)
-show without a GPU.
+On CUDA each (bucket, LoRA or not, DoRA or not) forward is captured once as a CUDA graph and
+replayed. On the CPU the same forward runs eagerly from the same buffers
+(`enforce_eager=False`): the emulation that tests/engine/test_graph_decode.py compares with the
+ordinary step, so the bugs graphs cause (stale metadata, shapes that follow the batch, lists
+read inside the forward) show without a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from loraplex.engine.models.layers import (
     AttentionMetadata,
+    DoRARows,
     ForwardContext,
     LoRABatch,
     Rotary,
@@ -57,7 +60,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **z)
         self.row_slots = torch.full((n,), -1, **z)
         self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=dev)
-        self.graphs: dict[tuple[int, bool], Callable[[], None]] = {}
+        self.graphs: dict[tuple[int, bool, bool], Callable[[], None]] = {}
         self.replays = 0
 
     @staticmethod
@@ -68,7 +71,7 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _forward(self, b: int, lora: bool) -> Callable[[], None]:
+    def _forward(self, b: int, lora: bool, dora: bool = False) -> Callable[[], None]:
         """The forward of bucket b over the buffers' first b rows."""
         model = self.model
         ids, pos = self.input_ids[:b], self.positions[:b]
@@ -76,6 +79,8 @@ class DecodeGraphs:
         attn = AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=[],
                                  seq_lens=[], block_tables=static.block_tables)  # fmt: skip
         batch = LoRABatch([], row_slots=self.row_slots[:b], static=True) if lora else None
+        if dora:
+            batch.dora = DoRARows(slots=self.row_slots[:b], rows=None)
         out = self.hidden[:b]
 
         def run() -> None:
@@ -86,13 +91,13 @@ class DecodeGraphs:
         if not self.capture:
             return run
         try:
-            return self._capture(run, b, lora)
+            return self._capture(run, b, lora, dora)
         except RuntimeError as e:  # a graph that cannot be captured runs its buffers uncaptured
             log.warning("decode graph for batch %d not captured (%s): running it eagerly", b, e)
             return run
 
     @staticmethod
-    def _capture(run: Callable[[], None], b: int, lora: bool) -> Callable[[], None]:
+    def _capture(run: Callable[[], None], b: int, lora: bool, dora: bool) -> Callable[[], None]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -102,7 +107,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        log.info("decode graph captured: batch %d, %s", b, "LoRA" if lora else "no LoRA")
+        kind = "DoRA" if dora else ("LoRA" if lora else "no LoRA")
+        log.info("decode graph captured: batch %d, %s", b, kind)
         return graph.replay
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
@@ -111,6 +117,8 @@ class DecodeGraphs:
         n = len(input_ids)
         b = self.bucket(n)
         lora = any(s >= 0 for s in row_slots)
+        dora_slots = getattr(self.model, "lora_dora_slots", ())  # per slot: uses DoRA
+        dora = lora and any(dora_slots[s] for s in row_slots if s >= 0)
         dev = self.input_ids.device
 
         def fill(buf: torch.Tensor, values, pad) -> None:
@@ -127,9 +135,9 @@ class DecodeGraphs:
         padded[:, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         self.block_tables[:n].copy_(padded.to(dev))
         self.block_tables[n:b].zero_()
-        key = (b, lora)
+        key = (b, lora, dora)
         if key not in self.graphs:
-            self.graphs[key] = self._forward(b, lora)
+            self.graphs[key] = self._forward(b, lora, dora)
         self.graphs[key]()
         self.replays += 1
         return self.hidden[:n]

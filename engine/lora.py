@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from loraplex.engine.models.spec import (
 
 GROUPS = PROJECTIONS  # PEFT target -> (fused module of ours, slice index within it)
 TARGETS = tuple(GROUPS)  # the split names; a family's own: ModelSpec.lora_targets
-_KEY = re.compile(r"layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
+# lora_A / lora_B weights, and DoRA's per-output-row magnitude (peft saves it without ".weight")
+_KEY = re.compile(r"layers\.(\d+)\.([\w.]+)\.(?:lora_([AB])\.weight|lora_(magnitude)_vector)$")
 _FLOAT = {torch.float32, torch.float16, torch.bfloat16}
 # Mixtral's (transformers 4) names for its sparse block and expert projections
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -54,12 +56,23 @@ class LoRAAdapter:
     # B [experts, out, r] with the scale folded in): LoRA on a mixture-of-experts layer's
     # experts; gate_up_proj (PEFT's target_parameters) is gate and up with one shared A
     experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # DoRA (use_dora): (layer, target) -> its magnitude vector m, float32 [out of the split
+    # target], for every module the adapter targets (fused targets split as `weights`)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # DoRA: (layer, target) -> m / ||W + B A||_row [out] in the serving dtype, against the
+    # base weights the engine multiplies by (`dora_scales`; empty until the engine computes it)
+    dora: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         pairs = [*self.weights.values(), *self.experts.values()]
+        pairs += [(m,) for m in (*self.magnitudes.values(), *self.dora.values())]
         tensors = {id(t): t for ab in pairs for t in ab}
         return sum(t.nbytes for t in tensors.values())
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.magnitudes)
 
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.]{1,200}$")
@@ -112,8 +125,8 @@ def read_adapter_config(folder: Path) -> dict:
         raise AdapterError(f"{path}: expected a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    if cfg.get("use_dora"):
-        raise AdapterError(f"{path}: DoRA adapters are not supported")
+    if cfg.get("use_dora") is not None and not isinstance(cfg["use_dora"], bool):
+        raise AdapterError(f"{path}: use_dora must be true or false")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{path}: adapters with trained biases are not supported")
     if cfg.get("modules_to_save"):
@@ -310,7 +323,7 @@ def load_adapter(
                         f"{wpath.name}: tensor {key!r} is not a LoRA weight of a supported "
                         f"module; supported targets: {supported}"
                     )
-                layer, path, ab = int(m[1]), m[2], m[3]
+                layer, path, ab = int(m[1]), m[2], m[3] or "M"
                 if layer >= spec.num_layers:
                     raise AdapterError(
                         f"{key}: layer {layer} but the base model has {spec.num_layers} layers"
@@ -323,9 +336,9 @@ def load_adapter(
         raise AdapterError(f"{wpath}: holds no LoRA weights")
     declared = declared_targets(cfg, folder / "adapter_config.json", spec)
     params = _declared_parameters(cfg, folder / "adapter_config.json")
+    dora = bool(cfg.get("use_dora"))
     for (layer, kind, what), ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"layers.{layer}.{kind} {what}: needs both lora_A and lora_B")
+        _check_dora_keys(layer, kind, what, ab, dora, spec)
         if kind == "experts":
             if not any(p.endswith(tuple(EXPERT_PARAMETERS)) for p in params):
                 raise AdapterError(
@@ -341,6 +354,11 @@ def load_adapter(
             and what == spec.router_name
             and any(p.endswith(router_param) for p in params)
         ):
+            if dora:  # peft's ParamWrapper refuses use_dora: no such adapter can be trained
+                raise AdapterError(
+                    f"{wpath.name}: DoRA on the router as a target_parameters entry is not "
+                    "supported (peft does not support it either); target it as a module"
+                )
             continue  # the router targeted as a parameter
         if declared is not None and not any(_matches(entry, full) for entry in declared):
             raise AdapterError(
@@ -367,6 +385,7 @@ def load_adapter(
         return (b.float() * scale).to(dtype)
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    magnitudes: dict[tuple[int, str], torch.Tensor] = {}
     per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, kind, what), ab in sorted(pairs.items(), key=lambda kv: str(kv[0])):
@@ -387,15 +406,21 @@ def load_adapter(
         r = _check_factors(where, a, b, fin, fout)
         full_name = f"model.layers.{layer}.{_parent(module)}.{module}"
         a, b = a.to(dtype), scaled(where, full_name, r, b)
+        mag = _check_magnitude(where, ab["M"], fout) if "M" in ab else None
         if module in FUSED and FUSED[module][1] != (module,):
             # A fused target's B rows are our slices' B rows, in our slice order (q|k|v,
             # gate|up, as the checkpoint's own fused weight): each slice gets its rows and
-            # the shared A, so B A x lands in the same output rows it does in peft.
+            # the shared A, so B A x lands in the same output rows it does in peft. DoRA's
+            # magnitude is per output row, so it splits the same way.
             sizes = [spec.lora_in_out(p)[1] for p in FUSED[module][1]]
-            for p, rows in zip(FUSED[module][1], b.split(sizes), strict=True):
+            for i, (p, rows) in enumerate(zip(FUSED[module][1], b.split(sizes), strict=True)):
                 weights[(layer, p)] = (a, rows)
+                if mag is not None:
+                    magnitudes[(layer, p)] = mag.split(sizes)[i].clone()
         else:
             weights[(layer, module)] = (a, b)
+            if mag is not None:
+                magnitudes[(layer, module)] = mag
     for (layer, proj), by_expert in per_expert.items():
         # Experts a transformers-4 adapter left out get zero factors: no delta.
         ranks = {a.shape[0] for a, _ in by_expert.values()}
@@ -420,8 +445,79 @@ def load_adapter(
         [a.shape[0] for a, _ in weights.values()] + [a.shape[1] for a, _ in experts.values()]
     )
     return LoRAAdapter(
-        name=name or folder.name, rank=rank, targets=targets, weights=weights, experts=experts
-    )
+        name=name or folder.name, rank=rank, targets=targets, weights=weights, experts=experts,
+        magnitudes=magnitudes,
+    )  # fmt: skip
+
+
+def _check_dora_keys(layer: int, kind: str, what, ab: dict, dora: bool, spec: ModelSpec) -> None:
+    """Each adapted module has lora_A and lora_B, plus DoRA's magnitude exactly when the
+    config says use_dora; DoRA only on the modules the engine runs as LoRALinear."""
+    where = f"layers.{layer}." + (
+        f"mlp.experts.{what[0]}.{what[1]}" if kind == "expert"
+        else "mlp.experts" if kind == "experts"
+        else f"{_parent(what)}.{what}"
+    )  # fmt: skip
+    if not {"A", "B"} <= set(ab):
+        raise AdapterError(f"{where}: needs both lora_A and lora_B")
+    if "M" in ab and not dora:
+        raise AdapterError(
+            f"{where}: holds a DoRA lora_magnitude_vector but adapter_config.json does not "
+            "say use_dora: true"
+        )
+    if dora and kind != "module":
+        # peft's target_parameters (ParamWrapper) refuses use_dora; the per-expert form is
+        # served by the experts' own LoRA path, which has no DoRA epilogue
+        raise AdapterError(
+            f"{where}: DoRA on mixture-of-experts expert weights is not supported; train "
+            "DoRA on the attention, router or shared-expert modules, or plain LoRA on experts"
+        )
+    if dora and "M" not in ab:
+        raise AdapterError(f"{where}: use_dora is true but the module has no lora_magnitude_vector")
+
+
+def _check_magnitude(where: str, m: torch.Tensor, fout: int) -> torch.Tensor:
+    if m.dtype not in _FLOAT or tuple(m.shape) != (fout,):
+        raise AdapterError(
+            f"{where}: lora_magnitude_vector is {m.dtype} {tuple(m.shape)}; expected a float "
+            f"vector of the module's {fout} output rows: wrong base model?"
+        )
+    if not torch.isfinite(m).all():
+        raise AdapterError(f"{where}: lora_magnitude_vector contains NaN or Inf")
+    return m.float()
+
+
+def dora_scales(
+    adapter: LoRAAdapter,
+    base_rows: Callable[[int, str], torch.Tensor],
+    dtype: torch.dtype,
+    rows_per_chunk: int = 1024,
+) -> dict[tuple[int, str], torch.Tensor]:
+    """DoRA's per-output-row factor m / ||W + s B A||_row for each DoRA target, as peft's
+    DoraLinearLayer computes it at inference (the norm is a constant there: detached).
+
+    `base_rows(layer, target)` is the float32 [out, in] base weight the engine multiplies that
+    target's rows by: on a quantized base the dequantized weight, so the factor matches what
+    is served. Computed once per adapter load, in float32 and in row chunks (a large module's
+    W + B A is never whole in memory); returns the factors in `dtype` on the CPU."""
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for key, m in adapter.magnitudes.items():
+        a, b = adapter.weights[key]  # [r, in], [out, r] with the scale folded in
+        w = base_rows(*key)
+        a = a.to(w.device, torch.float32)
+        norms = torch.empty(w.shape[0], dtype=torch.float32)
+        for lo in range(0, w.shape[0], rows_per_chunk):
+            hi = min(lo + rows_per_chunk, w.shape[0])
+            full = w[lo:hi].float() + b[lo:hi].to(w.device, torch.float32) @ a
+            norms[lo:hi] = torch.linalg.vector_norm(full, dim=1).cpu()
+        scale = m / norms
+        if not torch.isfinite(scale).all():
+            raise AdapterError(
+                f"layers.{key[0]}.{key[1]}: an output row of W + B A has norm 0, so DoRA's "
+                "m / ||W + B A|| is not finite"
+            )
+        out[key] = scale.to(dtype)
+    return out
 
 
 def _deinterleave(n: int) -> torch.Tensor:

@@ -150,6 +150,10 @@ class QuantizedLoRALinear(LoRALinear):
         """The float32 [N, K] weight this module multiplies by (exactly, before bf16 rounding)."""
         raise NotImplementedError
 
+    def base_weight(self) -> torch.Tensor:
+        # DoRA's row norms are of the weight the quantized base computes with
+        return self.dequantize()
+
     def _cpu_fast(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and self.backend.mode == "auto"
 

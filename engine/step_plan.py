@@ -9,8 +9,8 @@ nothing in a layer builds or keeps anything per step:
   kv-head count; Triton's tile lists, on the device);
 - RoPE: each distinct table's cos and sin at the step's positions;
 - LoRA: the rows' segments per adapter slot, each row's slot, the backend's plan for every
-  distinct set of slot widths among the model's LoRA modules, and which slots hold expert
-  adapters per expert stack.
+  distinct set of slot widths among the model's LoRA modules, which slots hold expert
+  adapters per expert stack, and the rows whose adapter uses DoRA (none: no DoRA work).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 from loraplex.engine.models.layers import (
     AttentionMetadata,
+    DoRARows,
     ForwardContext,
     LoRABatch,
     LoRALinear,
@@ -43,6 +44,7 @@ class StepPlanner:
         self.lora_modules = [m for m in model.modules()
                              if isinstance(m, LoRALinear) and m.lora_a is not None]  # fmt: skip
         self.experts = [m for m in model.modules() if isinstance(m, Experts)]
+        self.model = model  # its `lora_dora_slots`: the adapter manager's, set after this
 
     def plan(
         self,
@@ -75,4 +77,21 @@ class StepPlanner:
                 key = tuple(ex.lora_widths)
                 if key not in lora.expert_slots:
                     lora.expert_slots[key] = torch.tensor([w > 0 for w in key], device=dev)
+            dora_slots = getattr(self.model, "lora_dora_slots", ())  # per slot: uses DoRA
+            if any(dora_slots):
+                lora.dora = _dora_rows(segments, lora.row_slots, dora_slots)
         return ForwardContext(attn=attn, lora=lora, rope=rope)
+
+
+def _dora_rows(segments, row_slots: torch.Tensor, dora_slots) -> DoRARows | None:
+    """The rows of DoRA adapters' segments (None: there are none in this step)."""
+    on = [(s, e, slot) for s, e, slot in segments if slot >= 0 and dora_slots[slot]]
+    if not on:
+        return None
+    slots = frozenset(slot for *_, slot in on)
+    if sum(e - s for s, e, _ in on) == row_slots.shape[0]:
+        return DoRARows(slots=row_slots, rows=None, on=slots)
+    rows = torch.cat([torch.arange(s, e) for s, e, _ in on])
+    picked = torch.cat([torch.full((e - s,), slot) for s, e, slot in on])
+    dev = row_slots.device
+    return DoRARows(slots=picked.to(dev), rows=rows.to(dev), on=slots)

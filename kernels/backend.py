@@ -110,6 +110,12 @@ class KernelBackend:
         else:
             reference.lora_apply(y, x, lora_a, lora_b, segments, widths)
 
+    def dora_apply(self, y, factor, shift, slots, rows=None) -> None:
+        """DoRA's per-row factor after the LoRA delta (reference.dora_apply), for every
+        backend alike: an elementwise epilogue on the layer's output, after the SGMV kernels
+        on Triton and the batched matmuls on the CPU, and graph-safe for the static path."""
+        reference.dora_apply(y, factor, shift, slots, rows)
+
     def decode_attention_static(self, out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                 sliding_window=None, softcap=None, k_scale=None, v_scale=None,
                                 *, sinks=None) -> None:  # fmt: skip

@@ -18,6 +18,11 @@ Layouts shared with the Triton kernels:
                                                       cols   off_i:off_i+n_i = (scale_i*B_i)^T
     i.e. the slices of one adapter sit side by side in the rank dimension (no padding to the
     maximum rank) and B is block-diagonal over the slices, with the scale folded in.
+    DoRA (per module)
+        lora_dora [num_slots + 1, out_features]       m / ||W + B A||_row of the slot's
+                                                      adapter (ones without DoRA; the last
+                                                      row, slot -1's, stays ones)
+        lora_dora_shift  same shape, or None          (1 - lora_dora) * bias
 """
 
 from __future__ import annotations
@@ -237,6 +242,32 @@ def lora_apply(
     lora_b [num_slots, max_width, out]; segments (start, end, slot); widths per slot.
     """
     sgmv_expand(y, sgmv_shrink(x, lora_a, segments, widths), lora_b, segments, widths)
+
+
+def dora_apply(
+    y: torch.Tensor,
+    factor: torch.Tensor,
+    shift: torch.Tensor | None,
+    slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> None:
+    """DoRA after the LoRA delta: y[r] = bias + factor[s] * (y[r] - bias) for each given row r
+    of slot s, as y[r] * factor[s] + shift[s]; y (base output + bias + LoRA delta) in place.
+
+    Shape: y [num_tokens, out]; factor, shift [num_slots + 1, out] (shift None: no bias);
+    slots [n] int64 (-1 indexes the last row: ones, so such rows keep their values exactly);
+    rows [n] int64 (None: every row, n = num_tokens). Plain indexing, no host sync: graph-safe.
+    """
+    f = factor[slots]
+    if rows is None:
+        y.mul_(f)
+        if shift is not None:
+            y.add_(shift[slots])
+        return
+    part = y.index_select(0, rows).mul_(f)
+    if shift is not None:
+        part.add_(shift[slots])
+    y.index_copy_(0, rows, part)
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,17 @@ class AttentionMetadata:
 
 
 @dataclass
+class DoRARows:
+    """The rows of a step whose adapter uses DoRA, for LoRALinear's epilogue (each module's
+    `lora_dora` factor per slot, engine/adapter_manager.py)."""
+
+    slots: torch.Tensor  # [n] int64: each such row's slot (-1: none, whose factors are ones)
+    rows: torch.Tensor | None  # [n] int64: which rows; None: every row of the step
+    # the DoRA slots among them: a module none of them adapts with DoRA skips the epilogue
+    on: frozenset[int] = frozenset()
+
+
+@dataclass
 class LoRABatch:
     """Rows grouped by adapter slot: (start_row, end_row, slot), slot -1 = no adapter."""
 
@@ -41,6 +52,10 @@ class LoRABatch:
     expert_slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     # a graph-ready decode step (engine/graph_runner.py): no segments, only row_slots
     static: bool = False
+    # rows whose adapter uses DoRA (None: none in this step, and no module does DoRA work);
+    # in a static step every module applies it (which modules are DoRA changes with slot
+    # writes, a captured graph does not)
+    dora: DoRARows | None = None
 
 
 @dataclass
@@ -182,6 +197,11 @@ class LoRALinear(UsesBackend, nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slots, max_width, in]
         self.lora_b: torch.Tensor | None = None  # [num_slots, max_width, out]
         self.lora_widths: list[int] = []  # per slot; 0 = this module not targeted
+        # DoRA: [num_slots + 1, out] factor per output row (ones: no DoRA; the last row is
+        # slot -1's), (1 - factor) * bias when there is a bias, and the slots with DoRA here
+        self.lora_dora: torch.Tensor | None = None
+        self.lora_dora_shift: torch.Tensor | None = None
+        self.lora_dora_on: set[int] = set()
 
     def _take_over(self, lin: LoRALinear) -> None:
         """For subclasses that replace a loaded `lin` and keep its base weight their own way
@@ -191,12 +211,27 @@ class LoRALinear(UsesBackend, nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias = lin.bias
         self.lora_a, self.lora_b, self.lora_widths = lin.lora_a, lin.lora_b, lin.lora_widths
+        self.lora_dora, self.lora_dora_shift = lin.lora_dora, lin.lora_dora_shift
+        self.lora_dora_on = lin.lora_dora_on
         self._bound = lin._bound
         self.weight = None  # only `base` multiplies
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
         return F.linear(x, self.weight, self.bias)
+
+    def base_weight(self) -> torch.Tensor:
+        """The float32 [out, in] weight `base` multiplies by (DoRA's norms are taken of it).
+        Subclasses that keep no float weight (packed) are probed: base(I) - base(0)."""
+        if self.weight is not None:
+            return self.weight.detach().float()
+        dev = self.bias.device if self.bias is not None else self.lora_a.device
+        dtype = self.bias.dtype if self.bias is not None else self.lora_a.dtype
+        cols = []
+        for lo in range(0, self.in_features, 1024):
+            eye = torch.eye(self.in_features, dtype=dtype, device=dev)[lo : lo + 1024]
+            cols.append((self.base(eye) - self.base(torch.zeros_like(eye))).float())
+        return torch.cat(cols).T.contiguous()
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = self.base(x)  # [num_tokens, out]
@@ -206,6 +241,13 @@ class LoRALinear(UsesBackend, nn.Module):
             plan = lora.plans.get(tuple(self.lora_widths))
             self.backend.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments,
                                     self.lora_widths, plan=plan)  # fmt: skip
+        d = None if lora is None else lora.dora
+        if (
+            d is not None
+            and self.lora_dora is not None
+            and (lora.static or not self.lora_dora_on.isdisjoint(d.on))
+        ):
+            self.backend.dora_apply(y, self.lora_dora, self.lora_dora_shift, d.slots, d.rows)
         return y
 
 
