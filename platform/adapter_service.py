@@ -39,17 +39,15 @@ def store_for(settings) -> AdapterStore:
     )
 
 
-def store_and_register(state, tenant_id: int, name: str, folder, info):
-    """Store a validated adapter folder and mark it ready for the tenant (nothing half-done)."""
+def store_and_register(state, tenant_id: int, name: str, folder, info, *, promote: bool = False):
+    """Store a validated adapter folder as a new version of `name` for the tenant (nothing
+    half-done). The first version of a name gets the default alias; with `promote` a later one
+    takes it over in the same transaction."""
     with state.sessions() as session:
-        if crud.get_adapter(session, tenant_id=tenant_id, name=name) is not None:
-            raise APIError(
-                409,
-                f"an adapter named '{name}' already exists; delete it first",
-                "adapter_exists",
-                "name",
-            )
-        decision = quotas.check_adapter_quota(session, tenant_id, rank=info.rank, bytes=info.nbytes)
+        new_name = crud.get_adapter(session, tenant_id=tenant_id, name=name) is None
+        decision = quotas.check_adapter_quota(
+            session, tenant_id, rank=info.rank, bytes=info.nbytes, new_name=new_name
+        )
         if not decision.allowed:
             raise APIError(403, decision.reason or "adapter quota exceeded", "quota_exceeded")
         key = state.store.put(folder, info.digest)
@@ -66,6 +64,7 @@ def store_and_register(state, tenant_id: int, name: str, folder, info):
                 sha256=info.digest,
                 storage_key=key,
                 status=AdapterStatus.ready,
+                promote=promote,
             )
         except Exception as e:
             session.rollback()
@@ -74,6 +73,18 @@ def store_and_register(state, tenant_id: int, name: str, folder, info):
             if isinstance(e, crud.Conflict):
                 raise APIError(409, str(e), "adapter_exists", "name") from None
             raise
+
+
+def publish_version(state, tenant_id: int, name: str, folder, info, *, keep: int):
+    """An in-place update (training loops): store the weights as a new version, move the
+    default alias to it atomically, then collect the name's versions beyond the newest `keep`
+    that no alias uses. A request resolved before the move finishes on the version it
+    started on (its files are in this replica's cache, the engine keys them by digest)."""
+    row = store_and_register(state, tenant_id, name, folder, info, promote=True)
+    with state.sessions() as session:
+        for version in crud.old_versions(session, tenant_id=tenant_id, name=name, keep=keep):
+            remove_version(state, session, tenant_id=tenant_id, name=name, version=version)
+    return row
 
 
 def release_object(state, session, key: str) -> None:
@@ -87,9 +98,22 @@ def release_object(state, session, key: str) -> None:
 
 
 def remove_adapter(state, session, *, tenant_id: int, name: str) -> bool:
-    """Delete the tenant's adapter row and its object; False when it has no such adapter."""
+    """Delete every version of the tenant's adapter, its aliases and its objects; False when
+    it has no such adapter."""
     try:
-        row = crud.delete_adapter(session, tenant_id=tenant_id, name=name)
+        rows = crud.delete_adapter(session, tenant_id=tenant_id, name=name)
+    except crud.NotFound:
+        return False
+    for row in rows:
+        release_object(state, session, row.storage_key)
+    return True
+
+
+def remove_version(state, session, *, tenant_id: int, name: str, version: int) -> bool:
+    """Delete one version and its object; False when there is no such version, crud.InUse
+    while an alias sends it traffic."""
+    try:
+        row = crud.delete_adapter_version(session, tenant_id=tenant_id, name=name, version=version)
     except crud.NotFound:
         return False
     release_object(state, session, row.storage_key)

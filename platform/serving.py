@@ -24,6 +24,7 @@ from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, LoRARequest
 from loraplex.platform import quotas, tracing, usage
+from loraplex.platform.adapter_refs import AdapterRef, choose_version, parse_ref
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, RequestClass
 from loraplex.platform.errors import APIError
@@ -73,6 +74,17 @@ class BatchLine:
 BATCH_LINE: ContextVar[BatchLine | None] = ContextVar("loraplex_batch_line", default=None)
 
 
+@dataclass(frozen=True)
+class AdapterUse:
+    """The adapter version a request runs on: fixed when it starts, whatever aliases do."""
+
+    name: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.name}@v{self.version}"
+
+
 @dataclass
 class Job:
     """What the route resolved; filled in while the request runs."""
@@ -84,7 +96,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     lora: LoRARequest | None
-    adapter_name: str | None
+    adapter: AdapterUse | None
     estimate: int
     charged_at: float
     end_user: str | None = None  # the request's `user` field, kept in the usage record
@@ -99,6 +111,10 @@ class Job:
     status: str = "ok"
     recorded: bool = False
     request_class: str = RequestClass.interactive.value
+
+    @property
+    def adapter_name(self) -> str | None:
+        return self.adapter.name if self.adapter else None
 
 
 def _merged(outs: list[RequestOutput]) -> RequestOutput:
@@ -139,19 +155,24 @@ class InferenceService:
             )
         return engine
 
-    def resolve_model(self, caller: Caller, model: str) -> tuple[LoRARequest | None, str | None]:
-        """The adapter `model` names for this tenant; 404 if it has none by that name."""
+    def resolve_model(
+        self, caller: Caller, model: str, user: str | None = None
+    ) -> tuple[LoRARequest | None, AdapterUse | None]:
+        """The adapter version `model` names for this tenant (`name`, `name@alias` or
+        `name@vN`; see platform/adapter_refs.py); 404 if it has none by that name. `user`
+        keeps one end user on one version of a split."""
         tracing.end_auth()
         if model == self.state.model_name:
             return None, None
+        ref = parse_ref(model)
         with self.state.sessions() as session:
-            row = crud.get_adapter(session, tenant_id=caller.tenant.id, name=model)
+            row = None if ref is None else self._version_row(session, caller.tenant.id, ref, user)
             if row is None or row.status != AdapterStatus.ready:
                 # The same answer whether or not another tenant has such an adapter.
                 raise APIError(
                     404, f"The model '{model}' does not exist", "model_not_found", "model"
                 )
-            key, digest = row.storage_key, row.sha256
+            key, digest, use = row.storage_key, row.sha256, AdapterUse(row.name, row.version)
             crud.touch_adapter_used(session, adapter_id=row.id)
         traced = tracing.current() is not None
         try:
@@ -168,8 +189,27 @@ class InferenceService:
             log.warning("adapter %s (tenant %s) could not be fetched: %s", key, caller.tenant.id, e)
             msg = f"adapter '{model}' could not be fetched from the adapter store; retry later"
             raise APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"}) from None
-        lora = LoRARequest(f"{caller.tenant.id}/{model}", engine_adapter_id(digest), str(path))
-        return lora, model
+        engine_name = f"{caller.tenant.id}/{use.name}@v{use.version}"
+        lora = LoRARequest(engine_name, engine_adapter_id(digest), str(path))
+        return lora, use
+
+    @staticmethod
+    def _version_row(session, tenant_id: int, ref: AdapterRef, user: str | None):
+        """The row of the version `ref` reaches now: pinned, or drawn from its alias's split
+        (an alias change is one committed row, so every replica's next request sees it)."""
+        if ref.version is not None:
+            return crud.get_adapter(
+                session, tenant_id=tenant_id, name=ref.name, version=ref.version
+            )
+        alias = crud.get_alias(session, tenant_id=tenant_id, name=ref.name, alias=ref.alias)
+        if alias is None:
+            if ref.alias != crud.DEFAULT_ALIAS:
+                return None
+            # A name registered without its default alias (by hand): its newest version.
+            return crud.get_adapter(session, tenant_id=tenant_id, name=ref.name)
+        sticky = None if user is None else f"{tenant_id}/{ref.name}@{ref.alias}/{user}"
+        version = choose_version(alias.weights, sticky_key=sticky)
+        return crud.get_adapter(session, tenant_id=tenant_id, name=ref.name, version=version)
 
     def encode_prompt(self, prompt: str | list[int], *, templated: bool = False) -> list[int]:
         tracing.end_auth()
@@ -211,7 +251,7 @@ class InferenceService:
         prompt_ids: list[int],
         params: SamplingParams,
         lora: LoRARequest | None,
-        adapter_name: str | None,
+        adapter: AdapterUse | None,
         end_user: str | None = None,
     ) -> Job:
         tracing.end_auth()
@@ -258,7 +298,7 @@ class InferenceService:
             prompt_ids=prompt_ids,
             params=params,
             lora=lora,
-            adapter_name=adapter_name,
+            adapter=adapter,
             end_user=end_user,
             estimate=estimate,
             charged_at=time.time(),
@@ -371,6 +411,10 @@ class InferenceService:
         now = time.monotonic()
         m = self.state.metrics
         m.requests.labels(job.route, status).inc()
+        if job.adapter is not None and m.adapter_names:
+            m.version_requests.labels(
+                str(job.caller.tenant.id), job.adapter.name, f"v{job.adapter.version}"
+            ).inc()
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.completion_tokens.inc(job.sent_tokens)
         m.latency.observe(now - job.started)
@@ -406,6 +450,7 @@ class InferenceService:
                     first_token=job.first_token,
                     ended=now,
                     adapter=job.adapter_name,
+                    adapter_version=job.adapter.version if job.adapter else None,
                     adapter_digest=os.path.basename(job.lora.lora_path) if job.lora else None,
                     adapter_tier=job.adapter_tier,
                     prompt_tokens=len(job.prompt_ids),
@@ -425,6 +470,7 @@ class InferenceService:
                     session,
                     api_key_id=job.caller.key.id,
                     adapter_name=job.adapter_name,
+                    adapter_version=job.adapter.version if job.adapter else None,
                     **record,
                 )
                 charged = datetime.fromtimestamp(job.charged_at, UTC)

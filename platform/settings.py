@@ -198,7 +198,15 @@ class Settings(BaseSettings):
     metrics_adapter_names: bool = Field(
         True,
         description="name resident adapters in /metrics' vllm:lora_requests_info (what a "
-        "LoRA-aware router needs); false leaves the lists empty",
+        "LoRA-aware router needs) and count requests per adapter version; false leaves the "
+        "lists empty and counts none",
+    )
+    adapter_versions_kept: int = Field(
+        5,
+        ge=1,
+        description="an in-place update (PUT /v1/adapters/{name}, load_lora_adapter with "
+        "load_inplace) keeps this many newest versions of the name, plus any an alias uses, "
+        "and deletes older ones",
     )
     adapter_cache_dir: Path | None = Field(None, description="default: <data_dir>/adapter-cache")
     log_json: bool = False

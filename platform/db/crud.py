@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform.db.models import (
     Adapter,
+    AdapterAlias,
     AdapterStatus,
     ApiKey,
     Quota,
@@ -235,6 +236,17 @@ class AdapterTotals(NamedTuple):
     bytes: int
 
 
+DEFAULT_ALIAS = "default"  # the alias a request naming just the adapter follows
+
+
+class InUse(Conflict):
+    """The row is still needed (a version an alias sends traffic to)."""
+
+
+def _version_weights(weights: dict) -> dict[str, int]:
+    return {str(int(v)): int(w) for v, w in weights.items()}
+
+
 def create_adapter(
     session: Session,
     *,
@@ -248,11 +260,17 @@ def create_adapter(
     sha256: str,
     storage_key: str,
     status: AdapterStatus | str = AdapterStatus.ready,
+    version: int | None = None,
+    promote: bool = False,
 ) -> Adapter:
-    """Register an adapter whose files are already validated and stored, in one transaction.
+    """Register a validated, stored adapter as a new version of `name`, in one transaction.
 
-    `targets` is a list of module names or a comma-separated string. Raises Conflict when the
-    tenant already has an adapter of that name, NotFound for an unknown tenant.
+    Without `version` it becomes the name's next version (two uploads racing for one number:
+    the loser retries with the next). The first version of a name also creates the name's
+    default alias pointing at it; with `promote` a later version takes the default alias too,
+    atomically with its row (the previous target is kept for a rollback). `targets` is a list
+    of module names or a comma-separated string. Raises Conflict when an explicit version is
+    taken, NotFound for an unknown tenant.
     """
     data = AdapterCreate(
         name=name,
@@ -266,25 +284,55 @@ def create_adapter(
         status=status,
     )
     _tenant_or_raise(session, tenant_id)
-    adapter = Adapter(tenant_id=tenant_id, **data.model_dump())
-    session.add(adapter)
-    try:
-        session.commit()
-    except IntegrityError as e:
-        session.rollback()
-        raise Conflict(
-            f"an adapter named {data.name!r} already exists: delete it first or choose another name"
-        ) from e
-    return adapter
+    for _ in range(8):
+        number = version or 1 + (
+            session.scalar(
+                select(func.max(Adapter.version)).where(
+                    Adapter.tenant_id == tenant_id, Adapter.name == data.name
+                )
+            )
+            or 0
+        )
+        alias = get_alias(session, tenant_id=tenant_id, name=data.name, alias=DEFAULT_ALIAS)
+        adapter = Adapter(tenant_id=tenant_id, version=number, **data.model_dump())
+        session.add(adapter)
+        if alias is None:
+            session.add(
+                AdapterAlias(
+                    tenant_id=tenant_id,
+                    name=data.name,
+                    alias=DEFAULT_ALIAS,
+                    weights={str(number): 100},
+                )
+            )
+        elif promote:
+            alias.previous, alias.weights = alias.weights, {str(number): 100}
+            alias.updated_at = utcnow()
+        try:
+            session.commit()
+            return adapter
+        except IntegrityError as e:
+            session.rollback()
+            if version is not None:
+                raise Conflict(f"adapter {data.name!r} already has a version {version}") from e
+    raise Conflict(f"adapter {data.name!r}: too many concurrent uploads; retry")
 
 
 def get_adapter(
-    session: Session, *, tenant_id: int, name: str, include_deleted: bool = False
+    session: Session,
+    *,
+    tenant_id: int,
+    name: str,
+    version: int | None = None,
+    include_deleted: bool = False,
 ) -> Adapter | None:
+    """One version of the tenant's adapter `name`; without `version`, its newest."""
     query = select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+    if version is not None:
+        query = query.where(Adapter.version == version)
     if not include_deleted:
         query = query.where(Adapter.status != AdapterStatus.deleted)
-    return session.scalars(query).one_or_none()
+    return session.scalars(query.order_by(Adapter.version.desc()).limit(1)).one_or_none()
 
 
 def list_adapters(
@@ -293,16 +341,120 @@ def list_adapters(
     tenant_id: int | None,
     status: AdapterStatus | None = None,
     include_deleted: bool = False,
+    name: str | None = None,
 ) -> list[Adapter]:
-    """One tenant's adapters, or every tenant's with `tenant_id=None` (admin only)."""
-    query = select(Adapter).order_by(Adapter.tenant_id, Adapter.name)
+    """Every version of one tenant's adapters (or of one name), or every tenant's with
+    `tenant_id=None` (admin only); by tenant, name, version."""
+    query = select(Adapter).order_by(Adapter.tenant_id, Adapter.name, Adapter.version)
     if tenant_id is not None:
         query = query.where(Adapter.tenant_id == tenant_id)
+    if name is not None:
+        query = query.where(Adapter.name == name)
     if status is not None:
         query = query.where(Adapter.status == status)
     elif not include_deleted:
         query = query.where(Adapter.status != AdapterStatus.deleted)
     return list(session.scalars(query))
+
+
+def list_aliases(
+    session: Session, *, tenant_id: int | None, name: str | None = None
+) -> list[AdapterAlias]:
+    query = select(AdapterAlias).order_by(
+        AdapterAlias.tenant_id, AdapterAlias.name, AdapterAlias.alias
+    )
+    if tenant_id is not None:
+        query = query.where(AdapterAlias.tenant_id == tenant_id)
+    if name is not None:
+        query = query.where(AdapterAlias.name == name)
+    return list(session.scalars(query))
+
+
+def get_alias(session: Session, *, tenant_id: int, name: str, alias: str) -> AdapterAlias | None:
+    return session.scalars(
+        select(AdapterAlias).where(
+            AdapterAlias.tenant_id == tenant_id,
+            AdapterAlias.name == name,
+            AdapterAlias.alias == alias,
+        )
+    ).one_or_none()
+
+
+def _lock_versions(session: Session, tenant_id: int, name: str) -> dict[int, Adapter]:
+    """The name's version rows, locked until the commit (PostgreSQL): alias changes and
+    version deletes of one name take the same locks, so neither sees the other half-done.
+    SQLite has one writer at a time, and a transaction whose reads another write overtook
+    fails rather than commits."""
+    rows = session.scalars(
+        select(Adapter)
+        .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+        .with_for_update()
+    )
+    return {a.version: a for a in rows if a.status == AdapterStatus.ready}
+
+
+def set_alias(
+    session: Session, *, tenant_id: int, name: str, alias: str, weights: dict
+) -> AdapterAlias:
+    """Point `alias` of `name` at one version ({3: 100}) or split it ({3: 90, 4: 10}), in one
+    transaction; the previous target is kept for `rollback_alias`. NotFound when the name or
+    a version does not exist."""
+    weights = _version_weights(weights)
+    if not weights or any(w <= 0 for w in weights.values()):
+        raise ValueError("weights: give at least one version, each with a weight above 0")
+    versions = _lock_versions(session, tenant_id, name)
+    if not versions:
+        raise NotFound(f"no adapter named {name!r}")
+    missing = sorted(int(v) for v in weights if int(v) not in versions)
+    if missing:
+        session.rollback()
+        raise NotFound(f"adapter {name!r} has no version {', '.join(f'v{v}' for v in missing)}")
+    row = get_alias(session, tenant_id=tenant_id, name=name, alias=alias)
+    if row is None:
+        row = AdapterAlias(tenant_id=tenant_id, name=name, alias=alias, weights=weights)
+        session.add(row)
+    elif row.weights != weights:
+        row.previous, row.weights = row.weights, weights
+        row.updated_at = utcnow()
+    session.commit()
+    return row
+
+
+def rollback_alias(session: Session, *, tenant_id: int, name: str, alias: str) -> AdapterAlias:
+    """Swap the alias back to its previous target (a second rollback undoes the first).
+    NotFound without such an alias or with nothing to roll back to; a previous target whose
+    version was deleted meanwhile is NotFound too, and nothing changes."""
+    versions = _lock_versions(session, tenant_id, name)
+    row = get_alias(session, tenant_id=tenant_id, name=name, alias=alias)
+    if row is None:
+        raise NotFound(f"adapter {name!r} has no alias {alias!r}")
+    if not row.previous:
+        session.rollback()
+        raise NotFound(f"alias {alias!r} of {name!r} has no previous target to roll back to")
+    gone = sorted(int(v) for v in row.previous if int(v) not in versions)
+    if gone:
+        session.rollback()
+        listed = ", ".join(f"v{v}" for v in gone)
+        raise NotFound(f"cannot roll back {name!r}@{alias}: version {listed} was deleted")
+    row.previous, row.weights = row.weights, row.previous
+    row.updated_at = utcnow()
+    session.commit()
+    return row
+
+
+def delete_alias(session: Session, *, tenant_id: int, name: str, alias: str) -> None:
+    if alias == DEFAULT_ALIAS:
+        raise InUse("the default alias stays while the adapter exists; delete the adapter")
+    gone = session.execute(
+        delete(AdapterAlias).where(
+            AdapterAlias.tenant_id == tenant_id,
+            AdapterAlias.name == name,
+            AdapterAlias.alias == alias,
+        )
+    )
+    session.commit()
+    if gone.rowcount != 1:
+        raise NotFound(f"adapter {name!r} has no alias {alias!r}")
 
 
 def mark_adapter_deleted(session: Session, *, tenant_id: int, name: str) -> Adapter:
@@ -315,21 +467,69 @@ def mark_adapter_deleted(session: Session, *, tenant_id: int, name: str) -> Adap
     return adapter
 
 
-def delete_adapter(session: Session, *, tenant_id: int, name: str) -> Adapter:
-    """Remove the row (frees the name); returns it so the caller can clean up the store.
+def delete_adapter(session: Session, *, tenant_id: int, name: str) -> list[Adapter]:
+    """Remove every version of the name and its aliases (frees the name); returns the rows so
+    the caller can clean up the store.
 
-    Two deletes racing for one row: one removes it, the other gets NotFound (not a stale-row
-    error from the ORM), on SQLite and PostgreSQL alike.
+    Two deletes racing: one removes the rows, the other gets NotFound (not a stale-row error
+    from the ORM), on SQLite and PostgreSQL alike.
     """
-    adapter = get_adapter(session, tenant_id=tenant_id, name=name, include_deleted=True)
-    if adapter is None:
+    rows = list_adapters(session, tenant_id=tenant_id, name=name, include_deleted=True)
+    if not rows:
         raise NotFound(f"no adapter named {name!r}")
-    session.expunge(adapter)  # stays readable for the caller after the row is gone
-    gone = session.execute(delete(Adapter).where(Adapter.id == adapter.id))
+    for row in rows:
+        session.expunge(row)  # stays readable for the caller after the row is gone
+    gone = session.execute(delete(Adapter).where(Adapter.id.in_([r.id for r in rows])))
+    session.execute(
+        delete(AdapterAlias).where(AdapterAlias.tenant_id == tenant_id, AdapterAlias.name == name)
+    )
+    session.commit()
+    if gone.rowcount == 0:
+        raise NotFound(f"no adapter named {name!r}")
+    return rows
+
+
+def _referenced_versions(session: Session, tenant_id: int, name: str) -> dict[int, list[str]]:
+    """Version -> the aliases that send it traffic."""
+    used: dict[int, list[str]] = {}
+    for alias in list_aliases(session, tenant_id=tenant_id, name=name):
+        for v in alias.weights:
+            used.setdefault(int(v), []).append(alias.alias)
+    return used
+
+
+def delete_adapter_version(session: Session, *, tenant_id: int, name: str, version: int) -> Adapter:
+    """Remove one version; InUse while an alias sends it traffic (move the alias first)."""
+    versions = _lock_versions(session, tenant_id, name)
+    row = versions.get(version) or get_adapter(
+        session, tenant_id=tenant_id, name=name, version=version, include_deleted=True
+    )
+    if row is None:
+        session.rollback()
+        raise NotFound(f"adapter {name!r} has no version v{version}")
+    aliases = _referenced_versions(session, tenant_id, name).get(version)
+    if aliases:
+        session.rollback()
+        raise InUse(
+            f"v{version} of {name!r} is in use by alias {', '.join(sorted(aliases))}: "
+            "point the alias elsewhere (or roll it back) first"
+        )
+    session.expunge(row)
+    gone = session.execute(delete(Adapter).where(Adapter.id == row.id))
     session.commit()
     if gone.rowcount != 1:
-        raise NotFound(f"no adapter named {name!r}")
-    return adapter
+        raise NotFound(f"adapter {name!r} has no version v{version}")
+    return row
+
+
+def old_versions(session: Session, *, tenant_id: int, name: str, keep: int) -> list[int]:
+    """Versions beyond the newest `keep` that no alias sends traffic to (for collection)."""
+    used = _referenced_versions(session, tenant_id, name)
+    numbers = sorted(
+        (a.version for a in list_adapters(session, tenant_id=tenant_id, name=name)),
+        reverse=True,
+    )
+    return [v for v in numbers[max(keep, 0) :] if v not in used]
 
 
 def count_adapters_with_storage_key(session: Session, *, storage_key: str) -> int:
@@ -344,12 +544,13 @@ def storage_keys(session: Session) -> set[str]:
 
 
 def adapter_totals(session: Session, *, tenant_id: int) -> AdapterTotals:
-    """Count and bytes of the tenant's adapters that occupy storage (for its quota)."""
+    """Adapters (names) of the tenant that occupy storage, and the bytes of all their versions
+    (for its quota)."""
     live = (AdapterStatus.uploading, AdapterStatus.ready)
     count, total = session.execute(
-        select(func.count(), func.coalesce(func.sum(Adapter.bytes), 0)).where(
-            Adapter.tenant_id == tenant_id, Adapter.status.in_(live)
-        )
+        select(
+            func.count(func.distinct(Adapter.name)), func.coalesce(func.sum(Adapter.bytes), 0)
+        ).where(Adapter.tenant_id == tenant_id, Adapter.status.in_(live))
     ).one()
     return AdapterTotals(int(count), int(total))
 

@@ -113,6 +113,7 @@ class AdapterCreate(AdapterBase):
 class AdapterPublic(AdapterBase, _Row):
     id: int
     tenant_id: int
+    version: int
     status: AdapterStatus
     created_at: datetime
     last_used_at: datetime | None

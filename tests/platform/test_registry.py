@@ -136,15 +136,41 @@ def test_a_tenant_cannot_revoke_another_tenants_key(session, tenant):
     assert crud.authenticate(session, secret) is not None
 
 
-def test_adapter_names_are_unique_per_tenant(session, tenant):
+def test_a_taken_name_gets_the_next_version_and_aliases_move_atomically(session, tenant):
     other = crud.create_tenant(session, name="other")
     first = _adapter(session, tenant.id, targets="q_proj, v_proj")
     assert first.targets == ["q_proj", "v_proj"] and first.status == "ready"
-    with pytest.raises(crud.Conflict, match="'pirate' already exists"):
-        _adapter(session, tenant.id, rank=4)
-    _adapter(session, other.id)  # the same name in another tenant is fine
-    # The conflict left no row behind and the first adapter unchanged.
-    assert [a.rank for a in crud.list_adapters(session, tenant_id=tenant.id)] == [8]
+    assert first.version == 1
+    assert _adapter(session, tenant.id, rank=4).version == 2
+    with pytest.raises(crud.Conflict, match="already has a version 2"):
+        _adapter(session, tenant.id, version=2)
+    assert _adapter(session, other.id).version == 1  # the same name in another tenant
+    # The conflict left no row behind; the first version holds the default alias.
+    assert [a.rank for a in crud.list_adapters(session, tenant_id=tenant.id)] == [8, 4]
+    alias = crud.get_alias(session, tenant_id=tenant.id, name="pirate", alias="default")
+    assert alias.weights == {"1": 100}
+    assert crud.get_adapter(session, tenant_id=tenant.id, name="pirate").version == 2  # newest
+
+    third = _adapter(session, tenant.id, promote=True)
+    session.expire_all()
+    alias = crud.get_alias(session, tenant_id=tenant.id, name="pirate", alias="default")
+    assert (alias.weights, alias.previous) == ({"3": 100}, {"1": 100})
+    crud.set_alias(session, tenant_id=tenant.id, name="pirate", alias="default",
+                   weights={1: 90, third.version: 10})  # fmt: skip
+    with pytest.raises(crud.InUse, match="alias default"):
+        crud.delete_adapter_version(session, tenant_id=tenant.id, name="pirate", version=3)
+    with pytest.raises(crud.NotFound, match="v9"):
+        crud.set_alias(session, tenant_id=tenant.id, name="pirate", alias="x", weights={9: 1})
+    rolled = crud.rollback_alias(session, tenant_id=tenant.id, name="pirate", alias="default")
+    assert (rolled.weights, rolled.previous) == ({"3": 100}, {"1": 90, "3": 10})
+    assert crud.old_versions(session, tenant_id=tenant.id, name="pirate", keep=1) == [2, 1]
+    crud.delete_adapter_version(session, tenant_id=tenant.id, name="pirate", version=2)
+    with pytest.raises(crud.NotFound, match="deleted"):  # v1 is gone from `previous` next
+        crud.delete_adapter_version(session, tenant_id=tenant.id, name="pirate", version=1)
+        crud.rollback_alias(session, tenant_id=tenant.id, name="pirate", alias="default")
+    removed = crud.delete_adapter(session, tenant_id=tenant.id, name="pirate")
+    assert [r.version for r in removed] == [3]
+    assert crud.list_aliases(session, tenant_id=tenant.id) == []
 
 
 def test_adapters_are_invisible_across_tenants(session, tenant):
@@ -176,7 +202,7 @@ def test_adapter_lifecycle_and_totals(session, tenant):
     assert [a.name for a in crud.list_adapters(session, tenant_id=tenant.id)] == ["b"]
     assert crud.adapter_totals(session, tenant_id=tenant.id) == (1, 50)
 
-    removed = crud.delete_adapter(session, tenant_id=tenant.id, name="a")
+    [removed] = crud.delete_adapter(session, tenant_id=tenant.id, name="a")
     assert removed.storage_key == f"adapters/{SHA}"  # what the caller must clean up
     assert crud.count_adapters_with_storage_key(session, storage_key=key) == 0
     with pytest.raises(crud.NotFound):  # a second delete (a racing one) finds nothing

@@ -253,15 +253,17 @@ def test_missing_name_is_refused(server, uploader, good):
              "invalid_name", "'name'")  # fmt: skip
 
 
-def test_duplicate_name_is_409(server, tiny_adapters):
+def test_a_taken_name_gets_a_new_version_and_keeps_its_default(server, tiny_adapters):
     _, key = server.new_tenant("dup")
     llama = tiny_adapters["llama"]
     assert upload(server.url, key, "same", folder_parts(llama["qv4"])).status_code == 201
-    before = _snapshot(server)
-    for folder in (llama["qv4"], llama["attn8"]):  # identical bytes or not
+    for n, folder in enumerate((llama["qv4"], llama["attn8"]), start=2):  # identical or not
         response = upload(server.url, key, "same", folder_parts(folder))
-        _refused(server, response, before, 409, "adapter_exists", "same", "already exists")
-    assert len(httpx.get(f"{server.url}/v1/adapters", headers=auth(key)).json()["data"]) == 1
+        assert response.status_code == 201, response.text
+        assert response.json()["version"] == n
+    [listed] = httpx.get(f"{server.url}/v1/adapters", headers=auth(key)).json()["data"]
+    assert [v["id"] for v in listed["versions"]] == ["same@v1", "same@v2", "same@v3"]
+    assert listed["aliases"] == {"default": {"v1": 100}}  # not promoted: requests stay on v1
 
 
 def test_adapter_count_and_bytes_quotas(server, tiny_adapters):
@@ -271,6 +273,8 @@ def test_adapter_count_and_bytes_quotas(server, tiny_adapters):
     before = _snapshot(server)
     response = upload(server.url, key, "second", folder_parts(llama["attn8"]))
     _refused(server, response, before, 403, "quota_exceeded", "1 of 1")
+    # A new version is not a new adapter: it counts towards the bytes only.
+    assert upload(server.url, key, "first", folder_parts(llama["attn8"])).status_code == 201
 
     size = sum((llama["qv4"] / n).stat().st_size for n in ADAPTER_FILES)
     _, key = server.new_tenant("bytes-max", max_adapter_bytes=size + KiB)

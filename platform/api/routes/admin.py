@@ -13,6 +13,7 @@ from fastapi import APIRouter, Body, Query, Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
+from loraplex.platform import adapter_versions as versions
 from loraplex.platform.adapter_service import remove_adapter
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
@@ -224,7 +225,7 @@ def revoke_key(
 def list_adapters(
     session: SessionDep, tenant_id: int | None = None, status: AdapterStatus | None = None
 ) -> ListOf[AdminAdapter]:
-    """Every tenant's adapters (or one tenant's), without storage internals."""
+    """Every version of every tenant's adapters (or one tenant's), without storage internals."""
     if tenant_id is not None:
         _tenant(session, tenant_id)
     names = {t.id: t.name for t in crud.list_tenants(session)}
@@ -237,9 +238,45 @@ def list_adapters(
     )
 
 
+@router.get("/tenants/{tenant_id}/adapters/{name}")
+def get_adapter(tenant_id: int, name: str, session: SessionDep) -> versions.AdapterPublic:
+    """A tenant's adapter with its versions and aliases."""
+    _tenant(session, tenant_id)
+    return versions.get_public(session, tenant_id=tenant_id, name=name)
+
+
+@router.put("/tenants/{tenant_id}/adapters/{name}/aliases/{alias}")
+def set_alias(
+    tenant_id: int, name: str, alias: str, body: versions.AliasIn, session: SessionDep
+) -> versions.AliasPublic:
+    """Promote a version of a tenant's adapter, or split an alias between versions."""
+    _tenant(session, tenant_id)
+    return versions.set_alias(session, tenant_id=tenant_id, name=name, alias=alias, body=body)
+
+
+@router.post("/tenants/{tenant_id}/adapters/{name}/aliases/{alias}/rollback")
+def rollback_alias(
+    tenant_id: int, name: str, alias: str, session: SessionDep
+) -> versions.AliasPublic:
+    """Put a tenant's alias back where it pointed before its last change."""
+    _tenant(session, tenant_id)
+    return versions.rollback_alias(session, tenant_id=tenant_id, name=name, alias=alias)
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}/versions/{version}")
+def delete_version(
+    tenant_id: int, name: str, version: str, session: SessionDep, state: StateDep
+) -> dict:
+    """Remove one version of a tenant's adapter; 409 while an alias sends it traffic."""
+    _tenant(session, tenant_id)
+    versions.delete_version(state, session, tenant_id=tenant_id, name=name, version=version)
+    return {"id": f"{name}@{version}", "object": "adapter.version", "tenant_id": tenant_id,
+            "deleted": True}  # fmt: skip
+
+
 @router.delete("/tenants/{tenant_id}/adapters/{name}")
 def delete_adapter(tenant_id: int, name: str, session: SessionDep, state: StateDep) -> dict:
-    """Remove a tenant's adapter, and its stored files once no adapter shares them."""
+    """Remove a tenant's adapter (every version), and its stored files."""
     _tenant(session, tenant_id)
     if not remove_adapter(state, session, tenant_id=tenant_id, name=name):
         raise APIError(

@@ -52,10 +52,16 @@ def list_models(state: StateDep, caller: CallerDep):
 
     data = [card(base, created, "loraplex", base, None)]
     with state.sessions() as session:
+        # One card per name (its versions are in /v1/adapters; `name@vN` serves any of them),
+        # dated by its first version, rooted in its newest.
+        names: dict[str, list] = {}
         for a in crud.list_adapters(session, tenant_id=caller.tenant.id):
             if a.status == AdapterStatus.ready:
-                at = int(a.created_at.timestamp())
-                data.append(card(a.name, at, caller.tenant.name, f"sha256:{a.sha256}", base))
+                names.setdefault(a.name, []).append(a)
+        for name, versions in names.items():
+            at = int(versions[0].created_at.timestamp())
+            root = f"sha256:{versions[-1].sha256}"
+            data.append(card(name, at, caller.tenant.name, root, base))
     return {"object": "list", "data": data}
 
 
@@ -241,7 +247,7 @@ async def completions(
 ):
     service = InferenceService(state)
     body.check_supported()
-    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
+    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model, body.user)
     prompts = body.prompts()
     if len(prompts) > 1:
         return await _completions_of_list(service, state, body, request, caller, prompts, lora,
@@ -330,7 +336,7 @@ async def chat_completions(
 ):
     service = InferenceService(state)
     body.check_supported()
-    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model)
+    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model, body.user)
     tool_mode = body.tool_mode
     tools = body.tools if tool_mode else None
     text, fallback = service.chat_prompt(body.chat_messages(), tools)
