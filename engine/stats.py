@@ -71,8 +71,8 @@ class EngineStats:
     cold_adapters: list[dict] = field(default_factory=list)
 
 
-# Upper bounds (seconds) of the adapter-load histogram: a slot write of a small adapter takes
-# well under a millisecond, a read of a large one from a slow disk seconds.
+# Upper bounds (seconds) of the adapter-load histogram: wide enough for a slot write of a
+# small adapter at one end and a read of a large one from a slow disk at the other.
 ADAPTER_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0)  # fmt: skip
 TIERS = ("device", "host", "disk")

@@ -25,7 +25,9 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+from loraplex.engine.stats import ADAPTER_LOAD_BUCKETS
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -146,6 +148,7 @@ class Metrics:
         )
         self.stats = None  # the engine snapshot of the latest refresh
         r.register(_SpecDecodeCollector(self))
+        r.register(_AdapterLoadCollector(self))
 
     def set_memory(self, memory) -> None:
         """The engine's MemoryReport (engine/memory.py), at start."""
@@ -225,3 +228,33 @@ class _SpecDecodeCollector:
         for j, n in enumerate(s.spec_accepted_per_pos):
             per_pos.add_metric([str(j)], n)
         yield per_pos
+
+
+class _AdapterLoadCollector:
+    """`loraplex_adapter_load_seconds{tier}`: each adapter request's wait for its adapter, by
+    the tier it was in when the request arrived (device: none, host: a slot write, disk: the
+    read and the write), from the engine's own histogram (engine/stats.py AdapterLoads)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.metrics.stats
+        if s is None or not s.adapter_load_buckets:
+            return
+        family = HistogramMetricFamily(
+            "loraplex_adapter_load_seconds",
+            "Wait for the request's adapter, by the tier it was in",
+            labels=["tier"],
+        )
+        bounds = [str(b) for b in ADAPTER_LOAD_BUCKETS] + ["+Inf"]
+        for tier, counts in s.adapter_load_buckets.items():
+            running, buckets = 0, []
+            for bound, n in zip(bounds, counts, strict=True):
+                running += n
+                buckets.append((bound, running))
+            family.add_metric([tier], buckets, s.adapter_load_sum.get(tier, 0.0))
+        yield family
