@@ -70,16 +70,22 @@ def test_load_serve_list_and_unload(server, root, tiny_adapters):
     shutil.copytree(tiny_adapters["llama"]["qv4"], root / "team" / "sql-v3")
     r = _load(server, {"lora_name": "sql", "lora_path": "team/sql-v3"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
-    assert _load(server, {"lora_name": "sql", "lora_path": "team/sql-v3"}).status_code == 409
+    again = _load(server, {"lora_name": "sql", "lora_path": "team/sql-v3"})
+    assert again.status_code == 400 and "load_inplace" in again.json()["error"]["message"]
 
     key = _key_of(server, OPERATOR_TENANT)  # owned by the operator tenant, served with its keys
     base = server.state.model_name
     lora = _complete(server, key, "sql")
     assert lora.status_code == 200, lora.text
-    assert (
-        lora.json()["choices"][0]["text"]
-        != _complete(server, key, base).json()["choices"][0]["text"]
-    )
+    text = lora.json()["choices"][0]["text"]
+    assert text != _complete(server, key, base).json()["choices"][0]["text"]
+
+    # vLLM's in-place load (RL loops): new weights under the same name, served at once.
+    shutil.copytree(tiny_adapters["llama"]["attn8"], root / "team" / "sql-v4")
+    body = {"lora_name": "sql", "lora_path": "team/sql-v4", "load_inplace": True}
+    assert _load(server, body).status_code == 200
+    updated = _complete(server, key, "sql").json()["choices"][0]["text"]
+    assert updated != text and _complete(server, key, "sql@v1").json()["choices"][0]["text"] == text
 
     models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
     by_id = {m["id"]: m for m in models.json()["data"]}

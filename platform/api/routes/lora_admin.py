@@ -1,6 +1,8 @@
 """vLLM's runtime adapter endpoints, for operators who script against vLLM (admin key only).
 
     POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "team-a/sql-v3"}
+    POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "run-7/step-400",
+                                   "load_inplace": true}
     POST /v1/unload_lora_adapter  {"lora_name": "sql"}
 
 `lora_path` names a folder inside one of the adapter import roots (settings
@@ -11,8 +13,11 @@ and registered, so every replica serves the adapter, not only the one that was c
 Owner: loraplex adapters belong to a tenant, vLLM's requests name none. The adapter goes to
 the tenant named by the optional `tenant` field (a loraplex extension), else to the tenant
 called `operator` (created on first use); a tenant serves it with its own keys under
-`lora_name`. Answers are vLLM's: 200 with a plain-text "Success: ..." line; errors in
-OpenAI's shape (400 bad path or adapter, 404 unknown name or tenant, 409 name taken).
+`lora_name`. With `load_inplace` the folder becomes the name's next version and takes its
+default alias at once (old versions beyond `adapter_versions_kept` are collected), as vLLM
+replaces an adapter's weights for RL loops. Answers are vLLM's: 200 with a plain-text
+"Success: ..." line; errors in OpenAI's shape (400 bad path or adapter, or a name already
+loaded without `load_inplace`, as vLLM; 404 unknown name or tenant).
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.platform.adapter_service import remove_adapter, store_and_register
+from loraplex.platform.adapter_service import (
+    publish_version,
+    remove_adapter,
+    store_and_register,
+)
 from loraplex.platform.api.deps import AdminDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.api.routes.adapters import store_unavailable
@@ -45,6 +54,11 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: AdapterName = Field(description="the name tenants serve it under")
     lora_path: str = Field(description="a folder inside an adapter import root")
     tenant: str | None = Field(None, description=f"owner (loraplex); default {OPERATOR_TENANT!r}")
+    load_inplace: bool = Field(
+        False,
+        description="replace the weights of an existing `lora_name` (vLLM's flag for RL "
+        "loops): a new version that takes the default alias at once",
+    )
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -87,6 +101,19 @@ def _load(state, body: LoadLoRAAdapterRequest):
         info = validate(
             copy, state.spec, max_rank=max_rank, base_model_name=state.model_name, max_bytes=limit
         )
+        if body.load_inplace:
+            keep = settings.adapter_versions_kept
+            return publish_version(state, tenant_id, body.lora_name, copy, info, keep=keep)
+        with state.sessions() as session:
+            if crud.get_adapter(session, tenant_id=tenant_id, name=body.lora_name) is not None:
+                # vLLM answers a second load of a name this way; load_inplace replaces it.
+                raise APIError(
+                    400,
+                    f"The lora adapter '{body.lora_name}' has already been loaded. If you "
+                    "want to load the adapter in place, set 'load_inplace' to True.",
+                    "adapter_exists",
+                    "lora_name",
+                )
         return store_and_register(state, tenant_id, body.lora_name, copy, info)
 
 
