@@ -3,7 +3,7 @@
 One batch mixes four adapters (different ranks, target sets, rslora) with rows that have no
 adapter. Prefill logits, 16 decode steps of logits and 32 greedy tokens must match per row,
 also under chunked prefill, preemption, prefix-cache hits and fewer adapter slots than
-adapters in flight.
+adapters in flight; and DoRA adapters beside a plain LoRA one and rows without an adapter.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
+from tests.utils.dora import make_dora_adapter
 from tests.utils.hf_reference import greedy_decode, peft_reference
 
 STEPS, LOGIT_STEPS = 32, 16
@@ -218,3 +219,36 @@ def test_half_precision_tracks_float32(dtype, tiny_models, tiny_adapters):
         assert len(common) >= 15
         for t in common:
             assert abs(top_r[t] - top_h[t]) < 0.1
+
+
+DORA_ROWS = ["dqv", "qv4", None, "dall", "dqv"]
+DORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def dora_adapters(parity_models, parity_adapters, tmp_path_factory):
+    """kind -> two DoRA adapters (q/v rank 4 rsLoRA; every module rank 2) and plain qv4."""
+    root = tmp_path_factory.mktemp("dora-parity")
+
+    def get(kind: str) -> dict:
+        base = parity_models[kind]
+        return {
+            "dqv": make_dora_adapter(base, root / kind / "dqv", seed=1, use_rslora=True),
+            "dall": make_dora_adapter(
+                base, root / kind / "dall", r=2, alpha=4, seed=2, targets=DORA_TARGETS
+            ),  # fmt: skip
+            "qv4": parity_adapters[kind]["qv4"],
+        }
+
+    return get
+
+
+# llama; qwen2 (biased q|k|v: the bias stays unscaled); phi3 (DoRA on fused qkv_proj and
+# gate_up_proj: each magnitude vector split over our slices)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
+def test_dora_beside_lora_matches_hf_peft(kind, parity_models, dora_adapters):
+    adapters = dora_adapters(kind)
+    llm = LLM(str(parity_models[kind]), dtype="float32", max_loras=4, max_lora_rank=16)
+    rows = run_rows(llm, adapters, rows=DORA_ROWS)
+    check_rows(rows, hf_reference(parity_models[kind], adapters, DORA_ROWS), names=DORA_ROWS)
+    assert llm.engine.adapters.dora_slots.count(True) == 2
