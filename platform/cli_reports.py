@@ -1,4 +1,5 @@
-"""`loraplex adapters list` and `loraplex usage export|summary`: reports over the registry.
+"""`loraplex adapters …` and `loraplex usage export|summary`: reports over the registry, and
+an adapter's versions and aliases (promote, canary split, rollback, delete a version).
 
 `usage export` is the billing export: per tenant, tokens and their cost at the tenant's prices,
 as CSV or JSON (the same rows as the admin API's `/billing`). As in cli_admin.py, building the
@@ -11,6 +12,8 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -28,8 +31,14 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
 ADAPTER_COLUMNS = columns(
-    "tenant", "name", "rank", "alpha", "targets", "bytes", "status", "sha256", "created_at=CREATED"
-)
+    "tenant", "name", "version", "aliases", "rank", "alpha", "targets", "bytes", "status", "sha256",
+    "created_at=CREATED",
+)  # fmt: skip
+VERSION_COLUMNS = columns(
+    "version", "sha256", "bytes", "rank", "status", "created_at=CREATED",
+    "last_used_at=LAST USED", "aliases",
+)  # fmt: skip
+ALIAS_COLUMNS = columns("alias", "weights=TRAFFIC", "previous", "updated_at=UPDATED")
 SUMMARY_COLUMNS = {
     "tenant": columns("tenant"),
     "adapter": columns("tenant", "adapter"),
@@ -45,21 +54,46 @@ def _short_sha(adapter: BaseModel) -> dict[str, str]:
     return {"sha256": adapter.sha256[:12]}  # enough to tell objects apart in a table
 
 
+def _share(alias: str, weights: dict[str, int]) -> dict[int, str]:
+    """Version -> its table cell for `alias`: the alias alone when the version takes all of
+    its traffic, else with its share ("default 10%"). Versions as "3" or "v3"."""
+    total = sum(weights.values())
+    return {
+        int(v.lstrip("v")): alias if w == total else f"{alias} {round(100 * w / total)}%"
+        for v, w in weights.items()
+    }
+
+
+def _alias_shares(aliases) -> dict[tuple[int, str, int], list[str]]:
+    """(tenant id, name, version) -> the cells of the aliases that send it traffic."""
+    shares: dict[tuple[int, str, int], list[str]] = {}
+    for a in aliases:
+        for version, text in _share(a.alias, a.weights).items():
+            shares.setdefault((a.tenant_id, a.name, version), []).append(text)
+    return shares
+
+
 def adapters_list(args: argparse.Namespace) -> int:
     from loraplex.platform.db import crud
     from loraplex.platform.db.schemas import AdapterPublic
 
     class AdminAdapter(AdapterPublic):
         tenant: str
+        aliases: list[str]  # of this version's name that send it traffic
 
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id if args.tenant else None
         names = {t.id: t.name for t in crud.list_tenants(session)}
+        shares = _alias_shares(crud.list_aliases(session, tenant_id=tenant_id))
         rows = [
-            AdminAdapter(**AdapterPublic.model_validate(a).model_dump(), tenant=names[a.tenant_id])
+            AdminAdapter(
+                **AdapterPublic.model_validate(a).model_dump(),
+                tenant=names[a.tenant_id],
+                aliases=shares.get((a.tenant_id, a.name, a.version), []),
+            )
             for a in crud.list_adapters(session, tenant_id=tenant_id)
         ]
-    emit(args, rows, ADAPTER_COLUMNS, _short_sha)
+    emit(args, rows, ADAPTER_COLUMNS, lambda a: {**_short_sha(a), "version": f"v{a.version}"})
     return 0
 
 
@@ -80,6 +114,117 @@ def adapters_gc(args: argparse.Namespace) -> int:
     else:
         print(f"removed {len(report.removed)} unreferenced object(s); kept {report.kept_young} "
               f"younger than {args.grace_s:g}s; {report.referenced} in use")  # fmt: skip
+    return 0
+
+
+@contextmanager
+def _api_errors() -> Iterator[None]:
+    """The registry operations speak HTTP (APIError); here their message is the error line."""
+    from loraplex.platform.errors import APIError
+
+    try:
+        yield
+    except APIError as e:
+        raise ValueError(e.message) from None
+
+
+def _weights(weights: dict[str, int] | None) -> str:
+    """{"v3": 90, "v4": 10} as "v3 90, v4 10" ("-" for none)."""
+    return ", ".join(f"{v} {w}" for v, w in weights.items()) if weights else "-"
+
+
+def _said(alias: BaseModel) -> str:
+    from loraplex.platform.adapter_versions import AliasPublic
+
+    assert isinstance(alias, AliasPublic)
+    was = f" (was {_weights(alias.previous)})" if alias.previous else ""
+    return f"{alias.name}@{alias.alias} -> {_weights(alias.weights)}{was}"
+
+
+def adapters_versions(args: argparse.Namespace) -> int:
+    from loraplex.platform import adapter_versions as versions
+    from loraplex.platform.db import crud
+
+    with registry_session() as session, _api_errors():
+        tenant_id = resolve_tenant(session, args.tenant).id
+        adapter = versions.get_public(session, tenant_id=tenant_id, name=args.name)
+        aliases = [
+            versions.alias_public(a)
+            for a in crud.list_aliases(session, tenant_id=tenant_id, name=args.name)
+        ]
+    if args.json:
+        print(adapter.model_dump_json(indent=2))
+        return 0
+    shares: dict[int, list[str]] = {}
+    for name, weights in adapter.aliases.items():
+        for version, text in _share(name, weights).items():
+            shares.setdefault(version, []).append(text)
+    print_table(
+        [{**v.model_dump(), "version": f"v{v.version}", "sha256": v.sha256[:12],
+          "aliases": shares.get(v.version, [])} for v in adapter.versions],
+        VERSION_COLUMNS,
+    )  # fmt: skip
+    print()
+    print_table(
+        [{**a.model_dump(), "weights": _weights(a.weights), "previous": _weights(a.previous)}
+         for a in aliases],
+        ALIAS_COLUMNS,
+    )  # fmt: skip
+    return 0
+
+
+def _set_alias(args: argparse.Namespace, body: dict) -> int:
+    from loraplex.platform import adapter_versions as versions
+
+    with registry_session() as session, _api_errors():
+        tenant_id = resolve_tenant(session, args.tenant).id
+        alias = versions.set_alias(
+            session, tenant_id=tenant_id, name=args.name, alias=args.alias,
+            body=versions.AliasIn(**body),
+        )  # fmt: skip
+    print(alias.model_dump_json(indent=2) if args.json else _said(alias))
+    return 0
+
+
+def adapters_promote(args: argparse.Namespace) -> int:
+    return _set_alias(args, {"version": args.version})
+
+
+def adapters_split(args: argparse.Namespace) -> int:
+    weights: dict[str, int] = {}
+    for pair in args.weights:
+        version, _, weight = pair.partition("=")
+        if not weight.strip().isdigit():
+            raise ValueError(f"{pair!r}: write VERSION=WEIGHT, e.g. v3=90 v4=10")
+        weights[version.strip()] = weights.get(version.strip(), 0) + int(weight)
+    return _set_alias(args, {"weights": weights})
+
+
+def adapters_rollback(args: argparse.Namespace) -> int:
+    from loraplex.platform import adapter_versions as versions
+
+    with registry_session() as session, _api_errors():
+        tenant_id = resolve_tenant(session, args.tenant).id
+        alias = versions.rollback_alias(
+            session, tenant_id=tenant_id, name=args.name, alias=args.alias
+        )
+    print(alias.model_dump_json(indent=2) if args.json else _said(alias))
+    return 0
+
+
+def adapters_delete_version(args: argparse.Namespace) -> int:
+    from loraplex.platform import adapter_versions as versions
+    from loraplex.platform.adapter_service import store_for
+    from loraplex.platform.settings import Settings
+
+    with registry_session() as session, _api_errors():
+        tenant = resolve_tenant(session, args.tenant)
+        # The version's stored files go with its row, as the API's delete does.
+        state = SimpleNamespace(store=store_for(Settings()))
+        versions.delete_version(
+            state, session, tenant_id=tenant.id, name=args.name, version=args.version
+        )
+    print(f"deleted {args.name}@{args.version} of tenant {tenant.name!r}")
     return 0
 
 
@@ -137,6 +282,29 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    "(default: the store_gc_grace_s setting)")  # fmt: skip
     p.set_defaults(func=adapters_gc)
 
+    alias = argparse.ArgumentParser(add_help=False)
+    alias.add_argument("--alias", default="default", help="which alias (default: default)")
+
+    def named(verb: str, help: str, *parents: argparse.ArgumentParser):
+        p = asub.add_parser(verb, parents=list(parents), help=help)
+        p.add_argument("tenant", help="name or id")
+        p.add_argument("name", help="the adapter's name")
+        return p
+
+    p = named("versions", "an adapter's versions and where each alias sends traffic", out)
+    p.set_defaults(func=adapters_versions)
+    p = named("promote", "send all of an alias's traffic to one version", alias, out)
+    p.add_argument("version", help="v1, v2, ...")
+    p.set_defaults(func=adapters_promote)
+    p = named("split", "split an alias's traffic between versions by weight (a canary)", alias, out)
+    p.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT", help="e.g. v3=90 v4=10")
+    p.set_defaults(func=adapters_split)
+    p = named("rollback", "put an alias back where it pointed before its last change", alias, out)
+    p.set_defaults(func=adapters_rollback)
+    p = named("delete-version", "delete one version (refused while an alias uses it)")
+    p.add_argument("version", help="v1, v2, ...")
+    p.set_defaults(func=adapters_delete_version)
+
     u = sub.add_parser("usage", help="usage reports and billing exports")
     usub = u.add_subparsers(dest="subcommand", required=True)
     when = argparse.ArgumentParser(add_help=False)
@@ -153,8 +321,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.set_defaults(func=usage_export)
     p = usub.add_parser("summary", parents=[when, out], help="requests and tokens per group")
-    p.add_argument(
-        "--group-by", choices=["tenant", "adapter", "version", "day"], default="tenant"
-    )
+    p.add_argument("--group-by", choices=["tenant", "adapter", "version", "day"], default="tenant")
     p.add_argument("--tenant", help="only this tenant (name or id)")
     p.set_defaults(func=usage_summary)

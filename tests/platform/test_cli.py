@@ -247,3 +247,43 @@ def test_usage_export_writes_billing_rows_for_the_period(cli, acme, tmp_path):
 def test_usage_errors_are_one_line_with_exit_code_2(cli):
     assert "invalid choice" in cli.fails("usage", "export", "--format", "xml")
     assert "--tenant" in cli.fails("keys", "create")
+
+
+def test_adapter_versions_promote_split_rollback_delete(cli, acme):
+    with cli.session() as session:
+        for n in (1, 2, 3):
+            crud.create_adapter(
+                session, tenant_id=acme, name="sql", base_model="tiny", rank=4 * n, alpha=8,
+                targets="q_proj", bytes=100 * n, sha256=f"{n}" * 64, storage_key=f"{n}" * 64,
+            )  # fmt: skip
+    rows = cli.json("adapters", "list", "--tenant", "acme")
+    assert [(r["version"], r["aliases"]) for r in rows] == [(1, ["default"]), (2, []), (3, [])]
+    header, *lines = cli.ok("adapters", "list").splitlines()
+    assert header.split()[:4] == ["TENANT", "NAME", "VERSION", "ALIASES"]
+    assert lines[0].split()[:4] == ["acme", "sql", "v1", "default"]
+
+    assert cli.ok("adapters", "promote", "acme", "sql", "v2").strip() == (
+        "sql@default -> v2 100 (was v1 100)"
+    )
+    said = cli.json("adapters", "split", "acme", "sql", "v2=90", "3=10")
+    assert (said["weights"], said["previous"]) == ({"v2": 90, "v3": 10}, {"v2": 100})
+    table = cli.ok("adapters", "versions", "acme", "sql")
+    assert "default 90%" in table and "default 10%" in table and "v2 90, v3 10" in table
+    shown = cli.json("adapters", "versions", str(acme), "sql")
+    assert [(v["version"], v["aliases"], v["rank"]) for v in shown["versions"]] == [
+        (1, [], 4), (2, ["default"], 8), (3, ["default"], 12),
+    ]  # fmt: skip
+    assert "v2 100 (was v2 90, v3 10)" in cli.ok("adapters", "rollback", "acme", "sql")
+
+    err = cli.fails("adapters", "delete-version", "acme", "sql", "v2")
+    assert "in use by alias default" in err
+    assert "deleted sql@v1" in cli.ok("adapters", "delete-version", "acme", "sql", "v1")
+    assert "no version v1" in cli.fails("adapters", "promote", "acme", "sql", "v1")
+    assert "VERSION=WEIGHT" in cli.fails("adapters", "split", "acme", "sql", "v2:50")
+    assert "above 0" in cli.fails("adapters", "split", "acme", "sql", "v2=0")
+    assert "no alias 'canary'" in cli.fails(
+        "adapters", "rollback", "acme", "sql", "--alias", "canary"
+    )
+    assert "no adapter named 'nope'" in cli.fails("adapters", "versions", "acme", "nope")
+    with cli.session() as session:
+        assert [a.version for a in crud.list_adapters(session, tenant_id=acme)] == [2, 3]
