@@ -1,7 +1,8 @@
 // Live figures, polled every 2 s: request and token rates over all replicas (from the usage
 // ledger), queue and caches of the replica that answered. Below them, latency from the ledger
 // (every replica): p50/p99 TTFT and TPOT over time, overall or for one tenant or adapter, and
-// per tenant its errors, quota refusals and p99 TTFT against the window before.
+// per tenant its errors, quota refusals and p99 TTFT against the window before. Between them,
+// each replica's live engine state and the adapters with the most cold loads (engine counts).
 
 import { api } from "./api.js";
 import { lineChart, sparkline } from "./charts.js";
@@ -85,6 +86,52 @@ async function latencySection(main) {
   return reload;
 }
 
+const ENGINE_POLL_MS = 5000;
+const TIERS = { device: "in a slot", host: "from host memory", disk: "read from disk" };
+
+function who(a) {
+  return a.tenant === null ? a.adapter : `${a.tenant} / ${a.adapter}`;
+}
+
+// Replicas and cold loads: what the engine of the replica that answered counts, live.
+async function engineSection(main) {
+  const replicas = h("section", { class: "card", id: "replicas" });
+  const loads = h("section", { class: "card", id: "cold-loads" });
+  main.append(h("section", { id: "engine" }, h("h2", {}, "Engine"), replicas, loads));
+
+  async function reload() {
+    const [r, l] = await Promise.all([api.get("/replicas"), api.get("/adapter-loads")]);
+    replicas.replaceChildren(h("h2", {}, "Replicas"), table([
+      { label: "Replica", cell: (x) => x.replica },
+      { label: "Engine", cell: (x) => h("span", { class: `badge ${x.alive ? "ready" : "failed"}` },
+        x.alive ? "running" : x.ready ? "down" : "loading") },
+      { label: "Running", num: true, cell: (x) => number(x.running ?? 0) },
+      { label: "Waiting", num: true, cell: (x) => number(x.waiting ?? 0) },
+      { label: "KV cache", num: true, cell: (x) => (x.kv_usage === undefined ? "–" : pct(x.kv_usage)) },
+      { label: "In slots", cell: (x) => (x.resident_adapters || []).map(who).join(", ") || "–" },
+      { label: "Host memory", num: true, cell: (x) => number(x.host_adapters ?? 0) },
+      { label: "As of", cell: (x) => new Date(x.updated_at).toLocaleTimeString() },
+    ], r.data, "No replica answered."),
+    r.shared ? null : h("p", { class: "muted note" }, "Only the replica that answered this page: " +
+      "replicas do not share their engine state yet. Each replica's own is on its /metrics."));
+    const tiers = Object.entries(TIERS).filter(([t]) => l.tiers[t] && l.tiers[t].requests).map(([t, label]) =>
+      `${number(l.tiers[t].requests)} ${label}` + (t === "device" ? "" : ` (mean ${ms(l.tiers[t].mean_ms)})`));
+    loads.replaceChildren(h("h2", {}, "Cold loads"),
+      h("p", { class: "muted" }, `Adapter requests on ${l.replica} since its engine started: ` +
+        (tiers.length ? tiers.join(" · ") : "none yet") + "."),
+      table([
+        { label: "Adapter", cell: (a) => a.adapter },
+        { label: "Tenant", cell: (a) => a.tenant ?? "–" },
+        { label: "Cold loads", num: true, cell: (a) => number(a.cold_loads) },
+        { label: "From disk", num: true, cell: (a) => number(a.from_disk) },
+        { label: "Mean load", num: true, cell: (a) => ms(a.mean_ms) },
+        { label: "Longest", num: true, cell: (a) => ms(a.max_ms) },
+      ], l.data, "No cold loads yet: every adapter request found its adapter in a slot."));
+  }
+  await reload();
+  return reload;
+}
+
 const POLL_MS = 2000;
 const HISTORY = 60;
 
@@ -143,10 +190,13 @@ export async function overviewPage(main) {
 
   await poll();
   const timer = setInterval(() => poll().catch((err) => (status.textContent = err.message)), POLL_MS);
+  const reloadEngine = await engineSection(main);
+  const live = setInterval(() => reloadEngine().catch((err) => (status.textContent = err.message)), ENGINE_POLL_MS);
   const reloadLatency = await latencySection(main);
   const slow = setInterval(() => reloadLatency().catch((err) => (status.textContent = err.message)), LATENCY_POLL_MS);
   return () => {
     clearInterval(timer);
+    clearInterval(live);
     clearInterval(slow);
   };
 }

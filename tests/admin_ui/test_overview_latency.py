@@ -8,6 +8,7 @@ import shutil
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from playwright.sync_api import expect
 
@@ -15,7 +16,7 @@ from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.usage import record_usage
 from tests.admin_ui.conftest import DESKTOP, PHONE
-from tests.utils.server import ADMIN_KEY
+from tests.utils.server import ADMIN_KEY, upload_adapter
 
 
 @pytest.fixture
@@ -78,6 +79,7 @@ def test_latency_overview(page, ui_server, shots):
     assert "0 ms" in ticks and any(t.endswith("ms") and t != "0 ms" for t in ticks), ticks
     assert any(":" in t for t in ticks), ticks  # HH:MM on a 1-hour window
     # Hovering shows the values of the nearest bucket.
+    ttft.scroll_into_view_if_needed()  # below the live engine section
     box = ttft.locator("svg rect.hit").bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.9, box["y"] + box["height"] / 2)
     tip = ttft.locator(".tip")
@@ -106,5 +108,36 @@ def test_latency_overview(page, ui_server, shots):
     page.select_option("#lat-window", "7d")
     expect(page.locator("#lat-tenants h2")).to_have_text("By tenant, last 7d")
 
+    assert page.watch.errors == []
+    assert page.watch.foreign == []
+
+
+def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
+    """The live engine section: this replica's state (with the note that replicas do not
+    share theirs) and the adapter that cold-loaded, with its load time, from the engine."""
+    _, key = ui_server.new_tenant("coldco")
+    uploaded = upload_adapter(ui_server.url, key, "qv", tiny_adapters["llama"]["qv4"])
+    assert uploaded.status_code == 201
+    for _ in range(2):  # read from disk, then found in its slot
+        r = httpx.post(f"{ui_server.url}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": "qv", "prompt": "hi", "max_tokens": 1})  # fmt: skip
+        assert r.status_code == 200, r.text
+
+    page.goto("/admin/login")
+    page.fill("#admin_key", ADMIN_KEY)
+    page.click("button[type=submit]")
+    replicas = page.locator("#replicas")
+    expect(replicas.locator("td[data-label=Engine]")).to_have_text("running")
+    expect(replicas.locator("td[data-label='In slots']")).to_contain_text("coldco / qv")
+    expect(replicas).to_contain_text("replicas do not share their engine state yet")
+    loads = page.locator("#cold-loads")
+    row = loads.locator("tr", has_text="coldco")
+    expect(row.locator("td[data-label=Adapter]")).to_contain_text("qv")
+    expect(row.locator("td[data-label='From disk']")).to_have_text("1")
+    expect(row.locator("td[data-label='Mean load']")).to_contain_text("ms")
+    expect(loads).to_contain_text("1 in a slot")
+    expect(loads).to_contain_text("1 read from disk")
+    _shoot(page, shots, "overview-engine")
     assert page.watch.errors == []
     assert page.watch.foreign == []

@@ -7,6 +7,7 @@ half-open in UTC and the current month by default.
 from __future__ import annotations
 
 import json
+import socket
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Literal
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from loraplex.platform import usage
-from loraplex.platform.api.deps import SessionDep
+from loraplex.platform.api.deps import SessionDep, StateDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
@@ -186,3 +187,75 @@ def latency(
         "adapters": usage.adapter_names(session, start=start, end=end, tenant_id=tenant_id),
         "tenants": tenants,
     }
+
+
+# ---------------------------------------------------------------- live engine state (overview)
+def _served(engine_name: str, tenants: dict[int, str]) -> dict:
+    """An engine adapter name, `<tenant id>/<adapter>` (with `@v<version>` where versions are
+    kept), as the tenant and the name it serves the adapter under."""
+    owner, _, served = engine_name.partition("/")
+    tenant_id = int(owner) if served and owner.isdigit() else None
+    return {
+        "adapter": served if tenant_id is not None else engine_name,
+        "tenant_id": tenant_id,
+        "tenant": tenants.get(tenant_id, owner) if tenant_id is not None else None,
+    }
+
+
+@router.get("/adapter-loads")
+def adapter_loads(state: StateDep, session: SessionDep) -> dict:
+    """The adapters with the most cold loads (requests whose adapter was not in a device
+    slot when they arrived: in host memory or on disk) and their load times, on the replica
+    that answered since its engine started; and every adapter request's wait by tier. From
+    the engine's own counts (its stats snapshot), so nothing here touches the ledger."""
+    body: dict = {"replica": socket.gethostname(), "ready": state.engine is not None,
+                  "tiers": {}, "data": []}  # fmt: skip
+    if state.engine is None:
+        return body
+    s = state.engine.stats()
+    for tier, counts in s.adapter_load_buckets.items():
+        n, total = sum(counts), s.adapter_load_sum.get(tier, 0.0)
+        body["tiers"][tier] = {"requests": n, "mean_ms": 1000 * total / n if n else None}
+    tenants = {t.id: t.name for t in crud.list_tenants(session)}
+    body["data"] = [
+        {
+            **_served(row["adapter"], tenants),
+            "cold_loads": row["loads"],
+            "from_disk": row["from_disk"],
+            "from_host": row["loads"] - row["from_disk"],
+            "mean_ms": 1000 * row["seconds"] / row["loads"],
+            "max_ms": 1000 * row["max_seconds"],
+        }
+        for row in s.cold_adapters
+    ]
+    return body
+
+
+@router.get("/replicas")
+def replicas(state: StateDep, session: SessionDep) -> dict:
+    """Each replica's live engine state: running and waiting requests, KV cache use, the
+    adapters in its device slots, and when the state was read.
+
+    Replicas do not publish their engine state to the shared database (yet), so the list
+    holds the replica that answered; `shared` says so, and a fleet's page shows whichever
+    replica the load balancer picked. Every replica's state is in its own `/metrics`."""
+    now = utcnow()
+    row: dict = {"replica": socket.gethostname(), "ready": state.engine is not None,
+                 "alive": False, "updated_at": now.isoformat()}  # fmt: skip
+    if state.engine is not None:
+        s = state.engine.stats()
+        tenants = {t.id: t.name for t in crud.list_tenants(session)}
+        row |= {
+            "alive": s.alive,
+            "running": s.running,
+            "waiting": s.waiting,
+            "paused": s.paused,
+            "kv_usage": s.kv_usage,
+            "kv_blocks": s.kv_blocks,
+            "kv_blocks_used": s.kv_blocks_used,
+            "adapter_slots": s.adapter_slots,
+            "resident_adapters": [_served(n, tenants) for n in s.resident_adapters],
+            "host_adapters": s.adapters_in_host,
+            "adapters_loading": s.adapters_loading,
+        }
+    return {"shared": False, "data": [row]}
