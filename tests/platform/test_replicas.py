@@ -96,3 +96,51 @@ def test_usage_ledger_equals_what_clients_received_across_replicas(replicas):
     assert ledger == received
     print(f"ledger across 2 replicas: {len(ledger)} records, "
           f"{sum(c for _, c in ledger.values())} completion tokens = received")  # fmt: skip
+
+
+def _text(url: str, key: str, model: str, **kw) -> str:
+    response = complete(url, key, model, **kw)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_alias_changes_on_one_replica_steer_the_other_at_once(replicas):
+    """Versions of one name on A; canary split, promote and rollback made on one replica
+    decide what the other answers with on its very next request, and the ledger names the
+    version that answered each."""
+    a, b, sessions, folders, _ = replicas
+    tenant_id, _, key = new_tenant(a, "canary")
+    for folder in (folders["x"], folders["y"]):  # v1, then v2 (not promoted)
+        assert upload(a, key, "bot", folder_parts(folder)).status_code == 201
+    v1, v2 = _text(b, key, "bot@v1"), _text(b, key, "bot@v2")
+    assert v1 != v2 and _text(b, key, "bot") == v1
+
+    alias = f"{a}/v1/adapters/bot/aliases/default"
+    split = httpx.put(alias, json={"weights": {"v1": 50, "v2": 50}}, headers=auth(key))
+    assert split.status_code == 200, split.text
+    seen = {user: _text(b, key, "bot", user=user) for user in ("u1", "u2", "u3", "u4", "u5")}
+    for user, text in seen.items():  # sticky: each end user keeps their version, on A too
+        assert text in (v1, v2) and _text(a, key, "bot", user=user) == text
+    started = time.monotonic()
+    promoted = httpx.put(alias, json={"version": "v2"}, headers=auth(key))
+    assert promoted.status_code == 200 and promoted.json()["previous"] == {"v1": 50, "v2": 50}
+    assert _text(b, key, "bot") == v2
+    rolled = httpx.post(f"{b}/v1/adapters/bot/aliases/default/rollback", headers=auth(key))
+    assert rolled.status_code == 200 and rolled.json()["weights"] == {"v1": 50, "v2": 50}
+    assert all(_text(a, key, "bot", user=u) == text for u, text in seen.items())
+    print(
+        f"promote on A, then rollback on B: both served by the other replica within "
+        f"{time.monotonic() - started:.3f}s"
+    )
+
+    refused = httpx.delete(f"{b}/v1/adapters/bot/versions/v1", headers=auth(key))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "version_in_use"
+    with sessions() as session:
+        versions = session.execute(
+            select(UsageRecord.adapter_version, func.count())
+            .where(UsageRecord.tenant_id == tenant_id)
+            .group_by(UsageRecord.adapter_version)
+        ).all()
+    answered = dict(versions)
+    # pinned 2, default 1, sticky 5 on B and 5 on A, promoted 1, rolled back 5
+    assert set(answered) == {1, 2} and sum(answered.values()) == 19

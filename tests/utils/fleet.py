@@ -31,10 +31,12 @@ def new_tenant(url: str, name: str, quota: dict | None = None) -> tuple[int, int
 
 def complete(
     url: str, key: str, model: str, *, max_tokens: int = 4, stream: bool = False,
-    timeout: float = 60,
+    timeout: float = 60, user: str | None = None,
 ) -> httpx.Response:  # fmt: skip
     body = {"model": model, "prompt": "The quick brown", "max_tokens": max_tokens,
             "temperature": 0, "stream": stream}  # fmt: skip
+    if user is not None:
+        body["user"] = user
     if stream:
         body["stream_options"] = {"include_usage": True}
     headers = {**auth(key), MODEL_ID_HEADER: model}
