@@ -2,8 +2,9 @@
 
 Order: sizes, the config's JSON and field types, the safetensors header parsed by hand (no
 torch, nothing loaded), the rank limit, the declared base model, then the engine's own
-`load_adapter` (targets, shapes against the base, finite values) so an accepted upload is
-exactly one the engine will load.
+`load_adapter` (targets, shapes against the base, finite values; for DoRA, `use_dora: true`,
+one finite magnitude vector of the module's output size per targeted module and none without
+use_dora) so an accepted upload is exactly one the engine will load.
 
 Base-model rule (lenient on purpose: names are free text and often local paths): refuse only
 when `base_model_name_or_path` names a model family and none of the families it names is
