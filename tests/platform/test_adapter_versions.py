@@ -198,7 +198,7 @@ def test_in_place_updates_while_streams_run(server, weights):
             break
         time.sleep(0.05)
     answered = _versions_answered(server, tenant_id)
-    for request_id, text, tokens in answers:
+    for request_id, text, _ in answers:
         version = answered[request_id]
         assert text == expected[checkpoint_of[version]], (request_id, version)
     live = {v for rid, v in answered.items() if rid in {a[0] for a in answers}}
