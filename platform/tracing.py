@@ -70,7 +70,7 @@ def wall_ns(monotonic: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per engine output, traced or not: plain slots, no frozen setattrs
 class EngineTimes:
     """One request's times in the engine, epoch nanoseconds; None where the engine sent none."""
 
@@ -89,27 +89,28 @@ class EngineTimes:
         return max(0, self.first_scheduled - self.arrival) / 1e6
 
 
+def _ns(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1e9)
+
+
 def engine_times(out: Any) -> EngineTimes | None:
     """The engine's times of a request from its output's `metrics` (vLLM's `RequestMetrics`
-    names, `time.time()` seconds), or None when the output carries none."""
+    names, `time.time()` seconds), or None when the output carries none. The server calls it
+    on every engine output (the ledger's queue time comes from it), tracing or not: kept to
+    plain reads."""
     m = getattr(out, "metrics", None)
     if m is None:
         return None
-
-    def ns(name: str) -> int | None:
-        value = getattr(m, name, None)
-        return None if value is None else int(value * 1e9)
-
-    load = getattr(m, "adapter_load_time", None)
-    preemptions = getattr(m, "num_preemptions", None)
+    g = getattr
+    preemptions = g(m, "num_preemptions", None)
     return EngineTimes(
-        arrival=ns("arrival_time"),
-        first_scheduled=ns("first_scheduled_time"),
-        first_token=ns("first_token_time"),
-        finished=ns("finished_time") or ns("last_token_time"),
-        preemptions=None if preemptions is None else int(preemptions),
-        adapter_tier=getattr(m, "adapter_tier", None),
-        adapter_load_ns=None if load is None else int(load * 1e9),
+        _ns(g(m, "arrival_time", None)),
+        _ns(g(m, "first_scheduled_time", None)),
+        _ns(g(m, "first_token_time", None)),
+        _ns(g(m, "finished_time", None)) or _ns(g(m, "last_token_time", None)),
+        None if preemptions is None else int(preemptions),
+        g(m, "adapter_tier", None),
+        _ns(g(m, "adapter_load_time", None)),
     )
 
 
