@@ -1,5 +1,5 @@
 """DoRA (peft's use_dora) served exactly: the loader's checks of magnitude vectors, the factor
-on a quantized base (against transformers + peft on the engine's own dequantized weights),
+on a quantized base (int8; against transformers + peft on the engine's dequantized weights),
 the graph-ready decode path and the Triton kernels (interpreted on the CPU) beside the eager
 CPU path, and no DoRA work in a step without a DoRA row. Parity with transformers + peft on
 float bases, beside plain LoRA in one batch: tests/engine/test_parity.py."""
@@ -85,12 +85,12 @@ def test_dora_on_expert_weights_is_refused(tmp_path):
 ROWS = ["dqv", "qv4", None, "dall"]
 
 
-@pytest.mark.parametrize("method", ["int4"])
+@pytest.mark.parametrize("method", ["int8"])
 def test_dora_on_a_quantized_base_matches_peft_on_dequantized_weights(
     method, tiny_models, dora, tmp_path, reference_mode
 ):
     """The factor is taken against the weights the quantized engine multiplies by: peft on
-    the engine's dequantized weights is the reference (int4: group scales, Hadamard)."""
+    the engine's dequantized weights is the reference (int8: per-row scales, clipped)."""
     llm = LLM(str(tiny_models["llama"]), dtype="float32", quantization=method, max_loras=4,
               max_lora_rank=16)  # fmt: skip
     folder = dequantized_folder(llm, tiny_models["llama"], tmp_path / "dequantized")
