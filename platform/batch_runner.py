@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from loraplex.platform import quotas
 from loraplex.platform.batches import (
     ACTIVE,
     final_state,
@@ -327,6 +328,11 @@ class BatchRunner:
         except ValidationError as e:
             msg, param = validation_message(e)
             return False, result_line(req, 400, rid, error_body(400, msg, "invalid_value", param))
+        # The tenant's own Batch API budget spent: the line waits for next month (or for
+        # the batch to expire), as it waits out a per-minute limit.
+        budget = await asyncio.to_thread(self._batch_budget, caller.tenant.id)
+        if not budget.allowed:
+            raise _Retry(float(budget.retry_after_s or 60))
         token = BATCH_LINE.set(LineContext(request_id=rid))
         try:
             answer = await route(body, _LineRequest(stop), self.state, caller)
@@ -343,6 +349,10 @@ class BatchRunner:
         finally:
             BATCH_LINE.reset(token)
         return True, result_line(req, 200, answer["id"], answer)
+
+    def _batch_budget(self, tenant_id: int) -> quotas.QuotaDecision:
+        with self.state.sessions() as session:
+            return quotas.check_batch_budget(session, tenant_id)
 
     def _record(self, batch_id: str, line: int, ok: bool, result: str) -> None:
         with self.state.sessions() as session:

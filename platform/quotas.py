@@ -24,7 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from loraplex.platform.db.crud import adapter_totals
-from loraplex.platform.db.models import Quota, RateCounter, UsageRecord
+from loraplex.platform.db.models import Quota, RateCounter, RequestClass, UsageRecord
 
 # Counters older than this are deleted once a minute per tenant; only the current one counts.
 COUNTER_RETENTION = timedelta(hours=1)
@@ -70,15 +70,52 @@ def _seconds_until(then: datetime, now: datetime) -> int:
     return max(1, math.ceil((then - now).total_seconds()))
 
 
-def monthly_tokens(session: Session, tenant_id: int, *, now: datetime | None = None) -> int:
-    """Prompt + completion tokens in the ledger for the calendar month (UTC) of `now`."""
+def monthly_tokens(
+    session: Session,
+    tenant_id: int,
+    *,
+    now: datetime | None = None,
+    request_class: RequestClass | None = None,
+) -> int:
+    """Prompt + completion tokens in the ledger for the calendar month (UTC) of `now` (of one
+    request class only, if given)."""
     total = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
-    used = session.scalar(
-        select(func.coalesce(total, 0)).where(
-            UsageRecord.tenant_id == tenant_id, UsageRecord.created_at >= month_start(_utc(now))
-        )
-    )
+    where = [UsageRecord.tenant_id == tenant_id, UsageRecord.created_at >= month_start(_utc(now))]
+    if request_class is not None:
+        where.append(UsageRecord.request_class == RequestClass(request_class).value)
+    used = session.scalar(select(func.coalesce(total, 0)).where(*where))
     return int(used or 0)
+
+
+def check_batch_budget(
+    session: Session, tenant_id: int, *, tokens: int = 0, now: datetime | None = None
+) -> QuotaDecision:
+    """The tenant's own monthly budget for Batch API tokens (`batch_tokens_per_month`), which
+    batch lines meet besides every other limit. Charges nothing: like `tokens_per_month`, a
+    read of the ledger (lines running elsewhere may overshoot it by what they are sent)."""
+    now = _utc(now)
+    decision = _batch_budget(
+        session, session.get(Quota, tenant_id, populate_existing=True), tokens, now
+    )
+    session.commit()  # end the read
+    return decision
+
+
+def _batch_budget(session: Session, quota: Quota | None, tokens: int, now: datetime):
+    budget = quota.batch_tokens_per_month if quota is not None else None
+    if budget is None:
+        return ALLOWED
+    used = monthly_tokens(session, quota.tenant_id, now=now, request_class=RequestClass.batch)
+    if used < budget and used + tokens <= budget:
+        return ALLOWED
+    wait = None if tokens > budget else _seconds_until(next_month_start(now), now)
+    return QuotaDecision(
+        allowed=False,
+        retry_after_s=wait,
+        reason=f"monthly Batch API token budget exceeded: {used} of {budget} tokens used "
+        f"this month" + (f", this request may need {tokens}" if tokens else ""),
+        limit="batch_tokens_per_month",
+    )
 
 
 def _upsert(session: Session):  # the dialect's INSERT with ON CONFLICT support
@@ -92,16 +129,22 @@ def check_and_charge(
     requests: int = 1,
     tokens: int,
     now: datetime | None = None,
+    request_class: RequestClass = RequestClass.interactive,
 ) -> QuotaDecision:
     """Admit a request estimated at `tokens` (prompt + max completion) or say why not.
 
     Charges the current minute's counter when admitted (commits); a refusal charges nothing.
-    Correct the estimate with `adjust_tokens` when the request ends.
+    Correct the estimate with `adjust_tokens` when the request ends. A Batch API line meets
+    its class's own monthly budget too.
     """
     now = _utc(now)
     quota = session.get(Quota, tenant_id, populate_existing=True)
     if quota is None:
         return ALLOWED
+    if RequestClass(request_class) is RequestClass.batch:
+        decision = _batch_budget(session, quota, tokens, now)
+        if not decision.allowed:
+            return decision
 
     if (budget := quota.tokens_per_month) is not None:
         used = monthly_tokens(session, tenant_id, now=now)

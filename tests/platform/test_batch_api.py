@@ -13,7 +13,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from loraplex.platform.db.models import UsageRecord
+from loraplex.platform.db.models import Quota, UsageRecord
 from tests.utils.server import run_server, upload_adapter
 
 
@@ -122,15 +122,25 @@ def test_the_openai_client_runs_a_batch_with_adapters(server, tenant):
     assert {x.id for x in c.batches.list().data} >= {b.id}
 
 
+def _counts(server) -> tuple[float | None, ...]:
+    get = server.state.metrics.registry.get_sample_value
+    return tuple(get(f"loraplex_{name}_count") for name in (
+        "time_to_first_token_seconds", "request_latency_seconds",
+        "batch_request_latency_seconds"))  # fmt: skip
+
+
 def test_completions_endpoint_and_a_line_for_the_wrong_endpoint(server, tenant):
     c = client(server, tenant)
     good = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": "qv4", "prompt": f"once upon {i}", "max_tokens": 3}}
             for i in range(3)]  # fmt: skip
     f = c.files.create(file=("c.jsonl", jsonl(good)), purpose="batch")
+    ttft, latency, batch = _counts(server)
     b = wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                  completion_window="24h").id)  # fmt: skip
     assert b.status == "completed" and b.request_counts.completed == 3
+    # The interactive latency histograms (what alerts read) never see a batch line.
+    assert _counts(server) == (ttft, latency, (batch or 0) + 3)
     with pytest.raises(openai.ConflictError, match="completed"):
         c.batches.cancel(b.id)
     assert all(x["response"]["body"]["object"] == "text_completion"
@@ -156,6 +166,29 @@ def test_create_refusals(server, tenant):
                          completion_window="24h")  # fmt: skip
     with pytest.raises(openai.NotFoundError):
         c.batches.retrieve("batch_nope")
+
+
+def test_a_spent_batch_budget_holds_the_lines(server):
+    """batch_tokens_per_month spent: the lines wait (for next month) instead of running or
+    failing; the tenant's interactive requests still run; a cancel ends the wait."""
+    tid, key = server.new_tenant(f"budget-{secrets.token_hex(3)}")
+    with server.sessions() as session:
+        session.add(Quota(tenant_id=tid, batch_tokens_per_month=0))
+        session.commit()
+    c, model = client(server, key), server.state.model_name
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": "hi", "max_tokens": 2}}  # fmt: skip
+    f = c.files.create(file=("b.jsonl", jsonl([line])), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 30
+    while c.batches.retrieve(b.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert c.completions.create(model=model, prompt="hi", max_tokens=2).usage
+    assert c.batches.retrieve(b.id).request_counts.completed == 0
+    c.batches.cancel(b.id)
+    b = wait(c, b.id)
+    assert b.status == "cancelled" and b.request_counts.completed == b.request_counts.failed == 0
 
 
 def test_cancel_keeps_what_finished_and_another_tenant_sees_nothing(server, tenant):

@@ -12,8 +12,10 @@ Adapters go through the very handlers of `/v1/adapters` (same validation, limits
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from datetime import UTC
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -38,7 +40,15 @@ from loraplex.platform.api.routes import adapters as tenant_adapters
 from loraplex.platform.api.routes.admin import KeyIn
 from loraplex.platform.api.routes.admin_ui import _HEADERS, UI_DIR
 from loraplex.platform.db import crud
-from loraplex.platform.db.models import ApiKey, RateCounter, Tenant, TenantStatus, utcnow
+from loraplex.platform.db.models import (
+    ApiKey,
+    RateCounter,
+    RequestClass,
+    Tenant,
+    TenantStatus,
+    UsageRecord,
+    utcnow,
+)
 from loraplex.platform.db.schemas import ApiKeyCreated, ApiKeyPublic
 from loraplex.platform.periods import last_day, period
 from loraplex.platform.state import AppState, Caller
@@ -192,6 +202,7 @@ def account(state: StateDep, caller: PortalCaller) -> dict:
             "name": t.name,
             "price_prompt_per_1k": format(t.price_prompt_per_1k, "f"),
             "price_completion_per_1k": format(t.price_completion_per_1k, "f"),
+            "batch_price_factor": format(t.batch_price_factor, "f"),
         },
         "key": {"id": caller.key.id, "name": caller.key.name, "prefix": caller.key.prefix},
         "limits": limits,
@@ -221,6 +232,23 @@ async def upload_adapter(request: Request, state: StateDep, caller: PortalCaller
 @api.delete("/adapters/{name}")
 def delete_adapter(name: str, state: StateDep, caller: PortalCaller):
     return tenant_adapters.delete_adapter(name, state, caller)
+
+
+# Versions and aliases: the /v1/adapters handlers themselves (the same checks and errors).
+@api.put("/adapters/{name}/aliases/{alias}")
+def set_alias(name: str, alias: str, body: tenant_adapters.AliasIn, state: StateDep,
+              caller: PortalCaller):  # fmt: skip
+    return tenant_adapters.set_alias(name, alias, body, state, caller)
+
+
+@api.post("/adapters/{name}/aliases/{alias}/rollback")
+def rollback_alias(name: str, alias: str, state: StateDep, caller: PortalCaller):
+    return tenant_adapters.rollback_alias(name, alias, state, caller)
+
+
+@api.delete("/adapters/{name}/versions/{version}")
+def delete_version(name: str, version: str, state: StateDep, caller: PortalCaller):
+    return tenant_adapters.delete_version(name, version, state, caller)
 
 
 # ---------------------------------------------------------------------------------- keys
@@ -280,6 +308,71 @@ def revoke_key(key_id: int, state: StateDep, caller: PortalCaller) -> ApiKeyPubl
 
 
 # ---------------------------------------------------------------------------------- usage
+@dataclass(frozen=True)
+class PortalUsageRow(usage.TenantUsageRow):
+    """A day and adapter of the tenant's usage. Its Batch API part (in the totals too) is
+    priced at the tenant's prices times its batch_price_factor, as the billing export prices
+    it: `prompt_cost` and `completion_cost` are the interactive part's, `cost` all of it."""
+
+    batch_requests: int = 0
+    batch_prompt_tokens: int = 0
+    batch_completion_tokens: int = 0
+    batch_cost: Decimal = Decimal(0)
+
+
+def _batch_usage(
+    session, tenant_id: int, start: datetime, end: datetime
+) -> dict[tuple[date, str | None], tuple[int, int, int]]:
+    """(day, adapter) -> (requests, prompt tokens, completion tokens) of the tenant's Batch API
+    lines in [start, end), grouped as `usage.tenant_usage` groups."""
+    day = usage._day(session).label("day")
+    query = (
+        select(day, UsageRecord.adapter_name, *usage._totals()[:3])
+        .where(
+            *usage._in_period(start, end),
+            UsageRecord.tenant_id == tenant_id,
+            UsageRecord.request_class == RequestClass.batch.value,
+        )
+        .group_by(day, UsageRecord.adapter_name)
+    )
+    return {
+        (date.fromisoformat(d), adapter): (int(n), int(p), int(c))
+        for d, adapter, n, p, c in session.execute(query)
+    }
+
+
+def tenant_usage(session, tenant: Tenant, start: datetime, end: datetime) -> list[PortalUsageRow]:
+    """`usage.tenant_usage` with each row's batch part apart and at the batch price."""
+    start, end = usage._as_utc(start), usage._as_utc(end)
+    batch = _batch_usage(session, tenant.id, start, end)
+    factor = tenant.batch_price_factor
+    rows = []
+    for r in usage.tenant_usage(session, tenant_id=tenant.id, start=start, end=end):
+        b_requests, b_prompt, b_completion = batch.get((r.day, r.adapter), (0, 0, 0))
+        prompt_cost = usage._cost(r.prompt_tokens - b_prompt, tenant.price_prompt_per_1k)
+        completion_cost = usage._cost(
+            r.completion_tokens - b_completion, tenant.price_completion_per_1k
+        )
+        batch_cost = usage._cost(b_prompt, tenant.price_prompt_per_1k * factor) + usage._cost(
+            b_completion, tenant.price_completion_per_1k * factor
+        )
+        rows.append(
+            PortalUsageRow(
+                **{
+                    **dataclasses.asdict(r),
+                    "prompt_cost": prompt_cost,
+                    "completion_cost": completion_cost,
+                    "cost": prompt_cost + completion_cost + batch_cost,
+                },
+                batch_requests=b_requests,
+                batch_prompt_tokens=b_prompt,
+                batch_completion_tokens=b_completion,
+                batch_cost=batch_cost,
+            )
+        )
+    return rows
+
+
 @api.get(
     "/usage",
     response_model=None,
@@ -299,11 +392,12 @@ def usage_report(
     except ValueError as e:
         raise APIError(400, str(e), "invalid_period") from None
     with state.sessions() as session:
-        rows = usage.tenant_usage(session, tenant_id=caller.tenant.id, start=lo, end=hi)
+        tenant = session.get(Tenant, caller.tenant.id)
+        rows = tenant_usage(session, tenant, lo, hi)
     if fmt == "csv":
         filename = f"loraplex-usage-{caller.tenant.name}-{lo.date()}_{last_day(hi)}.csv"
         return Response(
-            usage.to_csv(rows, row_type=usage.TenantUsageRow),
+            usage.to_csv(rows, row_type=PortalUsageRow),
             media_type="text/csv; charset=utf-8",
             headers={"Content-Disposition": f'attachment; filename="{filename}"'},
         )
@@ -313,6 +407,7 @@ def usage_report(
             "object": "list",
             "period_start": lo.isoformat(),
             "period_end": hi.isoformat(),
+            "batch_price_factor": format(tenant.batch_price_factor, "f"),
             "total_cost": format(total, "f"),
             "data": json.loads(usage.to_json(rows)),
         }
