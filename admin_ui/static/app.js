@@ -3,6 +3,7 @@
 import { signOut } from "./api.js";
 import { attempt } from "./dom.js";
 import { adaptersPage } from "./page-adapters.js";
+import { batchesPage } from "./page-batches.js";
 import { keysPage } from "./page-keys.js";
 import { overviewPage } from "./page-overview.js";
 import { tenantsPage } from "./page-tenants.js";
@@ -14,6 +15,7 @@ const pages = {
   keys: keysPage,
   adapters: adaptersPage,
   usage: usagePage,
+  batches: batchesPage,
 };
 
 let stop = null; // what the current page must do when left (the overview stops polling)

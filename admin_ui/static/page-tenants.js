@@ -99,7 +99,8 @@ export async function tenantsPage(main) {
           const path = `/tenants/${t.id}${cut ? "?end_streams=true" : ""}`;
           if (await attempt(() => api.patch(path, { status }), `${t.name} is ${status}.`)) reload();
         } }, t.status === "active" ? "Suspend" : "Activate"),
-        h("a", { class: "button", href: `#keys?tenant=${t.id}` }, "Keys")) },
+        h("a", { class: "button", href: `#keys?tenant=${t.id}` }, "Keys"),
+        h("a", { class: "button", href: `#batches?tenant=${t.id}` }, "Batches")) },
     ], data, "No tenants yet: create the first one above."));
   }
   main.append(h("h1", {}, "Tenants"), createForm(reload), slot, list);

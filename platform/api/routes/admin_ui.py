@@ -28,9 +28,10 @@ from loraplex.platform.admin_session import (
     set_session_cookie,
 )
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
-from loraplex.platform.api.errors import API_ERRORS
+from loraplex.platform.api.errors import API_ERRORS, APIError
 from loraplex.platform.api.routes.inference import architecture
-from loraplex.platform.db.models import UsageRecord, utcnow
+from loraplex.platform.batches import batch_public
+from loraplex.platform.db.models import Batch, Tenant, UsageRecord, utcnow
 from loraplex.platform.security import constant_time_equals
 
 UI_DIR = Path(str(files("loraplex.admin_ui")))
@@ -147,6 +148,23 @@ def live_stats(state: StateDep, session: SessionDep) -> dict:
             "preemptions": s.preemptions,
         }
     return body
+
+
+@stats_router.get("/tenants/{tenant_id}/batches")
+def tenant_batches(tenant_id: int, session: SessionDep, limit: int = 50) -> dict:
+    """The tenant's Batch API jobs, newest first, as the tenant's `GET /v1/batches` shows them
+    (state, request counts: the dashboard draws their progress)."""
+    if not 1 <= limit <= 200:
+        raise APIError(400, "'limit' must be from 1 to 200", "invalid_value", "limit")
+    if session.get(Tenant, tenant_id) is None:
+        raise APIError(404, f"no tenant with id {tenant_id}", "tenant_not_found", "tenant_id")
+    rows = session.scalars(
+        select(Batch)
+        .where(Batch.tenant_id == tenant_id)
+        .order_by(Batch.created_at.desc(), Batch.id.desc())
+        .limit(limit)
+    )
+    return {"object": "list", "data": [batch_public(session, row) for row in rows]}
 
 
 def mount(app: FastAPI) -> None:
