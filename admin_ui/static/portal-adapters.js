@@ -1,7 +1,10 @@
-// The tenant's adapters: upload by drag and drop (or a file picker), details, delete. The
-// upload is POST /v1/adapters' own form, checked by the server with the same rules and errors.
+// The tenant's adapters: upload by drag and drop (or a file picker), details, delete; each
+// name's versions and aliases (promote, roll back, split, delete a version). The upload is POST
+// /v1/adapters' own form, checked by the server with the same rules and errors: under a name
+// the tenant has, it becomes the next version.
 
 import { api } from "./portal-api.js";
+import { DEFAULT_ALIAS, traffic, versionsPanel } from "./adapter-versions.js";
 import { attempt, badge, bytes, field, flash, h, table, when } from "./dom.js";
 
 const NAME = "[A-Za-z0-9][A-Za-z0-9._\\-]*";
@@ -24,9 +27,10 @@ async function filesOf(dataTransfer) {
 }
 
 function details(a) {
-  const rows = [["Name", a.name], ["Status", a.status], ["Base model", a.base_model], ["Rank", a.rank],
+  const rows = [["Name", a.name], ["Newest version", `v${a.version}`], ["Status", a.status], ["Base model", a.base_model], ["Rank", a.rank],
     ["Alpha", a.alpha], ["Targets", a.targets.join(", ")], ["Size", bytes(a.bytes)],
     ["SHA-256", h("code", { class: "digest" }, a.sha256)], ["Uploaded", when(a.created_at)],
+    ["Requests naming it use", traffic(a.aliases[DEFAULT_ALIAS])],
     ["Last used", when(a.last_used_at)]];
   return h("section", { class: "card", id: "adapter-details" },
     h("h2", {}, `Adapter ${a.name}`),
@@ -45,9 +49,13 @@ export async function adaptersPage(main) {
     h("span", { class: "muted" }, "its folder, or adapter_config.json + adapter_model.safetensors, or one .tar.gz / .zip"),
     h("span", { class: "link" }, "or choose files"));
   const submit = h("button", { type: "submit", class: "primary", id: "upload" }, "Upload");
+  // A name's first version takes its traffic anyway; a later one only when promoted.
+  const promote = h("input", { type: "checkbox", id: "adapter-promote", name: "promote" });
+  const promoteField = h("label", { class: "check span" }, promote,
+    " Under a name you have, the upload is its next version: send all traffic to it now");
   const error = h("p", { class: "error", id: "upload-error", role: "alert", hidden: true });
   const form = h("form", { class: "card", id: "upload-form" }, h("h2", {}, "Upload an adapter"),
-    zone, picker, chosenList, h("div", { class: "form-grid" }, field("Name", name),
+    zone, picker, chosenList, h("div", { class: "form-grid" }, field("Name", name), promoteField,
       h("div", { class: "actions" }, submit)), error);
   const detailSlot = h("div");
   const list = h("section", { class: "card", id: "adapters" });
@@ -85,12 +93,14 @@ export async function adaptersPage(main) {
     }
     const data = new FormData();
     data.append("name", name.value);
+    data.append("promote", promote.checked ? "true" : "false");
     for (const f of chosen) data.append("files", f, f.name);
     submit.disabled = true;
     submit.textContent = "Uploading…";
     try {
       const a = await api.post("/adapters", data);
-      flash(`Adapter ${a.name} uploaded.`);
+      const taken = a.aliases[DEFAULT_ALIAS]?.[`v${a.version}`] ? "" : ` (its default stays: promote it under Details)`;
+      flash(`Adapter ${a.name} v${a.version} uploaded${taken}.`);
       choose([], null);
       name.value = "";
       picker.value = "";
@@ -104,20 +114,31 @@ export async function adaptersPage(main) {
     }
   });
 
+  // The adapter's details and its versions panel; a change there refreshes both and the list.
+  async function open(adapterName) {
+    const base = `/adapters/${encodeURIComponent(adapterName)}`;
+    const refresh = async () => {
+      detailSlot.firstChild?.replaceWith(details(await api.get(base)));
+      await reload();
+    };
+    const panel = await versionsPanel({ api, base, title: `Versions of ${adapterName}`, changed: refresh });
+    detailSlot.replaceChildren(details(await api.get(base)), panel);
+    detailSlot.scrollIntoView({ block: "nearest" });
+  }
+
   async function reload() {
     const { data } = await api.get("/adapters");
     const total = data.reduce((n, a) => n + a.bytes, 0);
     list.replaceChildren(h("h2", {}, `Your adapters (${data.length}, ${bytes(total)})`), table([
       { label: "Name", cell: (a) => h("strong", {}, a.name) },
+      { label: "Versions", cell: (a) => a.versions.map((v) => `v${v.version}`).join(", ") },
+      { label: "Default", cell: (a) => traffic(a.aliases[DEFAULT_ALIAS]) },
       { label: "Status", cell: (a) => badge(a.status) },
       { label: "Size", num: true, cell: (a) => bytes(a.bytes) },
       { label: "Rank", num: true, cell: (a) => a.rank },
       { label: "Last used", cell: (a) => when(a.last_used_at) },
       { label: "", cell: (a) => h("span", { class: "row-actions" },
-        h("button", { type: "button", onclick: () => attempt(async () => {
-          detailSlot.replaceChildren(details(await api.get(`/adapters/${encodeURIComponent(a.name)}`)));
-          detailSlot.scrollIntoView({ block: "nearest" });
-        }) }, "Details"),
+        h("button", { type: "button", onclick: () => attempt(() => open(a.name)) }, "Details"),
         h("button", { type: "button", class: "danger", onclick: async () => {
           if (!confirm(`Delete adapter ${a.name}? Requests naming it will fail.`)) return;
           if (await attempt(() => api.del(`/adapters/${encodeURIComponent(a.name)}`), `Adapter ${a.name} deleted.`)) {

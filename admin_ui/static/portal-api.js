@@ -39,6 +39,7 @@ async function call(method, path, body) {
 export const api = {
   get: (path) => call("GET", path),
   post: (path, body) => call("POST", path, body),
+  put: (path, body) => call("PUT", path, body),
   del: (path) => call("DELETE", path),
 };
 

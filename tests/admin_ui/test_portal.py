@@ -146,6 +146,25 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
     expect(details.locator("code.digest")).to_have_text(sha)
     _shoot(page, shots, "adapters")
 
+    # --- a second version under the name: listed, promoted from the page, rolled back --------
+    attn8 = tiny_adapters["llama"]["attn8"]
+    _drop(page, {n: (attn8 / n).read_bytes() for n in ADAPTER_FILES})
+    page.fill("#adapter-name", "support-bot")
+    page.click("#upload")
+    expect(row.locator("td[data-label=Versions]")).to_have_text("v1, v2")
+    expect(row.locator("td[data-label=Default]")).to_have_text("v1")  # not promoted
+    row.get_by_role("button", name="Details").click()
+    v2 = page.locator("#version-list tr", has=page.locator("td[data-label=Version]", has_text="v2"))
+    v2.get_by_role("button", name="Promote").click()
+    expect(row.locator("td[data-label=Default]")).to_have_text("v2")
+    expect(v2.locator("td[data-label=Aliases]")).to_have_text("default")
+    page.locator("#alias-list tr", has_text="default").get_by_role(
+        "button", name="Roll back"
+    ).click()
+    expect(row.locator("td[data-label=Default]")).to_have_text("v1")
+    page.evaluate("document.getElementById('flash').hidden = true")
+    _shoot(page, shots, "adapter-versions")
+
     # --- a completion with it, as alpha's application would --------------------------------
     done = httpx.post(f"{url}/v1/completions",
                       headers={"Authorization": f"Bearer {alpha_key}"},
