@@ -220,6 +220,7 @@ class LoRALinear(UsesBackend, nn.Module):
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
         return F.linear(x, self.weight, self.bias)
 
+    @torch.no_grad()  # a probe that records autograd through oneDNN's product is very slow
     def base_weight(self) -> torch.Tensor:
         """The float32 [out, in] weight `base` multiplies by (DoRA's norms are taken of it).
         Subclasses that keep no float weight (packed) are probed: base(I) - base(0)."""

@@ -163,3 +163,21 @@ def test_no_dora_work_without_a_dora_row(tiny_models, dora, monkeypatch):
     calls.clear()
     _generate(llm, dora, ["qv4", None], tokens=2)
     assert calls == []
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_packed_layer_gives_dora_the_weight_it_multiplies_by():
+    """A pre-packed CPU layer keeps no float weight: DoRA's norms are taken of the weight its
+    product probes out (base(I) - base(0))."""
+    from loraplex.engine.models.layers import LoRALinear
+    from loraplex.engine.models.packing import PackedLoRALinear, _pack
+
+    gen = torch.Generator().manual_seed(0)
+    lin = LoRALinear(1100, [64, 32], bias=True)  # more inputs than one probe chunk
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+        lin.bias.copy_(torch.randn(96, generator=gen))
+    lin.lora_a = torch.zeros(1, 8, 1100)
+    packed = PackedLoRALinear(lin, _pack(lin.weight))
+    assert packed.weight is None
+    torch.testing.assert_close(packed.base_weight(), lin.weight.detach(), rtol=1e-6, atol=1e-5)
