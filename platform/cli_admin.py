@@ -53,7 +53,7 @@ KEY_COLUMNS = columns(
 TENANT_STATUSES = ("active", "suspended")
 QUOTA_FIELDS = [
     "requests_per_min", "tokens_per_min", "tokens_per_month", "max_adapters", "max_adapter_bytes",
-    "max_rank",
+    "max_rank", "batch_tokens_per_month",
 ]  # fmt: skip
 QUOTA_COLUMNS = columns("tenant_id=TENANT", *QUOTA_FIELDS)
 

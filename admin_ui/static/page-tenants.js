@@ -10,6 +10,7 @@ const QUOTAS = [
   ["max_adapters", "Max adapters"],
   ["max_adapter_bytes", "Max adapter bytes"],
   ["max_rank", "Max rank"],
+  ["batch_tokens_per_month", "Batch tokens / month"],
 ];
 
 function input(name, value, attrs = {}) {

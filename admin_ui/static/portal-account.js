@@ -9,6 +9,7 @@ const LIMITS = [
   ["tokens_per_month", "Tokens this month", number],
   ["max_adapters", "Adapters", number],
   ["max_adapter_bytes", "Adapter storage", bytes],
+  ["batch_tokens_per_month", "Batch API tokens this month", number],
 ];
 
 function meter(id, label, fmt, limit, used, left) {

@@ -135,6 +135,7 @@ def set_quota(
     max_adapters: int | None = None,
     max_adapter_bytes: int | None = None,
     max_rank: int | None = None,
+    batch_tokens_per_month: int | None = None,
 ) -> Quota:
     """Replace all the tenant's limits at once; a limit left None is unlimited."""
     data = QuotaBase(
@@ -144,6 +145,7 @@ def set_quota(
         max_adapters=max_adapters,
         max_adapter_bytes=max_adapter_bytes,
         max_rank=max_rank,
+        batch_tokens_per_month=batch_tokens_per_month,
     )
     _tenant_or_raise(session, tenant_id)
     quota = session.get(Quota, tenant_id) or Quota(tenant_id=tenant_id)

@@ -67,6 +67,9 @@ class QuotaBase(BaseModel):
     max_adapters: Limit = None
     max_adapter_bytes: Limit = Field(None, description="all the tenant's adapters together")
     max_rank: Limit = None
+    batch_tokens_per_month: Limit = Field(
+        None, description="Batch API tokens a month, on top of the limits above"
+    )
 
 
 class QuotaPublic(QuotaBase, _Row):

@@ -9,12 +9,13 @@ import json
 import secrets
 import time
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select
 
-from loraplex.platform.db.models import Quota, UsageRecord
-from tests.utils.server import run_server, upload_adapter
+from loraplex.platform.db.models import UsageRecord
+from tests.utils.server import ADMIN_KEY, run_server, upload_adapter
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +173,11 @@ def test_a_spent_batch_budget_holds_the_lines(server):
     """batch_tokens_per_month spent: the lines wait (for next month) instead of running or
     failing; the tenant's interactive requests still run; a cancel ends the wait."""
     tid, key = server.new_tenant(f"budget-{secrets.token_hex(3)}")
-    with server.sessions() as session:
-        session.add(Quota(tenant_id=tid, batch_tokens_per_month=0))
-        session.commit()
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    url = f"{server.url}/admin/api/tenants/{tid}/quota"
+    put = httpx.put(url, json={"batch_tokens_per_month": 0}, headers=admin)
+    assert put.status_code == 200, put.text
+    assert httpx.get(url, headers=admin).json()["batch_tokens_per_month"] == 0
     c, model = client(server, key), server.state.model_name
     line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
             "body": {"model": model, "prompt": "hi", "max_tokens": 2}}  # fmt: skip

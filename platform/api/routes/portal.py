@@ -177,6 +177,9 @@ def account(state: StateDep, caller: PortalCaller) -> dict:
     with state.sessions() as session:
         quota = crud.get_quota(session, tenant_id=tenant_id)
         month_tokens = quotas.monthly_tokens(session, tenant_id, now=now)
+        batch_tokens = quotas.monthly_tokens(
+            session, tenant_id, now=now, request_class=RequestClass.batch
+        )
         counter = session.get(RateCounter, (tenant_id, quotas.minute_start(now)))
         minute_requests, minute_tokens = (counter.requests, counter.tokens) if counter else (0, 0)
         totals = crud.adapter_totals(session, tenant_id=tenant_id)
@@ -187,6 +190,7 @@ def account(state: StateDep, caller: PortalCaller) -> dict:
         "max_adapters": quota.max_adapters if quota else None,
         "max_adapter_bytes": quota.max_adapter_bytes if quota else None,
         "max_rank": quota.max_rank if quota else None,
+        "batch_tokens_per_month": quota.batch_tokens_per_month if quota else None,
     }
     used = {
         "requests_per_min": minute_requests,
@@ -194,6 +198,7 @@ def account(state: StateDep, caller: PortalCaller) -> dict:
         "tokens_per_month": month_tokens,
         "max_adapters": totals.count,
         "max_adapter_bytes": totals.bytes,
+        "batch_tokens_per_month": batch_tokens,
     }
     t = caller.tenant
     return {
