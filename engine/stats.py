@@ -2,7 +2,8 @@
 
 A snapshot, taken on the engine's side without stopping its loop (plain reads of counters and
 small lists; it may be one step stale). In process mode it crosses the pipe as a JSON dict now
-and then, so every field is a number, a bool or a list (of adapter names, or of counts).
+and then, so every field is a number, a bool, a list (of adapter names, or of counts) or a
+small dict of those (per tier; per adapter in `cold_adapters`).
 
 Adapter residency is reported as it is, not as request states: `resident_adapters` hold a
 device slot now, `host_adapters` are in host memory, `waiting_adapters` have requests queued
