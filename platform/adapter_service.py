@@ -105,7 +105,8 @@ def remove_adapter(state, session, *, tenant_id: int, name: str) -> bool:
     except crud.NotFound:
         return False
     for row in rows:
-        release_object(state, session, row.storage_key)
+        if row.storage_key:  # a deleted version's tombstone names no object
+            release_object(state, session, row.storage_key)
     return True
 
 
@@ -113,10 +114,10 @@ def remove_version(state, session, *, tenant_id: int, name: str, version: int) -
     """Delete one version and its object; False when there is no such version, crud.InUse
     while an alias sends it traffic."""
     try:
-        row = crud.delete_adapter_version(session, tenant_id=tenant_id, name=name, version=version)
+        key = crud.delete_adapter_version(session, tenant_id=tenant_id, name=name, version=version)
     except crud.NotFound:
         return False
-    release_object(state, session, row.storage_key)
+    release_object(state, session, key)
     return True
 
 

@@ -287,6 +287,7 @@ def create_adapter(
     )
     _tenant_or_raise(session, tenant_id)
     for _ in range(8):
+        _lock_versions(session, tenant_id, data.name)
         number = version or 1 + (
             session.scalar(
                 select(func.max(Adapter.version)).where(
@@ -383,10 +384,13 @@ def get_alias(session: Session, *, tenant_id: int, name: str, alias: str) -> Ada
 
 
 def _lock_versions(session: Session, tenant_id: int, name: str) -> dict[int, Adapter]:
-    """The name's version rows, locked until the commit (PostgreSQL): alias changes and
-    version deletes of one name take the same locks, so neither sees the other half-done.
-    SQLite has one writer at a time, and a transaction whose reads another write overtook
-    fails rather than commits."""
+    """The name's ready version rows, locked until the commit: alias changes, uploads and
+    version deletes of one name take the same locks, so neither sees another half-done.
+    PostgreSQL locks the rows; SQLite ignores FOR UPDATE, so a write that changes nothing
+    takes its database write lock first (reads outside a write transaction would not see a
+    writer that commits before this one does)."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(update(AdapterAlias).where(AdapterAlias.id == -1).values(name=name))
     rows = session.scalars(
         select(Adapter)
         .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
@@ -500,12 +504,15 @@ def _referenced_versions(session: Session, tenant_id: int, name: str) -> dict[in
     return used
 
 
-def delete_adapter_version(session: Session, *, tenant_id: int, name: str, version: int) -> Adapter:
-    """Remove one version; InUse while an alias sends it traffic (move the alias first)."""
+def delete_adapter_version(session: Session, *, tenant_id: int, name: str, version: int) -> str:
+    """Remove one version; InUse while an alias sends it traffic (move the alias first).
+    Returns the storage key the caller must clean up.
+
+    The row stays as a tombstone (status deleted, no storage key): version numbers come from
+    the rows, and a number once given must never name other weights (`name@v2` pinned by a
+    client keeps meaning what it meant, or nothing)."""
     versions = _lock_versions(session, tenant_id, name)
-    row = versions.get(version) or get_adapter(
-        session, tenant_id=tenant_id, name=name, version=version, include_deleted=True
-    )
+    row = versions.get(version)
     if row is None:
         session.rollback()
         raise NotFound(f"adapter {name!r} has no version v{version}")
@@ -516,12 +523,10 @@ def delete_adapter_version(session: Session, *, tenant_id: int, name: str, versi
             f"v{version} of {name!r} is in use by alias {', '.join(sorted(aliases))}: "
             "point the alias elsewhere (or roll it back) first"
         )
-    session.expunge(row)
-    gone = session.execute(delete(Adapter).where(Adapter.id == row.id))
+    key = row.storage_key
+    row.status, row.storage_key = AdapterStatus.deleted, ""
     session.commit()
-    if gone.rowcount != 1:
-        raise NotFound(f"adapter {name!r} has no version v{version}")
-    return row
+    return key
 
 
 def old_versions(session: Session, *, tenant_id: int, name: str, keep: int) -> list[int]:
