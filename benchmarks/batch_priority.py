@@ -1,19 +1,26 @@
 """Interactive TTFT beside a Batch API job, and what the batch adds to the machine's throughput.
 
-    python -m benchmarks.batch_priority [--duration 20] [--rate 4] [--batch-lines 2000]
-                                        [--concurrency 8 32] [--model tiny|demo]
+    python -m benchmarks.batch_priority [--duration 20] [--rate 1] [--rounds 3]
+                                        [--batch-lines 2000] [--concurrency 16]
+                                        [--batch-step-tokens 16 32] [--model tiny|demo]
 
 One engine (the real `LLMEngine` on this machine's CPU, tiny random Llama by default) serves a
 trace of interactive requests from three tenants (Poisson arrivals, `--rate` per second, for
-`--duration` seconds), first alone, then beside one tenant's batch of `--batch-lines` lines
-fed as the server's batch runner feeds them: at most `--concurrency` lines in the engine at a
-time (the `batch_concurrency` setting), in the batch class (priority 1), and once more in the
-interactive class to show what the class does. Every scenario sees the same arrivals.
+`--duration` seconds), alone and beside one tenant's batch of `--batch-lines` lines fed as
+the server's batch runner feeds them: at most `--concurrency` lines in the engine at a time
+(the `batch_concurrency` setting), in the batch class (priority 1) with each
+`--batch-step-tokens` as the engine's `max_batch_step_tokens`, once with no such cap (the class
+before it had one), and once in the interactive class to show what the class does.
+
+The scenarios run side by side: each of `--rounds` rounds runs every scenario once, in an
+order that rotates, on the same arrivals (each round its own); each scenario's prompts have
+their own tokens, so none finds another's in the prefix cache. Load from other work on a
+shared machine so falls on all of them alike.
 
 Prints and writes (docs/batch-priority.md, docs/batch-priority.png): interactive TTFT p50/p99
-(from each request's arrival in the trace to its first token) and the machine's output tokens
-per second from the trace's start until its last interactive request is answered (every
-class).
+over all rounds (from each request's arrival in the trace to its first token) and the
+machine's output tokens per second from each trace's start until its last interactive request
+is answered (every class).
 """
 
 from __future__ import annotations
@@ -46,23 +53,37 @@ class Result:
     batch_lines_done: int
 
 
-def trace(args, vocab: int) -> list[tuple[float, str, list[int]]]:
-    """(arrival s, tenant, prompt ids): the same for every scenario."""
-    rng = random.Random(args.seed)
+def trace(args, vocab: int, rnd: int, salt: int) -> list[tuple[float, str, list[int]]]:
+    """(arrival s, tenant, prompt ids) of round `rnd`: the same arrivals, tenants and prompt
+    lengths for every scenario; the prompts' tokens differ by `salt` (the scenario), so no
+    scenario finds another's prompts in the prefix cache."""
+    rng = random.Random(args.seed * 1000 + rnd)
+    words = random.Random(args.seed * 1000 + rnd + 100_000 * (salt + 1))
     t, out = 0.0, []
     while True:
         t += rng.expovariate(args.rate)
         if t >= args.duration:
             return out
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(32, 97))]
+        prompt = [words.randrange(3, vocab) for _ in range(rng.randrange(32, 97))]
         out.append((t, rng.choice(TENANTS), prompt))
 
 
-def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | None) -> Result:
-    """One scenario; `priority` None: no batch."""
+@dataclass
+class Samples:
+    """A scenario's measurements, summed over rounds."""
+
+    ttft: list[float]
+    tokens: int = 0
+    seconds: float = 0.0
+    batch_lines_done: int = 0
+
+
+def run(engine: LLMEngine, args, rnd: int, salt: int, concurrency: int,
+        priority: int | None, into: Samples) -> None:  # fmt: skip
+    """One round of one scenario; `priority` None: no batch."""
     vocab = engine.vocab_size
-    arrivals = trace(args, vocab)
-    rng = random.Random(args.seed + 1)
+    arrivals = trace(args, vocab, rnd, salt)
+    rng = random.Random(args.seed * 1000 + rnd + 100_000 * (salt + 1) + 1)
     batch = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(args.batch_lines)]
     interactive = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     lines = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -109,10 +130,31 @@ def run(engine: LLMEngine, args, name: str, concurrency: int, priority: int | No
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    samples = sorted(ttft.values())
+    into.ttft += ttft.values()
+    into.tokens += tokens
+    into.seconds += elapsed
+    into.batch_lines_done += done_lines
+
+
+def summary(name: str, s: Samples) -> Result:
+    samples = sorted(s.ttft)
     p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
     return Result(name, statistics.median(samples) * 1000, p99 * 1000, len(samples),
-                  tokens / elapsed, done_lines)  # fmt: skip
+                  s.tokens / s.seconds, s.batch_lines_done)  # fmt: skip
+
+
+def cpu_name() -> str:
+    """The CPU's model name and its widest vector extension (x86 Linux), else the machine."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                 if ln.startswith("model name")), platform.machine())  # fmt: skip
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])  # fmt: skip
+    isa = next((f.upper() for f in ("avx512f", "avx2", "avx") if f in flags), None)
+    return f"{name} ({isa})" if isa else name
 
 
 def model_dir(kind: str) -> str:
@@ -168,15 +210,18 @@ def write(results: list[Result], args, command: str, machine: str) -> None:
         f"command:\n\n    {command}\n\n{machine}\n\n{table}\n\n{verdict}\n\n"
         "TTFT runs from a request's arrival in the trace to its first token; tokens/s counts "
         "every output token the engine made from the trace's start until its last interactive "
-        "request was answered, interactive and batch. A batch "
-        "line in the batch class is admitted only into seats interactive requests leave free "
-        "and gives its seat, KV blocks and adapter slot back first; it still makes every step "
-        "it joins larger, which on a CPU costs time per step: `batch_concurrency` (lines in "
-        "the engine at once) is the knob between the two columns. A request that arrives while "
-        "a step runs waits for its end: the more lines a batch step carries, the longer that "
-        "wait (a step that computes an interactive prompt carries no batch tokens). The p99 of "
-        "a few dozen requests is their slowest one or two, and a shared machine's load moves "
-        "it by tens of per cent between runs.\n\n"
+        "request was answered, interactive and batch. A batch line in the batch class is "
+        "admitted only into seats interactive requests leave free and gives its seat, KV "
+        "blocks and adapter slot back first; a step that computes an interactive prompt "
+        "carries no batch tokens. What is left is the step an interactive request arrives "
+        "during: it waits for that step's end. Without a cap, a wave of batch lines admitted "
+        "together (they finish together) made steps of a thousand prompt tokens, hundreds of "
+        "milliseconds each; `max_batch_step_tokens` (engine/scheduler.py) bounds what a step "
+        "gives the batch class, so a step carrying batch work costs little more than an "
+        "interactive decode step, and the batch still fills every step between interactive "
+        "prompts. The p99 of a hundred requests is their slowest one or two, and a shared "
+        "machine's load moves it by tens of per cent between runs; the rounds interleave the "
+        "scenarios so that load falls on each alike.\n\n"
         "![TTFT and throughput](batch-priority.png)\n"
     )
 
@@ -188,9 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="interactive requests per second")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--batch-lines", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                   help="batch lines in the engine at once (batch_concurrency)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="engine threads (torch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every scenario, interleaved")
+    p.add_argument("--batch-step-tokens", type=int, nargs="+", default=[16, 32],
+                   help="the engine's max_batch_step_tokens, one scenario each")  # fmt: skip
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     config = EngineConfig(model=model_dir(args.model), dtype="float32", max_num_seqs=32,
@@ -203,11 +252,23 @@ def main(argv: list[str] | None = None) -> None:
         engine.add_request(f"w{k}", [5 + k] * 40, warm)
     while engine.has_unfinished():
         engine.step()
-    results = [run(engine, args, "interactive alone", 0, None)]
-    for c in args.concurrency:
-        results.append(run(engine, args, f"+ batch, class, {c} at once", c, PRIORITY_BATCH))
     c = max(args.concurrency)
-    results.append(run(engine, args, f"+ batch, no class, {c} at once", c, PRIORITY_INTERACTIVE))
+    whole = config.max_num_batched_tokens  # no cap of its own: the class as it was before
+    scenarios = [("interactive alone", 0, None, whole)]
+    scenarios += [(f"+ batch, class, {k} at once, <= {t} tokens/step", k, PRIORITY_BATCH, t)
+                  for k in args.concurrency for t in args.batch_step_tokens]  # fmt: skip
+    scenarios.append((f"+ batch, class, {c} at once, no step cap", c, PRIORITY_BATCH, whole))
+    scenarios.append((f"+ batch, no class, {c} at once", c, PRIORITY_INTERACTIVE, whole))
+    # Side by side: every round runs each scenario once (in an order that rotates), so load
+    # from other work on a shared machine falls on all of them alike.
+    pooled = [Samples([]) for _ in scenarios]
+    for rnd in range(args.rounds):
+        for k in range(len(scenarios)):
+            j = (k + rnd) % len(scenarios)
+            _, conc, priority, step_tokens = scenarios[j]
+            engine.scheduler.batch_step_tokens = step_tokens
+            run(engine, args, rnd, j, conc, priority, pooled[j])
+    results = [summary(sc[0], s) for sc, s in zip(scenarios, pooled, strict=True)]
     if args.no_write:
         for r in results:
             print(r)
@@ -216,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     machine = (
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, engine threads {args.threads}, "
+        f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, engine threads {args.threads}, "
         f"{args.model} model in float32; load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end (other work shared the machine)."
     )

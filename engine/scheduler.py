@@ -20,7 +20,10 @@ admitted only while no more urgent sequence waits that could run; when one waits
 KV blocks or an adapter slot, the least urgent running sequences are preempted for it (an
 adapter slot: every sequence of an adapter that only less urgent ones use), and on a KV
 shortage the victim comes from the least urgent class. A step that computes a more urgent
-prompt carries nothing of less urgent classes. Within a class the policy orders as always.
+prompt carries nothing of less urgent classes, and a step gives the less urgent classes at
+most `config.max_batch_step_tokens` tokens (their prompts in chunks): a request that arrives
+while a step runs waits for that step's end, so steps that carry batch work stay short.
+Within a class the policy orders as always.
 
 A paused sequence (its stream's reader fell behind) is in neither list: no step spends
 tokens on it and it holds no batch slot, but it keeps its KV blocks, unless blocks run short:
