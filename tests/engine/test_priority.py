@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loraplex.engine import SamplingParams
 from loraplex.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Sequence
@@ -210,4 +212,42 @@ def test_batch_work_per_step_stays_within_max_batch_step_tokens(model_dir):
     sim.run(on_step=check)
     assert first == [40]  # its whole prompt in one step, at once
     assert len(fg.output_token_ids) == 3 and all(len(s.output_token_ids) == 4 for s in batch)
+    sched.block_manager.check_all_free()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cap=st.integers(1, 40),
+    plan=st.lists(  # (arrives at step, batch?, prompt length, max tokens)
+        st.tuples(st.integers(0, 12), st.booleans(), st.integers(1, 50), st.integers(1, 6)),
+        min_size=1,
+        max_size=14,
+    ),
+    blocks=st.integers(16, 80),
+)
+def test_drawn_mixes_keep_the_batch_step_cap(model_dir, cap, plan, blocks):
+    """Whatever arrives when: no step gives the batch class more than its cap, a step that
+    computes an interactive prompt carries no batch tokens, every request finishes and every
+    block comes back."""
+    sched = make_scheduler(model_dir, num_blocks=blocks, max_num_seqs=6,
+                           max_num_batched_tokens=48, max_batch_step_tokens=cap)  # fmt: skip
+    sim = _Sim(sched)
+    pending = sorted(enumerate(plan), key=lambda x: x[1][0])
+    step = 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, batch, n, m) = pending.pop(0)
+            add(sim, [5 + (i * 7 + k) % 390 for k in range(n)], batch=batch, max_tokens=m,
+                tenant=f"t{i % 2}")  # fmt: skip
+        out = sim.step()
+        rows = list(zip(out.seqs, out.num_new_tokens, strict=True))
+        assert sum(n for s, n in rows if s.priority == PRIORITY_BATCH) <= cap
+        if any(s.priority == PRIORITY_INTERACTIVE and s.num_computed_tokens - n
+               < s.num_prompt_tokens for s, n in rows):  # fmt: skip
+            assert all(s.priority == PRIORITY_INTERACTIVE for s, _ in rows)
+        step += 1
+        assert step < 3000, "no progress"
+    assert all(len(s.output_token_ids) == s.params.max_tokens for s in sim.seqs)
     sched.block_manager.check_all_free()
