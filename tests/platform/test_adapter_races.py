@@ -1,16 +1,18 @@
-"""The registry and the store stay consistent under any interleaving of uploads and deletes.
+"""The registry and the store stay consistent under any interleaving of uploads, in-place
+updates, deletes, promotions and version deletes.
 
 A hypothesis state machine drives `adapter_service` (what every upload and delete route calls)
 over a real database (SQLite and PostgreSQL) and a real store (a folder and moto's S3 server).
-Rules upload and delete — the same or different bytes, names and tenants — one at a time or two
+Rules upload (a new version), publish in place, delete a name, promote a version and delete a
+version — the same or different bytes, names and tenants — one at a time or two
 at once, the two as two replicas would (each with its own database pool and store client on the
 one registry and store), and for two at once hypothesis also draws who moves next at every store
 call (tests/utils/interleave.py). After each step:
 
 - the outcome is linearizable: the two operations' answers and the registry equal those of
   running them one after the other in some order (a model of the registry says what that gives);
-- every registered adapter's object is in the store and holds the bytes last uploaded under
-  its name (what serving fetches);
+- every registered version's object is in the store and holds the bytes uploaded as that
+  version (what serving fetches), and each name's default alias points at a live version;
 - once the collector has run, no object is left that no adapter names.
 
 On the code before per-put keys this finds the lost-adapter race (tenant X deletes while
@@ -46,7 +48,6 @@ from loraplex.platform.adapter_service import store_for
 from loraplex.platform.cli import main
 from loraplex.platform.db import crud
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
-from loraplex.platform.errors import APIError
 from loraplex.platform.settings import Settings
 from loraplex.platform.store import AdapterNotFound, LocalStore, adapter_digest, make_store
 from tests.platform.conftest import _empty_pg_schema
@@ -126,22 +127,38 @@ class AdapterRaces(RuleBasedStateMachine):
     def _run(self, op: tuple, replica: int = 0):
         kind, tenant, name, *rest = op
         tid, state = self.tenant_ids[tenant], self.replicas[replica]
-        if kind == "upload":
+        if kind in ("upload", "publish"):
             folder = self.folders[rest[0]]
-            try:
+            if kind == "publish":  # no collection: its own step is not one atomic change
+                adapter_service.publish_version(state, tid, name, folder, _info(folder), keep=99)
+            else:
                 adapter_service.store_and_register(state, tid, name, folder, _info(folder))
-            except APIError as e:
-                assert e.status == 409, e
-                return "conflict"
             return "created"
         with state.sessions() as session:
-            gone = adapter_service.remove_adapter(state, session, tenant_id=tid, name=name)
-        return "deleted" if gone else "missing"
+            if kind == "delete":
+                gone = adapter_service.remove_adapter(state, session, tenant_id=tid, name=name)
+                return "deleted" if gone else "missing"
+            if kind == "promote":
+                try:
+                    crud.set_alias(session, tenant_id=tid, name=name, alias="default",
+                                   weights={rest[0]: 100})  # fmt: skip
+                except crud.NotFound:
+                    return "missing"
+                return "promoted"
+            try:
+                gone = adapter_service.remove_version(
+                    state, session, tenant_id=tid, name=name, version=rest[0]
+                )
+            except crud.InUse:
+                return "in_use"
+            return "dropped" if gone else "missing"
 
     ops = st.one_of(
-        st.tuples(st.just("upload"), st.sampled_from(TENANTS), st.sampled_from(NAMES),
-                  st.integers(0, CONTENTS - 1)),
+        st.tuples(st.sampled_from(("upload", "publish")), st.sampled_from(TENANTS),
+                  st.sampled_from(NAMES), st.integers(0, CONTENTS - 1)),
         st.tuples(st.just("delete"), st.sampled_from(TENANTS), st.sampled_from(NAMES)),
+        st.tuples(st.sampled_from(("promote", "drop")), st.sampled_from(TENANTS),
+                  st.sampled_from(NAMES), st.integers(1, 3)),
     )  # fmt: skip
 
     @rule(op=ops)
@@ -159,41 +176,59 @@ class AdapterRaces(RuleBasedStateMachine):
         for r in got:
             if isinstance(r, BaseException):
                 raise AssertionError(f"{a} with {b} raised (store calls {trace})") from r
-        rows = {(t, n): digest for t, n, _, digest in self._rows_full()}
-        after = linearize(self.model, (a, b), got, rows, self._digests_of)
+        after = linearize(self.model, (a, b), got, self._registry(), self._view)
         assert after is not None, f"{a} with {b} answered {got}: no order explains it ({trace})"
         self.model = after
 
-    def _digests_of(self, model) -> dict:
-        return {k: self.digests[c] for k, c in model.items()}
+    def _view(self, model) -> dict:
+        """(tenant, name) -> (default version, {version: digest}), as `_registry` reads it."""
+        return {k: (e.default, {v: self.digests[c] for v, c in e.versions})
+                for k, e in model.items()}  # fmt: skip
 
     @rule()
     def collect(self):
         adapter_service.collect_unreferenced(self.state, grace_s=0)
-        named = {key for _, _, key, _ in self._rows_full()}
+        named = {key for *_, key, _ in self._rows_full()}
         assert {o.key for o in self.state.store.list_objects()} == named
 
     # --- invariants ------------------------------------------------------------------------
 
     def _rows_full(self):
+        """(tenant, name, version, storage key, digest) of every live version."""
         names = {v: k for k, v in self.tenant_ids.items()}
         with self.state.sessions() as session:
-            rows = crud.list_adapters(session, tenant_id=None, include_deleted=True)
-            return [(names[r.tenant_id], r.name, r.storage_key, r.sha256) for r in rows]
+            rows = crud.list_adapters(session, tenant_id=None)
+            return [(names[r.tenant_id], r.name, r.version, r.storage_key, r.sha256)
+                    for r in rows]  # fmt: skip
+
+    def _registry(self) -> dict:
+        names = {v: k for k, v in self.tenant_ids.items()}
+        with self.state.sessions() as session:
+            defaults = {
+                (names[a.tenant_id], a.name): [int(v) for v in a.weights]
+                for a in crud.list_aliases(session, tenant_id=None)
+                if a.alias == "default"
+            }
+        out: dict = {}
+        for tenant, name, version, _, digest in self._rows_full():
+            out.setdefault((tenant, name), ({}))[version] = digest
+        assert set(defaults) == set(out), "a name without a default alias, or the reverse"
+        for key, versions in out.items():
+            [default] = defaults[key]  # one version: the machine never splits
+            assert default in versions, f"{key}'s default alias points at a gone version"
+        return {key: (defaults[key][0], versions) for key, versions in out.items()}
 
     @invariant()
-    def every_adapter_serves_its_own_latest_bytes(self):
+    def every_adapter_serves_its_own_bytes(self):
         if not hasattr(self, "model"):
             return
-        rows = self._rows_full()
-        assert {(t, n) for t, n, _, _ in rows} == set(self.model)
-        for tenant, name, key, digest in rows:
-            assert digest == self.digests[self.model[(tenant, name)]]
+        assert self._registry() == self._view(self.model)
+        for tenant, name, version, key, digest in self._rows_full():
             dest = self.work / "fetched" / secrets.token_hex(4)
             try:
                 self.state.store.fetch(key, dest)
             except AdapterNotFound:
-                raise AssertionError(f"{tenant}'s adapter {name!r} lost its object") from None
+                raise AssertionError(f"{tenant}'s {name}@v{version} lost its object") from None
             assert adapter_digest(dest) == digest
             shutil.rmtree(dest)
 
@@ -232,7 +267,8 @@ def test_the_collector_removes_only_what_a_crash_left(tmp_path, monkeypatch, cap
     row = adapter_service.store_and_register(state, tid, "live", live, _info(live))
     adapter_service.store_and_register(state, tid, "gone", gone, _info(gone))
     with state.sessions() as session:  # the row went, then the process died
-        gone_key = crud.delete_adapter(session, tenant_id=tid, name="gone").storage_key
+        [gone_row] = crud.delete_adapter(session, tenant_id=tid, name="gone")
+        gone_key = gone_row.storage_key
     crashed_key = state.store.put(crashed, adapter_digest(crashed))  # died before its row
     db.dispose()
 

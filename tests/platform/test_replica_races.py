@@ -7,11 +7,11 @@ tenant, revoke a key and issue a new one, the collector. After every step:
 
 - the batch's answers and the registry are those of some order of its operations (checked
   against a model of the registry: linearizable);
-- both replicas list each tenant's adapters as the model says, with the digests of the bytes
-  last uploaded under each name, and never another tenant's;
-- every listed adapter's object is in the store, and every adapter serves, on both replicas,
-  the text of its own latest weights (each adapter's greedy text is learned once and must not
-  change);
+- both replicas list each tenant's adapters as the model says, with every version's digest
+  (an upload under a taken name is its next version), and never another tenant's;
+- every listed version's object is in the store, and every adapter serves, on both replicas,
+  the text of the version its default alias names (each content's greedy text is learned once
+  and must not change);
 - a suspended tenant or a revoked key is refused on both replicas;
 - the usage ledger holds exactly the requests and tokens clients received;
 - after the collector, no stored object is left that no adapter names.
@@ -55,7 +55,7 @@ NAMES = ("d", "e")
 CONTENTS = ("x", "y")
 
 
-_OUTCOMES = {201: "created", 409: "conflict", 200: "deleted", 404: "missing", 401: "refused"}
+_OUTCOMES = {201: "created", 200: "deleted", 404: "missing", 401: "refused"}
 
 
 class FleetRaces(RuleBasedStateMachine):
@@ -70,7 +70,7 @@ class FleetRaces(RuleBasedStateMachine):
             tid, key_id, key = new_tenant(f.a, f"races-{secrets.token_hex(4)}")
             self.tenants.append(SimpleNamespace(id=tid, key_id=key_id, key=key, old_keys=[]))
         self.active = {t: True for t in TENANTS}
-        self.model: dict[tuple[int, str], str] = {}
+        self.model: dict = {}  # tests/utils/registry_model.py
         self.received: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion)
 
     # --- rules ------------------------------------------------------------------------------
@@ -106,7 +106,8 @@ class FleetRaces(RuleBasedStateMachine):
     def delete_while_the_same_bytes_are_uploaded(self, data, tenant, name, replica):
         """The race that once lost adapters: an adapter deleted on one replica while the same
         bytes are uploaded (by its owner or another tenant) on the other."""
-        (owner, gone), content = data.draw(st.sampled_from(sorted(self.model.items())))
+        (owner, gone), entry = data.draw(st.sampled_from(sorted(self.model.items())))
+        content = dict(entry.versions)[entry.default]
         self.concurrently([(("delete", owner, gone), replica),
                            (("upload", tenant, name, content), 1 - replica)])  # fmt: skip
         self.serve(tenant, replica)  # the stored object must still be there to fetch
@@ -115,9 +116,10 @@ class FleetRaces(RuleBasedStateMachine):
     def serve(self, tenant, replica):
         """Every adapter the model says the tenant has answers with its own weights' text."""
         t = self.tenants[tenant]
-        for (owner, name), content in sorted(self.model.items()):
+        for (owner, name), entry in sorted(self.model.items()):
             if owner != tenant:
                 continue
+            content = dict(entry.versions)[entry.default]  # what the name's requests get
             r = complete(self.urls[replica], t.key, name, max_tokens=4)
             if not self.active[tenant]:
                 assert r.status_code == 401, r.text
@@ -156,18 +158,21 @@ class FleetRaces(RuleBasedStateMachine):
 
     # --- invariants -------------------------------------------------------------------------
 
-    def _listed(self, replica: int) -> dict[tuple[int, str], str]:
-        """(tenant, name) -> sha256 as the tenants' own listings show, through the admin API
-        (a suspended tenant cannot list its own)."""
+    def _listed(self, replica: int) -> dict[tuple[int, str], dict[int, str]]:
+        """(tenant, name) -> {version: sha256} as the tenants' own listings show, through the
+        admin API (a suspended tenant cannot list its own)."""
         r = httpx.get(f"{self.urls[replica]}/admin/api/adapters", headers=auth(ADMIN_KEY),
                       timeout=30)  # fmt: skip
         assert r.status_code == 200, r.text
         ids = {t.id: i for i, t in enumerate(self.tenants)}
-        return {(ids[a["tenant_id"]], a["name"]): a["sha256"] for a in r.json()["data"]
-                if a["tenant_id"] in ids}  # fmt: skip
+        out: dict = {}
+        for a in r.json()["data"]:
+            if a["tenant_id"] in ids:
+                out.setdefault((ids[a["tenant_id"]], a["name"]), {})[a["version"]] = a["sha256"]
+        return out
 
-    def _as_listed(self, model) -> dict[tuple[int, str], str]:
-        return {k: self.fleet.digests[c] for k, c in model.items()}
+    def _as_listed(self, model) -> dict[tuple[int, str], dict[int, str]]:
+        return {k: {v: self.fleet.digests[c] for v, c in e.versions} for k, e in model.items()}
 
     @invariant()
     def both_replicas_list_what_the_model_holds(self):
@@ -181,14 +186,15 @@ class FleetRaces(RuleBasedStateMachine):
                     continue
                 r = httpx.get(f"{self.urls[replica]}/v1/adapters", headers=auth(t.key))
                 assert r.status_code == 200, r.text
-                mine = {(i, a["name"]): a["sha256"] for a in r.json()["data"]}
+                mine = {(i, a["name"]): {v["version"]: v["sha256"] for v in a["versions"]}
+                        for a in r.json()["data"]}  # fmt: skip
                 assert mine == {k: v for k, v in want.items() if k[0] == i}
 
     @invariant()
     def every_adapter_has_its_object(self):
         """What serving fetches on a replica whose disk cache does not hold it yet."""
         with self.fleet.sessions() as session:
-            keys = {(a.tenant_id, a.name): a.storage_key
+            keys = {(a.tenant_id, a.name, a.version): a.storage_key
                     for a in crud.list_adapters(session, tenant_id=None)}  # fmt: skip
         ids = {t.id for t in self.tenants}
         lost = [k for k, key in keys.items() if k[0] in ids and not self.fleet.store.exists(key)]
