@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.platform.cli_admin import (
     columns,
@@ -79,7 +79,7 @@ def adapters_list(args: argparse.Namespace) -> int:
 
     class AdminAdapter(AdapterPublic):
         tenant: str
-        aliases: list[str]  # of this version's name that send it traffic
+        aliases: list[str]  # the name's aliases that send this version traffic
 
     with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id if args.tenant else None
@@ -89,11 +89,18 @@ def adapters_list(args: argparse.Namespace) -> int:
             AdminAdapter(
                 **AdapterPublic.model_validate(a).model_dump(),
                 tenant=names[a.tenant_id],
-                aliases=shares.get((a.tenant_id, a.name, a.version), []),
+                # JSON gets the names; the table, each with its share of a split.
+                aliases=[c.split(" ")[0] for c in shares.get((a.tenant_id, a.name, a.version), [])],
             )
             for a in crud.list_adapters(session, tenant_id=tenant_id)
         ]
-    emit(args, rows, ADAPTER_COLUMNS, lambda a: {**_short_sha(a), "version": f"v{a.version}"})
+
+    def cells(a: BaseModel) -> dict[str, Any]:
+        assert isinstance(a, AdminAdapter)
+        key = (a.tenant_id, a.name, a.version)
+        return {**_short_sha(a), "version": f"v{a.version}", "aliases": shares.get(key, [])}
+
+    emit(args, rows, ADAPTER_COLUMNS, cells)
     return 0
 
 

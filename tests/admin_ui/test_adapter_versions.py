@@ -69,6 +69,10 @@ def test_versions_promote_rollback_split_and_delete(page, ui_server, tiny_adapte
     page.set_viewport_size(PHONE)
     assert page.evaluate("document.scrollingElement.scrollWidth - window.innerWidth") <= 0
 
+    page.goto("/admin#overview")  # a link straight to a name's panel
+    page.goto(f"/admin#adapters?tenant={tenant}&name=sql")
+    expect(page.locator("#adapter-versions h2")).to_have_text("canary-co / sql")
+
     # The only console errors: the browser's log line of the refused (409) delete.
     assert [e for e in page.watch.errors if "409 (Conflict)" not in e] == []
     assert page.watch.foreign == []

@@ -267,6 +267,8 @@ def test_adapter_versions_promote_split_rollback_delete(cli, acme):
     )
     said = cli.json("adapters", "split", "acme", "sql", "v2=90", "3=10")
     assert (said["weights"], said["previous"]) == ({"v2": 90, "v3": 10}, {"v2": 100})
+    assert [r["aliases"] for r in cli.json("adapters", "list")] == [[], ["default"], ["default"]]
+    assert "default 10%" in cli.ok("adapters", "list", "--tenant", "acme")
     table = cli.ok("adapters", "versions", "acme", "sql")
     assert "default 90%" in table and "default 10%" in table and "v2 90, v3 10" in table
     shown = cli.json("adapters", "versions", str(acme), "sql")
