@@ -232,19 +232,28 @@ class AdapterManager:
         if lora_id not in self.loading:
             self.loading[lora_id] = self._pool.submit(
                 _read, lora, self.spec, self.max_rank, self.dtype, self.pin, self.expert_lora,
-                self._base_rows,
+                self._base_rows(),
             )  # fmt: skip
 
-    def _base_rows(self, layer: int, target: str) -> torch.Tensor:
-        """float32 [out, in]: the base weight rows of PEFT target `target` in `layer`, as the
-        engine multiplies by them (a loader thread calls this; it only reads the model)."""
-        for name, targets in self.slices[layer].items():
-            if target in targets:
-                mod = self.modules[layer][name]
-                idx = targets.index(target)
-                off = sum(mod.out_sizes[:idx])
-                return mod.base_weight()[off : off + mod.out_sizes[idx]]
-        raise AdapterError(f"layers.{layer}.{target}: not a module this model serves LoRA on")
+    def _base_rows(self):
+        """A function (layer, PEFT target) -> float32 [out, in]: the base weight rows of that
+        target, as the engine multiplies by them. For one adapter load on a loader thread (it
+        only reads the model): it keeps the last module's weight, so the slices of a fused
+        module (`dora_scales` takes them in a row) dequantize or probe it once."""
+        last: dict[tuple[int, str], torch.Tensor] = {}
+
+        def rows(layer: int, target: str) -> torch.Tensor:
+            for name, targets in self.slices[layer].items():
+                if target in targets:
+                    mod = self.modules[layer][name]
+                    if (layer, name) not in last:
+                        last.clear()
+                        last[(layer, name)] = mod.base_weight()
+                    off = sum(mod.out_sizes[: targets.index(target)])
+                    return last[(layer, name)][off : off + mod.out_sizes[targets.index(target)]]
+            raise AdapterError(f"layers.{layer}.{target}: not a module this model serves LoRA on")
+
+        return rows
 
     def loaded(self, lora_id: int) -> bool:
         return lora_id in self.host
@@ -322,6 +331,9 @@ class AdapterManager:
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.counters.slot_writes += 1
+        if adapter.use_dora and not adapter.dora:  # loaded elsewhere than `_read`
+            with torch.no_grad():
+                adapter.dora = dora_scales(adapter, self._base_rows(), self.dtype)
         with torch.no_grad():
             for layer, mods in enumerate(self.modules):
                 if self.experts[layer] is not None:

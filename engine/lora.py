@@ -501,7 +501,10 @@ def dora_scales(
     is served. Computed once per adapter load, in float32 and in row chunks (a large module's
     W + B A is never whole in memory); returns the factors in `dtype` on the CPU."""
     out: dict[tuple[int, str], torch.Tensor] = {}
-    for key, m in adapter.magnitudes.items():
+    # the slices of one fused module in a row (q|k|v, gate|up): `base_rows` may keep its weight
+    order = sorted(adapter.magnitudes, key=lambda k: (k[0], PROJECTIONS.get(k[1], (k[1], 0))))
+    for key in order:
+        m = adapter.magnitudes[key]
         a, b = adapter.weights[key]  # [r, in], [out, r] with the scale folded in
         w = base_rows(*key)
         a = a.to(w.device, torch.float32)

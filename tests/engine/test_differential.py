@@ -7,7 +7,7 @@ pool for preemption by swap or none) and two
 batches of token-id prompts, run one after the other on the same `LLM`. The first batch
 shares prefixes between rows; the second is built from the first batch's prompts and
 outputs, so it can hit the prefix cache. Each row has one of seven adapters (ranks 1-16,
-attention/MLP targets, alpha, rsLoRA) or none.
+attention/MLP targets, alpha, rsLoRA, one DoRA) or none.
 
 Every row's tokens must be the greedy continuation under the reference (each token the
 argmax of the reference's distribution given the prompt and the tokens before it) and every
@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
+from tests.utils.dora import make_dora_adapter
 from tests.utils.factories import (
     EOS_ID,
     FAMILY_KINDS,
@@ -66,11 +67,13 @@ TOL = 1e-4
 EOS = {EOS_ID, IM_END_ID}
 
 # Beside conftest's qv4, attn8, mlp16 (rsLoRA) and all2: rank 1 on k/v only (changes the
-# KV the prefix cache holds), rank 3 rsLoRA on the output projections, rank 6 across groups.
+# KV the prefix cache holds), rank 3 rsLoRA on the output projections, rank 6 across groups
+# as DoRA (peft's use_dora: its per-slot factors go through the same slot churn, host LRU,
+# preemption and graph-free steps as the others; same name and draws as when it was LoRA).
 EXTRA_ADAPTER_SPECS = {
     "kv1": dict(r=1, alpha=32, targets=("k_proj", "v_proj")),
     "od3": dict(r=3, alpha=6, targets=("o_proj", "down_proj"), use_rslora=True),
-    "qgu6": dict(r=6, alpha=3, targets=("q_proj", "gate_proj", "up_proj")),
+    "qgu6": dict(r=6, alpha=3, targets=("q_proj", "gate_proj", "up_proj"), use_dora=True),
 }
 
 
@@ -232,11 +235,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def _make(base, folder, seed: int, use_dora: bool = False, **spec):
+    return (make_dora_adapter if use_dora else make_adapter)(base, folder, seed=seed, **spec)
+
+
 def _with_extra(models: dict, adapters: dict, root) -> dict[str, dict]:
     out = {}
     for kind, base in models.items():
         extra = {
-            name: make_adapter(base, root / kind / name, seed=30 + j, **spec)
+            name: _make(base, root / kind / name, 30 + j, **spec)
             for j, (name, spec) in enumerate(EXTRA_ADAPTER_SPECS.items())
         }
         out[kind] = {**adapters[kind], **extra}

@@ -141,7 +141,7 @@ def test_triton_kernels_apply_dora(tiny_models, dora):
         for m in ("auto", "triton"):
             dispatch.set_mode(m)
             llm = LLM(str(tiny_models["llama"]), dtype="float32", max_loras=4, max_lora_rank=16)
-            outs[m] = _generate(llm, dora, tokens=3)
+            outs[m] = _generate(llm, dora, tokens=2)
     finally:
         dispatch.set_mode(mode)
     _same(outs["triton"], outs["auto"], 1e-4)
