@@ -182,8 +182,10 @@ class AdapterManager:
     @property
     def slot_bytes(self) -> int:
         dense = sum(
-            m.lora_a.nbytes + m.lora_b.nbytes for mods in self.modules for m in mods.values()
-        )
+            m.lora_a.nbytes + m.lora_b.nbytes + m.lora_dora.nbytes
+            + (0 if m.lora_dora_shift is None else m.lora_dora_shift.nbytes)
+            for mods in self.modules for m in mods.values()
+        )  # fmt: skip
         stacks = [ex for ex in self.experts if ex is not None and ex.lora_gate_up_a is not None]
         return dense + sum(
             t.nbytes
