@@ -499,6 +499,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch._grouped_mm(xp, wp, offs=offs)[:, :n]
 
 
+def grouped_lora_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group: torch.Tensor,
+                      width: int) -> torch.Tensor:  # fmt: skip
+    """delta[p] = (x[p] @ a[group[p], :width].T) @ b[group[p], :width]: each row through its own
+    group's LoRA (expert LoRA at a decode step: about one row per adapter slot x expert), the
+    per-row form of two `grouped_mm` calls that needs no sort by group.
+
+    Shape: x [P, K]; a [G, Wa, K] and b [G, Wb, N] contiguous (width <= Wa, Wb: a group's rows
+    past its own width are zeros); group [P] int64. Returns [P, N] in x's dtype.
+
+    Each row's A rows are one contiguous block of the stack, gathered as rows of a 2-D view
+    (a 3-D gather of a narrowed stack copies element by element); B is read in place by
+    embedding_bag (each output row a sum of its group's B rows scaled by the row's shrunk
+    values), so nothing of B is copied."""
+    p, (wa, k), (wb, n) = x.shape[0], a.shape[1:], b.shape[1:]
+    cols = torch.arange(width, device=x.device)
+    rows_a = (group.unsqueeze(1) * wa + cols).flatten()
+    rows_b = rows_a if wb == wa else (group.unsqueeze(1) * wb + cols).flatten()
+    ga = a.view(-1, k).index_select(0, rows_a).view(p, width, k)
+    xa = torch.matmul(x.unsqueeze(1), ga.transpose(1, 2)).squeeze(1)  # [P, width]
+    if xa.dtype == b.dtype == torch.float32:
+        bags = torch.arange(0, p * width, width, device=x.device)
+        return F.embedding_bag(rows_b, b.view(-1, n), bags, mode="sum",
+                               per_sample_weights=xa.flatten())  # fmt: skip
+    gb = b.view(-1, n).index_select(0, rows_b).view(p, width, n)
+    return torch.matmul(xa.unsqueeze(1), gb).squeeze(1)
+
+
 # ------------------------------------------------------------------ graph-ready decode
 # Decode steps replayed from persistent buffers (engine/graph_runner.py) read only tensors of
 # fixed shapes: no Python list of the step's lengths or segments, no host read. These forms

@@ -14,13 +14,34 @@ expand) without building any weight per token; rows without an expert adapter sk
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engine.models.layers import MLP, LoRABatch, LoRALinear
 from loraplex.engine.models.spec import ModelSpec
+from loraplex.kernels import cpu
 from loraplex.kernels.dispatch import UsesBackend
+
+# The per-row form of expert LoRA (`Experts._virtual`) reads a virtual expert's A and B once per
+# row; the grouped form once per virtual expert, but through a sort, a gather of the used
+# groups' weights and one matmul call per group. Per row while the rows are at most this many
+# times the virtual experts they use.
+_ROWS_PER_VIRTUAL = 2
+
+
+@dataclass
+class _Virtual:
+    """A layer's expert-LoRA rows: `rows` (pair indices, in the pairs' expert order; None: all
+    pairs), `v` each one's virtual expert; for the grouped form also `order` (the rows by
+    virtual expert) and `offs` (each virtual expert's cumulative row end)."""
+
+    rows: torch.Tensor | None
+    v: torch.Tensor
+    order: torch.Tensor | None = None
+    offs: torch.Tensor | None = None
 
 
 def row_slots(segments: list[tuple[int, int, int]], rows: int, device) -> torch.Tensor:
@@ -65,24 +86,33 @@ class Experts(UsesBackend, nn.Module):
     def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return self.backend.grouped_mm(x, self.down_proj.transpose(1, 2), offs)
 
-    def _lora(self, y: torch.Tensor, x: torch.Tensor, virt: tuple | None, a: torch.Tensor | None,
-              b: torch.Tensor | None, widths: list[int]) -> None:  # fmt: skip
-        """y[rows] += B_v A_v x[rows] for each row's virtual expert v (see the module doc);
-        `virt` = (rows that have one, their order by v, v's cumulative row ends). Only the
-        widest slot's rows of the stacks are read (past a slot's own width they are zeros,
-        which add nothing), through views: no stack is copied."""
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, virt: _Virtual | None,
+              a: torch.Tensor | None, b: torch.Tensor | None,
+              widths: list[int]) -> None:  # fmt: skip
+        """y[rows] += B_v A_v x[rows] for each row's virtual expert v (see the module doc).
+        Only the widest slot's rows of the stacks are read (past a slot's own width they are
+        zeros, which add nothing): no stack is copied."""
         width = max(widths, default=0)
         if virt is None or a is None or width == 0:
             return
-        rows, order, offs = virt
         s, e = a.shape[:2]
-        xa = x[rows[order]]
+        if virt.order is None:  # the per-row form (see _virtual)
+            xr = x if virt.rows is None else x[virt.rows]
+            delta = cpu.grouped_lora_rows(xr, a.view(s * e, *a.shape[2:]),
+                                          b.view(s * e, *b.shape[2:]), virt.v, width)  # fmt: skip
+            if virt.rows is None:
+                y.add_(delta.to(y.dtype))
+            else:
+                y.index_add_(0, virt.rows, delta.to(y.dtype))
+            return
+        rows = virt.rows[virt.order]
+        xa = x[rows]
         # [slots, experts, width, features] -> [slots * experts, ...]: a view (slots and
         # experts stay one stride apart)
         wa = a[:, :, :width].reshape(s * e, width, a.shape[-1]).transpose(1, 2)
         wb = b[:, :, :width].reshape(s * e, width, b.shape[-1])
-        delta = self.backend.grouped_mm(self.backend.grouped_mm(xa, wa, offs), wb, offs)
-        y.index_add_(0, rows[order], delta.to(y.dtype))
+        delta = self.backend.grouped_mm(self.backend.grouped_mm(xa, wa, virt.offs), wb, virt.offs)
+        y.index_add_(0, rows, delta.to(y.dtype))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:  # fmt: skip
@@ -95,8 +125,8 @@ class Experts(UsesBackend, nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         offs = counts.cumsum(0).to(torch.int32)
         xs = x[token]
-        virt = self._virtual(flat[order], lora, token) if lora is not None else None
         sorted_experts = flat[order]
+        virt = self._virtual(sorted_experts, lora, token) if lora is not None else None
         h = self.base_gate_up(xs, offs)
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[sorted_experts]
@@ -120,9 +150,16 @@ class Experts(UsesBackend, nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def _stacks(self) -> tuple[torch.Tensor, ...]:
+        return (self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b)
+
     def _virtual(self, expert: torch.Tensor, lora: LoRABatch, token: torch.Tensor):
-        """For pairs sorted by expert: which have an expert adapter, sorted by virtual expert
-        (slot * experts + expert), and the cumulative row ends of every virtual expert."""
+        """For pairs sorted by expert: which have an expert adapter, and each one's virtual
+        expert (slot * experts + expert). On the CPU, while the pairs are about one per
+        virtual expert (a decode step, where each row's adapter is its own), every pair reads
+        its own A and B in place (`cpu.grouped_lora_rows`): no sort, no grouped call. Else
+        they are sorted by virtual expert for two grouped matmuls, which read each virtual
+        expert's A and B once for all its rows (a long prompt's many rows per expert)."""
         if self.lora_gate_up_a is None or not any(self.lora_widths):
             return None
         has = lora.expert_slots.get(tuple(self.lora_widths))
@@ -131,14 +168,27 @@ class Experts(UsesBackend, nn.Module):
             has = torch.tensor([w > 0 for w in self.lora_widths], device=expert.device)
             slots = row_slots(lora.segments, int(token.max()) + 1, expert.device)
         slot = slots[token]
-        rows = torch.nonzero((slot >= 0) & has[slot.clamp(min=0)]).flatten()
-        if rows.numel() == 0:
+        on = (slot >= 0) & has[slot.clamp(min=0)]
+        n = int(on.sum())
+        if n == 0:
             return None
-        v = slot[rows] * self.num_experts + expert[rows]
-        order = torch.argsort(v, stable=True)
+        rows = None if n == on.shape[0] else torch.nonzero(on).flatten()
+        v = slot * self.num_experts + expert
+        if rows is not None:
+            v = v[rows]
         n_virtual = len(self.lora_widths) * self.num_experts
-        offs = torch.bincount(v, minlength=n_virtual).cumsum(0).to(torch.int32)
-        return rows, order, offs
+        counts = torch.bincount(v, minlength=n_virtual)
+        per_row = (
+            self.backend.which(expert) == "cpu"
+            and all(t.is_contiguous() for t in self._stacks())
+            and n <= _ROWS_PER_VIRTUAL * int(torch.count_nonzero(counts))
+        )
+        if per_row:
+            return _Virtual(rows, v)
+        if rows is None:
+            rows = torch.arange(n, device=expert.device)
+        order = torch.argsort(v, stable=True)
+        return _Virtual(rows, v, order, counts.cumsum(0).to(torch.int32))
 
 
 class SparseMoE(nn.Module):

@@ -317,3 +317,90 @@ def test_experts_only_adapter_with_empty_target_modules(moe, tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": []}))
     adapter = load_adapter(folder, spec, 16, torch.float32)
     assert adapter.experts and not adapter.weights
+
+
+def _experts_layer(gen: torch.Generator):
+    """A tiny routed layer with expert LoRA stacks of 3 slots: slot 0 with one shared A for
+    gate|up (PEFT's fused form: half its gate|up width), slot 1 with gate and up apart (the
+    full width), slot 2 without an expert adapter."""
+    from types import SimpleNamespace
+
+    from loraplex.engine.models.moe import Experts
+
+    spec = SimpleNamespace(num_experts=8, hidden_size=16, moe_intermediate_size=8,
+                           expert_bias=False, swiglu_limit=None, swiglu_alpha=None)  # fmt: skip
+    ex = Experts(spec)
+    e, h, i, r, s = 8, 16, 8, 4, 3
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(e, 2 * i, h, generator=gen) / 4)
+        ex.down_proj.copy_(torch.randn(e, h, i, generator=gen) / 3)
+    shapes = dict(a=(s, e, 2 * r, h), b=(s, e, 2 * r, 2 * i), da=(s, e, r, i), db=(s, e, r, h))
+    t = {k: torch.randn(*shape, generator=gen) / 3 for k, shape in shapes.items()}
+    for k in t:
+        t[k][2] = 0  # slot 2: none
+    t["a"][0, :, r:] = 0  # slot 0: gate|up width r
+    t["b"][0, :, r:] = 0
+    ex.lora_gate_up_a, ex.lora_gate_up_b = t["a"], t["b"]
+    ex.lora_down_a, ex.lora_down_b = t["da"], t["db"]
+    ex.lora_gate_up_widths, ex.lora_down_widths = [r, 2 * r, 0], [r, r, 0]
+    ex.lora_widths = [2 * r, 3 * r, 0]
+    return ex, t
+
+
+def _experts_by_hand(ex, t, x, experts, weights, slots):
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for tok in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e, s, xt = int(experts[tok, k]), int(slots[tok]), x[tok].double()
+            h = ex.gate_up_proj[e].double() @ xt
+            if s >= 0:
+                h += t["b"][s, e].double().T @ (t["a"][s, e].double() @ xt)
+            g, u = h.chunk(2)
+            a = torch.nn.functional.silu(g) * u
+            y = ex.down_proj[e].double() @ a
+            if s >= 0:
+                y += t["db"][s, e].double().T @ (t["da"][s, e].double() @ a)
+            out[tok] += weights[tok, k].double() * y
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens, order",
+    [(6, [0, 1, -1, 2, 0, 1]), (6, [1, 0, 0, 1, 1, 0]), (40, [0, 1, -1, 2, 0, 1])],
+    ids=["decode", "decode-all-adapted", "prefill"],
+)
+def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch):
+    """The CPU's two forms of expert LoRA (engine/models/moe.py: each row reading its own A
+    and B, or rows sorted by virtual expert through grouped matmuls) and the reference
+    kernels give the same layer output as the sums by hand, rows without an adapter too."""
+    from loraplex.engine.models import moe as moe_mod
+    from loraplex.engine.models.layers import LoRABatch
+    from loraplex.kernels import cpu, dispatch
+
+    gen = torch.Generator().manual_seed(7)
+    ex, t = _experts_layer(gen)
+    x = torch.randn(tokens, 16, generator=gen)
+    experts = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), -1)
+    per = tokens // 6 + 1
+    segments = [(j * per, min(tokens, (j + 1) * per), slot)
+                for j, slot in enumerate(order) if j * per < tokens]  # fmt: skip
+    lora = LoRABatch(segments)
+    slots = moe_mod.row_slots(segments, tokens, "cpu")
+    want = _experts_by_hand(ex, t, x, experts, weights, slots)
+    calls, rows_form = [], cpu.grouped_lora_rows
+    monkeypatch.setattr(cpu, "grouped_lora_rows", lambda *a: calls.append(1) or rows_form(*a))
+    got = {"auto": ex(x, experts, weights, lora)}
+    per_row = bool(calls)
+    monkeypatch.setattr(moe_mod, "_ROWS_PER_VIRTUAL", 0)  # grouped whatever the rows
+    got["grouped"] = ex(x, experts, weights, lora)
+    dispatch.set_mode("reference")
+    try:
+        got["reference"] = ex(x, experts, weights, lora)
+    finally:
+        dispatch.set_mode("auto")
+    # a decode step's rows are about one per virtual expert: the per-row form; a prompt's
+    # rows share their virtual experts: the grouped one
+    assert per_row == (tokens == 6)
+    for name, y in got.items():
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=name)
