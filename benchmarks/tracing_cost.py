@@ -8,7 +8,9 @@ alternated (ABC, CBA, ...) on one machine; and what each hook costs per call whe
 functions that do nothing (a `sitecustomize` on the server's PYTHONPATH), so off against absent
 is what the hooks' context-variable reads cost. Small outputs on the tiny model make the
 per-request server work as large a share of a request as it gets, so the comparison is at its
-most sensitive. Writes `benchmarks/results/tracing-cost-<model>.json`.
+most sensitive. The figure is the server process's CPU time per request (user + system, from
+/proc), where tracing runs: on a machine shared with other work it holds far steadier than
+requests/s, which are reported beside it. Writes `benchmarks/results/tracing-cost-<model>.json`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help="server data dir (default: benchmarks/.cache/tracing-<model>)")  # fmt: skip
     p.add_argument("--hook-calls", type=int, default=200_000, help="calls per hook timing")
+    p.add_argument("--commit", default="HEAD",
+                   help="the servers run this commit's code (git archive), so edits in a shared "
+                   "checkout during the run cannot change what is measured")  # fmt: skip
     add_trace_args(p)
     p.set_defaults(out=RESULTS_DIR, num_requests=200, rate=float("inf"), max_concurrency=16,
                    input_len=LengthDist(16, 64), output_len=LengthDist(4, 16))  # fmt: skip
@@ -67,6 +73,13 @@ class _Receiver(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (Linux /proc): the server process, where
+    tracing runs; far steadier than wall-clock rates on a machine others share."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def hook_costs(calls: int) -> dict:
@@ -100,6 +113,21 @@ def hook_costs(calls: int) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from benchmarks import assets
+    from benchmarks.step import make_shim, resolve_commit, source_tree
+
+    model_dir, adapters = assets.prepare(args.model, args.num_adapters)
+    model_name = model_dir.name if args.model not in ("tiny-llama", "demo") else args.model
+    commit = resolve_commit(args.commit)
+    data_dir = args.data_dir or assets.CACHE_DIR / f"tracing-{model_name}-{commit[:9]}"
+    with source_tree(commit) as root:
+        shim = make_shim(root, root.parent / f"{root.name}-shim")
+        try:
+            return _run(args, model_dir, model_name, adapters, data_dir, commit, shim)
+        finally:
+            shutil.rmtree(shim, ignore_errors=True)
+
+
+def _run(args, model_dir, model_name, adapters, data_dir, commit, shim) -> dict:
     from benchmarks.server import LoraplexServer
     from loraplex.bench.metrics import summarize
     from loraplex.bench.replay import run_replay
@@ -107,9 +135,6 @@ def run(args: argparse.Namespace) -> dict:
     from loraplex.bench.targets import HTTPTarget
     from loraplex.bench.trace import make_trace
 
-    model_dir, adapters = assets.prepare(args.model, args.num_adapters)
-    model_name = model_dir.name if args.model not in ("tiny-llama", "demo") else args.model
-    data_dir = args.data_dir or assets.CACHE_DIR / f"tracing-{model_name}"
     cfg = trace_config(args, model_vocab(model_dir))
     warm = replace(cfg, num_requests=args.warmup, seed=cfg.seed + 10_000)
     settings = {"max_num_seqs": args.max_num_seqs, "max_loras": max(1, args.num_adapters)}
@@ -129,8 +154,9 @@ def run(args: argparse.Namespace) -> dict:
             srv = LoraplexServer(model_dir, data_dir, log=data_dir / f"server-{variant}.log",
                                  threads=args.threads, **settings, **extra)  # fmt: skip
             saved = os.environ.get("PYTHONPATH")
-            if variant == "absent":  # the server copies this environment when it starts
-                os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stub_dir), saved]))
+            # The server copies this environment when it starts: the commit's code first.
+            first = [str(stub_dir), str(shim)] if variant == "absent" else [str(shim)]
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, saved]))
             try:
                 srv.start()
             finally:
@@ -145,18 +171,21 @@ def run(args: argparse.Namespace) -> dict:
                 if args.warmup:
                     run_replay(target, make_trace(warm), progress=False)
                     target = HTTPTarget(srv.url, srv.api_key, names, srv.model_name)
+                cpu = cpu_seconds(srv.proc.pid)
                 results = run_replay(target, make_trace(cfg), max_concurrency=args.max_concurrency,
                                      progress=False)  # fmt: skip
+                cpu = cpu_seconds(srv.proc.pid) - cpu
             finally:
                 srv.stop()  # its exporter flushes the last spans on the way down
             exports = receiver.exports - exports_before  # type: ignore[attr-defined]
             summary = summarize(results, slo_of(args))
+            cpu_ms = 1000 * cpu / max(1, summary["completed"])
             runs.append({"variant": variant, "repeat": rep, "otlp_exports": exports,
-                         "summary": summary})  # fmt: skip
+                         "server_cpu_ms_per_request": cpu_ms, "summary": summary})  # fmt: skip
             print(f"  {variant:6s}: {summary['request_throughput'] or 0:.1f} req/s, "
                   f"{summary['output_throughput'] or 0:.1f} tok/s, "
                   f"TTFT p50 {(summary['ttft']['p50'] or 0) * 1000:.1f} ms, "
-                  f"e2e p50 {(summary['e2e']['p50'] or 0) * 1000:.1f} ms, "
+                  f"server CPU {cpu_ms:.2f} ms/request, "
                   f"{summary['errors']} errors, {exports} OTLP exports",
                   file=sys.stderr)  # fmt: skip
     receiver.shutdown()
@@ -164,6 +193,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for variant in VARIANTS:
         mine = [r["summary"] for r in runs if r["variant"] == variant]
+        cpu = [r["server_cpu_ms_per_request"] for r in runs if r["variant"] == variant]
 
         def med(get, mine=mine):
             values = [v for v in (get(s) for s in mine) if v is not None]
@@ -174,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
             "runs": len(mine),
             "req_per_s": med(lambda s: s["request_throughput"]),
             "req_per_s_runs": [s["request_throughput"] for s in mine],
+            "cpu_ms": statistics.median(cpu),
+            "cpu_ms_runs": cpu,
             "ttft_p50_ms": med(lambda s: s["ttft"]["p50"] and s["ttft"]["p50"] * 1000),
             "e2e_p50_ms": med(lambda s: s["e2e"]["p50"] and s["e2e"]["p50"] * 1000),
             "e2e_p99_ms": med(lambda s: s["e2e"]["p99"] and s["e2e"]["p99"] * 1000),
@@ -182,6 +214,7 @@ def run(args: argparse.Namespace) -> dict:
     doc = {
         "kind": "tracing-cost",
         "model": model_name,
+        "commit": commit,
         "trace": {**cfg.__dict__, "input_len": str(cfg.input_len),
                   "output_len": str(cfg.output_len), "rate": str(cfg.rate),
                   "max_concurrency": args.max_concurrency, "description": cfg.describe()},
@@ -207,16 +240,17 @@ def format_rows(rows: list[dict], hooks: dict) -> str:
 
     off = next(r for r in rows if r["variant"] == "off")
     lines = [
-        "| tracing | runs | req/s (median) | req/s of each run | vs off | TTFT p50 | e2e p50 "
-        "| e2e p99 | errors |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tracing | runs | server CPU ms/request (median) | of each run | vs off "
+        "| req/s (median) | of each run | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        ratio = r["req_per_s"] / off["req_per_s"] if r["req_per_s"] and off["req_per_s"] else None
+        ratio = r["cpu_ms"] / off["cpu_ms"] if off["cpu_ms"] else None
+        each_cpu = ", ".join(f(x, "{:.2f}") for x in r["cpu_ms_runs"])
         each = ", ".join(f(x) for x in r["req_per_s_runs"])
-        lines.append(f"| {r['variant']} | {r['runs']} | {f(r['req_per_s'])} | {each} | "
-                     f"{f(ratio, '{:.3f}')} | {f(r['ttft_p50_ms'])} ms | {f(r['e2e_p50_ms'])} ms | "
-                     f"{f(r['e2e_p99_ms'])} ms | {r['errors']} |")  # fmt: skip
+        lines.append(f"| {r['variant']} | {r['runs']} | {f(r['cpu_ms'], '{:.2f}')} | {each_cpu} | "
+                     f"{f(ratio, '{:.3f}')} | {f(r['req_per_s'])} | {each} | "
+                     f"{r['errors']} |")  # fmt: skip
     lines += ["", "| hook, tracing off | ns per call |", "| --- | --- |"]
     lines += [f"| `{name}` | {ns:.0f} |" for name, ns in hooks.items()]
     return "\n".join(lines)
