@@ -1,20 +1,73 @@
-"""loraplex data plane: many LoRA adapters batched on one base model."""
+"""loraplex data plane: many LoRA adapters batched on one base model.
 
-# structured_output registers the "grammar" logits-processor kind wherever the engine runs.
-from loraplex.engine import structured_output  # noqa: F401
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.outputs import CompletionOutput, RequestOutput
-from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.sequence import LoRARequest
+The engine's public API: what an embedder (and loraplex's own server, platform/) uses. The
+modules behind it may move; these names stay. Names load on first use, so importing
+`loraplex.engine` (or its light `options` module, as the CLI does for `--help`) does not
+import torch.
+"""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "LoRARequest",
-    "RequestOutput",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module that defines it
+_EXPORTS = {
+    # running the engine
+    "LLM": "llm",
+    "resolve_model": "llm",
+    "LLMEngine": "llm_engine",
+    "AsyncLLMEngine": "async_engine",
+    "StreamingEngine": "async_engine",
+    "EngineProcess": "engine_process",
+    "keep_freed_memory": "host_malloc",
+    # configuration
+    "EngineConfig": "config",
+    "EngineOptions": "options",
+    "ServerOption": "options",
+    "server_options": "options",
+    # requests and answers
+    "SamplingParams": "sampling_params",
+    "MAX_LOGPROBS": "sampling_params",
+    "MAX_N": "sampling_params",
+    "LoRARequest": "sequence",
+    "PRIORITY_INTERACTIVE": "sequence",
+    "PRIORITY_BATCH": "sequence",
+    "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
+    "PromptLogprobs": "outputs",
+    "RequestMetrics": "outputs",
+    "FinishReason": "outputs",
+    "EngineStats": "stats",
+    "ADAPTER_LOAD_BUCKETS": "stats",
+    "grammar_spec": "structured_output",
+    # the model and its adapters
+    "ModelSpec": "models.spec",
+    "spec_from_config": "models.spec",
+    "PROJECTIONS": "models.spec",
+    "Tokenizer": "tokenizer",
+    "load_adapter": "lora",
+    "read_adapter_config": "lora",
+    "prepare_demo": "demo",
+    # errors (engine/errors.py)
+    "EngineError": "errors",
+    "BadRequestError": "errors",
+    "AdapterError": "errors",
+    "AdapterUnavailable": "errors",
+    "EngineDeadError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loraplex.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"loraplex.engine.{module}"), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -15,12 +16,14 @@ from loraplex.engine.sequence import LoRARequest
 from loraplex.engine.tokenizer import Tokenizer
 
 
-def resolve_model(model: str) -> str:
-    """`demo` names the bundled Gemma 3 270M, converted on first use."""
+def resolve_model(model: str, data_dir: Path | None = None) -> str:
+    """The model folder `model` names: `demo` is the bundled Gemma 3 270M, converted on first
+    use (under `data_dir`, default the user's cache); anything else is a folder already.
+    The one resolver for the offline API, the CLI and the server."""
     if model == "demo":
         from loraplex.engine.demo import prepare_demo
 
-        return str(prepare_demo())
+        return str(prepare_demo(data_dir))
     return model
 
 

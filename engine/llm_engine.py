@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine import structured_output  # noqa: F401  (registers the "grammar" kind)
 from loraplex.engine.adapter_manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig

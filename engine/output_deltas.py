@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from loraplex.engine.outputs import (
     CompletionOutput,
+    FinishReason,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -35,7 +36,7 @@ class CompletionDelta:
     text_keep: int  # characters of the previous text kept: fewer when a stop string cut it
     text: str  # appended after them
     logprobs: list[dict[str, float]] | None  # new entries, {token id: logprob}, top first
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: str | int | None
     cumulative_logprob: float | None
 

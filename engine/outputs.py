@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Why a sequence ended: a stop string/token or EOS, max_tokens (or the context), the caller
+# aborted it (client gone, stream cut), or the engine failed it (`RequestOutput.error`).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
@@ -10,7 +15,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}, top first
     cumulative_logprob: float | None = None

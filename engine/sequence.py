@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.outputs import PromptLogprobs
+from loraplex.engine.outputs import FinishReason, PromptLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 
 PRIORITY_INTERACTIVE = 0
@@ -67,7 +67,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None  # made on the logits' device at first sample
     logprobs: list[float] = field(default_factory=list)

@@ -13,15 +13,11 @@ def _generate(args: argparse.Namespace) -> int:
     from loraplex.engine import LLM, LoRARequest, SamplingParams
 
     t0 = time.perf_counter()
+    options = {o.name: getattr(args, o.setting) for o in _engine_flags()}
     llm = LLM(
         args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_admission=args.kv_admission,
-        max_lora_rank=args.max_lora_rank,
         progress=True,
-        max_model_len=args.max_model_len,
+        **{k: v for k, v in options.items() if v is not None},
     )
     load_s = time.perf_counter() - t0
     lora = LoRARequest("adapter", 1, args.adapter) if args.adapter else None
@@ -47,26 +43,19 @@ def _prepare_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_flags():
+    """The engine options `serve` and `generate` take as flags (engine/options.py)."""
+    from loraplex.engine.options import server_options
+
+    return [o for o in server_options() if o.flag]
+
+
 def _settings(args: argparse.Namespace):
     from loraplex.platform.settings import Settings
 
-    overrides = {
-        k: v
-        for k, v in {
-            "host": getattr(args, "host", None),
-            "port": getattr(args, "port", None),
-            "model": getattr(args, "model", None),
-            "quantization": getattr(args, "quantization", None),
-            "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
-            "kv_admission": getattr(args, "kv_admission", None),
-            "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
-            "max_model_len": getattr(args, "max_model_len", None),
-            "swap_space_gib": getattr(args, "swap_space", None),
-            "stream_interval": getattr(args, "stream_interval", None),
-            "otlp_traces_endpoint": getattr(args, "otlp_traces_endpoint", None),
-        }.items()
-        if v is not None
-    }
+    names = ["host", "port", "model", "stream_interval", "otlp_traces_endpoint"]
+    names += [o.setting for o in _engine_flags()]
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return Settings(**overrides)
 
 
@@ -214,40 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", default="demo", help="model folder, or 'demo' (Gemma 3 270M)")
     g.add_argument("--adapter", help="PEFT adapter folder to apply")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", choices=["int8", "int4", "fp8"], help="weight-only base")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="KV cache element type (int8: about twice the tokens)")  # fmt: skip
-    g.add_argument("--kv-admission", action="store_true",
-                   help="admit by expected KV growth, not by prompt alone")  # fmt: skip
+    for option in _engine_flags():
+        option.add_flag(g, default_note="default: the engine's")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--max-lora-rank", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=2048)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--model", help="model folder or 'demo' (default: settings)")
-    s.add_argument(
-        "--quantization",
-        choices=["int8", "int4", "fp8"],
-        help="weight-only base (default: settings)",
-    )
-    s.add_argument("--max-model-len", type=int, help="longest prompt + output (default: settings)")
-    s.add_argument("--swap-space", type=float, metavar="GIB",
-                   help="host memory for preempted requests' KV blocks: swapped out and "
-                   "back, not recomputed, when that is cheaper (default: settings)")  # fmt: skip
-    s.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
-                   help="KV cache element type (default: settings)")  # fmt: skip
-    s.add_argument("--kv-admission", action="store_true", default=None,
-                   help="admit by expected KV growth, not by prompt alone")  # fmt: skip
-    s.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                   help="speculative decoding by prompt lookup: K tokens proposed per request "
-                   "per step (0: off; default: settings)")  # fmt: skip
+    for option in _engine_flags():
+        option.add_flag(s)
     s.add_argument("--stream-interval", type=int, metavar="N",
                    help="tokens per streamed chunk, as vLLM's flag (default: settings, 1: a "
                    "chunk per token)")  # fmt: skip

@@ -11,11 +11,15 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_process import EngineProcess
-from loraplex.engine.host_malloc import keep_freed_memory
-from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine import (
+    AsyncLLMEngine,
+    EngineConfig,
+    EngineProcess,
+    LLMEngine,
+    keep_freed_memory,
+    resolve_model,
+    server_options,
+)
 from loraplex.platform import tracing
 from loraplex.platform.adapter_service import collect_periodically, store_for
 from loraplex.platform.api.errors import install_error_handlers
@@ -42,34 +46,16 @@ log = logging.getLogger("loraplex.platform")
 
 
 def engine_config(settings: Settings, model_dir: str) -> EngineConfig:
-    return EngineConfig(
-        model=model_dir,
-        dtype=settings.dtype,
-        quantization=settings.quantization,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        kv_admission=settings.kv_admission,
-        num_speculative_tokens=settings.num_speculative_tokens,
-        max_loras=settings.max_loras,
-        max_cpu_loras=settings.max_cpu_loras,
-        num_threads=settings.engine_threads or max(1, len(os.sched_getaffinity(0)) - 1),
-        max_lora_rank=settings.max_lora_rank,
-        expert_lora=settings.expert_lora,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        num_kv_blocks=settings.num_kv_blocks,
-        swap_space_gib=settings.swap_space_gib,
-        preemption_mode=settings.preemption_mode,
-        scheduling_policy=settings.scheduling_policy,
-        cpu_attention=settings.cpu_attention,
-    )
+    """The engine options the settings carry (each derived from its one definition in
+    engine/options.py), for the model in `model_dir`."""
+    options = {o.name: getattr(settings, o.setting) for o in server_options()}
+    if options["num_threads"] is None:  # leave a core to the HTTP loop
+        options["num_threads"] = max(1, len(os.sched_getaffinity(0)) - 1)
+    return EngineConfig(model=model_dir, **options)
 
 
 def resolve_model_dir(settings: Settings) -> str:
-    if settings.model == "demo":
-        from loraplex.engine.demo import prepare_demo
-
-        return str(prepare_demo(settings.data_dir))
-    return settings.model
+    return resolve_model(settings.model, settings.data_dir)
 
 
 def load_engine(state: AppState, model_dir: str) -> None:

@@ -13,12 +13,10 @@ and printed once.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, create_model, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -27,6 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from loraplex.engine.options import server_options
 from loraplex.platform.security import looks_like_placeholder
 from loraplex.platform.tracing import traces_url
 
@@ -51,7 +50,18 @@ def normalize_database_url(url: str) -> str:
     )
 
 
-class Settings(BaseSettings):
+def _engine_settings() -> type[BaseSettings]:
+    """The engine options a server exposes (engine/options.py, `server=True`), as settings
+    fields: the engine's names, types, choices, defaults (a server's own where it has one),
+    bounds and help, copied from the one definition, not by hand."""
+    fields = {
+        o.setting: (o.annotation, Field(o.default, description=o.help, ge=o.ge, le=o.le))
+        for o in server_options()
+    }
+    return create_model("EngineSettings", __base__=BaseSettings, **fields)  # type: ignore[call-overload]
+
+
+class Settings(_engine_settings()):  # type: ignore[misc]
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="forbid")
 
     data_dir: Path = Field(
@@ -71,55 +81,6 @@ class Settings(BaseSettings):
         True,
         description="with the demo model on the embedded defaults, train (once, about a "
         "minute each) and register the demo tenant's adapters 'pirate' and 'shout'",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["int8", "int4", "fp8"] | None = None
-    kv_cache_dtype: Literal["auto", "int8"] = Field(
-        "auto", description="KV cache element type; int8 holds about twice the tokens"
-    )
-    kv_admission: bool = Field(
-        False,
-        description="admit a request only when its expected KV growth fits (output "
-        "lengths learned from finished requests) instead of by its prompt alone",
-    )
-    num_speculative_tokens: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="speculative decoding by prompt lookup: tokens proposed per request per "
-        "step (0: off); pays where outputs copy their prompt (editing, summarising)",
-    )
-    max_loras: int = Field(8, ge=1, description="adapters resident on the device at once")
-    engine_threads: int | None = Field(
-        None,
-        ge=1,
-        description="CPU threads for the engine's torch ops; default: the usable cores minus "
-        "one, leaving one to the HTTP loop (irrelevant on a GPU)",
-    )
-    max_cpu_loras: int | None = Field(
-        None, ge=1, description="adapters kept in host memory (LRU); default 4 x max_loras"
-    )
-    max_lora_rank: int = Field(64, ge=1)
-    expert_lora: bool = Field(
-        True,
-        description="mixture-of-experts bases: room in every adapter slot for LoRA on the "
-        "experts (counted in the memory budget); false serves attention and router adapters only",
-    )
-    max_model_len: int = Field(2048, ge=16)
-    max_num_seqs: int = Field(64, ge=1)
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV pool size in blocks; default: what the memory budget holds"
-    )
-    swap_space_gib: float = Field(
-        0.0,
-        ge=0,
-        description="host memory (GiB) for preempted requests' KV blocks: a preempted request "
-        "is swapped out and back instead of recomputed when that measures cheaper; 0: recompute",
-    )
-    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
-        "auto",
-        description="'auto': swap or recompute each preempted request by the measured costs; "
-        "'swap' / 'recompute': always that (swap needs swap_space_gib)",
     )
     store_gc_interval_s: float = Field(
         3600.0,
@@ -170,14 +131,6 @@ class Settings(BaseSettings):
         True,
         description="run the engine in a process of its own, so that it never waits for the "
         "HTTP loop's Python work (the GIL); false: a thread of the server process",
-    )
-    cpu_attention: Literal["auto", "sdpa", "matmul"] = Field(
-        "auto",
-        description="CPU attention form: torch's fused kernel, batched matmuls, or 'auto' "
-        "(time both at start, keep the faster)",
-    )
-    scheduling_policy: Literal["vtc", "fcfs"] = Field(
-        "vtc", description="'vtc': weighted fair share across tenants; 'fcfs': arrival order"
     )
 
     host: str = "127.0.0.1"
@@ -358,9 +311,3 @@ class Settings(BaseSettings):
         """(bucket, key prefix without slashes) of an `s3://` store, None for a local one."""
         parts = urlsplit(self.store_url)
         return (parts.netloc, parts.path.strip("/")) if parts.scheme == "s3" else None
-
-
-@lru_cache
-def get_settings() -> Settings:
-    """The process-wide settings, read once (tests build their own `Settings(...)`)."""
-    return Settings()

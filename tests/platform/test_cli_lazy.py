@@ -15,7 +15,9 @@ from loraplex.platform import cli_admin
 from loraplex.platform.db.models import TenantStatus
 from loraplex.platform.db.schemas import QuotaBase
 
-HEAVY = ("torch", "loraplex.engine", "transformers", "numpy", "triton")
+# The engine proper; `loraplex.engine` itself loads its names lazily and its option table
+# (engine/options.py, which `serve --help` reads) is standard library only.
+HEAVY = ("torch", "loraplex.engine.llm_engine", "transformers", "numpy", "triton")
 
 # Builds the parser, runs each argv of a JSON list through main() in turn and prints, per
 # command, its exit status and which of HEAVY and of the registry's libraries were imported by

@@ -123,3 +123,32 @@ def test_dev_mode_allows_no_admin_key(monkeypatch):
     monkeypatch.setenv("LORAPLEX_DEV_MODE", "true")
     assert Settings().admin_key is None
     assert isinstance(Settings().data_dir, Path)
+
+
+def test_engine_settings_and_flags_derive_from_the_engine_options(tiny_models):
+    """One definition per engine option (engine/options.py): the server's setting has the
+    engine's type, default (or the server's own), bounds and help; the flag of `serve` sets
+    it; the engine config built from the settings carries it."""
+    from loraplex.engine.options import server_options
+    from loraplex.platform.cli import build_parser
+    from loraplex.platform.main import engine_config
+
+    options = server_options()
+    assert {o.setting for o in options} >= {"swap_space_gib", "max_loras", "engine_threads"}
+    for o in options:
+        field = Settings.model_fields[o.setting]
+        assert (field.description, field.default) == (o.help, o.default), o.name
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Settings(num_speculative_tokens=17)  # the engine's bound, on the setting
+    argv = ["serve", "--swap-space", "1.5", "--kv-cache-dtype", "int8", "--max-loras", "3",
+            "--max-model-len", "256"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    from loraplex.platform import cli
+
+    settings = cli._settings(args)
+    config = engine_config(settings, str(tiny_models["llama"]))
+    assert (config.swap_space_gib, config.kv_cache_dtype, config.max_loras) == (1.5, "int8", 3)
+    assert config.max_model_len == 256
+    assert config.scheduling_policy == "vtc" and Settings().max_model_len == 2048  # the server's
+    with pytest.raises(SystemExit):  # choices come from the option's Literal type
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int3"])
