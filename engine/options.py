@@ -71,7 +71,9 @@ class EngineOptions:
         ge=16,
     )
     max_num_seqs: int = option(64, "requests running at once", server=True, ge=1)
-    max_num_batched_tokens: int = option(2048, "tokens one step computes at most", ge=1)
+    max_num_batched_tokens: int = option(
+        2048, "tokens one step computes at most (prompt chunks and decodes)", flag=True, ge=1
+    )
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     max_batch_step_tokens: int = option(
         32,
@@ -79,7 +81,9 @@ class EngineOptions:
         "runs waits for its end, so steps carrying batch work stay short",
         ge=1,
     )
-    enable_prefix_caching: bool = option(True, "reuse KV blocks of a prompt's shared prefix")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of a prompt prefix another request computed", flag=True
+    )
     max_loras: int = option(
         4, "adapters resident on the device at once", server_default=8, flag=True, ge=1
     )
