@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.engine.errors import AdapterError
 from loraplex.engine.models.spec import (
     EXPERT_PROJECTIONS,
     FUSED,
@@ -37,10 +38,6 @@ _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2":
 GPT_OSS_ROUTER = "router"
 # PEFT `target_parameters` on transformers 5's fused experts
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message says why."""
 
 
 @dataclass
@@ -338,7 +335,7 @@ def load_adapter(
     params = _declared_parameters(cfg, folder / "adapter_config.json")
     dora = bool(cfg.get("use_dora"))
     for (layer, kind, what), ab in pairs.items():
-        _check_dora_keys(layer, kind, what, ab, dora, spec)
+        _check_dora_keys(layer, kind, what, ab, dora)
         if kind == "experts":
             if not any(p.endswith(tuple(EXPERT_PARAMETERS)) for p in params):
                 raise AdapterError(
@@ -450,7 +447,7 @@ def load_adapter(
     )  # fmt: skip
 
 
-def _check_dora_keys(layer: int, kind: str, what, ab: dict, dora: bool, spec: ModelSpec) -> None:
+def _check_dora_keys(layer: int, kind: str, what, ab: dict, dora: bool) -> None:
     """Each adapted module has lora_A and lora_B, plus DoRA's magnitude exactly when the
     config says use_dora; DoRA only on the modules the engine runs as LoRALinear."""
     where = f"layers.{layer}." + (

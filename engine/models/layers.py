@@ -229,8 +229,10 @@ class LoRALinear(UsesBackend, nn.Module):
         dev = self.bias.device if self.bias is not None else self.lora_a.device
         dtype = self.bias.dtype if self.bias is not None else self.lora_a.dtype
         cols = []
-        for lo in range(0, self.in_features, 1024):
-            eye = torch.eye(self.in_features, dtype=dtype, device=dev)[lo : lo + 1024]
+        for lo in range(0, self.in_features, 1024):  # 1024 rows of the identity at a time
+            n = min(1024, self.in_features - lo)
+            eye = torch.zeros(n, self.in_features, dtype=dtype, device=dev)
+            eye[torch.arange(n), torch.arange(lo, lo + n)] = 1
             cols.append((self.base(eye) - self.base(torch.zeros_like(eye))).float())
         return torch.cat(cols).T.contiguous()
 
