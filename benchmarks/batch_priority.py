@@ -31,7 +31,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.engine.config import EngineConfig
@@ -47,10 +47,12 @@ TENANTS = ("alice", "bob", "carol")
 class Result:
     name: str
     ttft_p50_ms: float
+    ttft_p90_ms: float
     ttft_p99_ms: float
     interactive: int
     tokens_per_s: float
     batch_lines_done: int
+    batch_steps: list[tuple[float, int]] = field(default_factory=list)
 
 
 def trace(args, vocab: int, rnd: int, salt: int) -> list[tuple[float, str, list[int]]]:
@@ -76,6 +78,9 @@ class Samples:
     tokens: int = 0
     seconds: float = 0.0
     batch_lines_done: int = 0
+    # (seconds, batch tokens) of each step that carried batch lines' tokens: what an
+    # interactive request arriving during it waits for
+    batch_steps: list[tuple[float, int]] = field(default_factory=list)
 
 
 def run(engine: LLMEngine, args, rnd: int, salt: int, concurrency: int,
@@ -113,7 +118,15 @@ def run(engine: LLMEngine, args, rnd: int, salt: int, concurrency: int,
                 break
             time.sleep(min(0.005, max(0.0, arrivals[i][0] - now)))
             continue
-        for out in engine.step():
+        started = time.perf_counter()
+        outputs = engine.step()
+        plan = engine.scheduler.last_plan
+        if plan is not None:
+            b = sum(n for q, n in zip(plan.seqs, plan.num_new_tokens, strict=True)
+                    if q.request_id.startswith("b"))  # fmt: skip
+            if b:
+                into.batch_steps.append((time.perf_counter() - started, b))
+        for out in outputs:
             now = time.perf_counter() - t0
             tokens += len(out.delta_token_ids)
             if out.request_id in arrived and out.request_id not in ttft and out.delta_token_ids:
@@ -138,9 +151,12 @@ def run(engine: LLMEngine, args, rnd: int, salt: int, concurrency: int,
 
 def summary(name: str, s: Samples) -> Result:
     samples = sorted(s.ttft)
-    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-    return Result(name, statistics.median(samples) * 1000, p99 * 1000, len(samples),
-                  s.tokens / s.seconds, s.batch_lines_done)  # fmt: skip
+
+    def q(f: float) -> float:
+        return samples[min(len(samples) - 1, int(f * len(samples)))] * 1000
+
+    return Result(name, statistics.median(samples) * 1000, q(0.9), q(0.99), len(samples),
+                  s.tokens / s.seconds, s.batch_lines_done, s.batch_steps)  # fmt: skip
 
 
 def cpu_name() -> str:
@@ -171,16 +187,31 @@ def write(results: list[Result], args, command: str, machine: str) -> None:
 
     base = results[0]
     rows = [
-        "| scenario | interactive TTFT p50 (ms) | p99 (ms) | p99 vs alone | tokens/s (all) "
-        "| throughput vs alone | batch lines done |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scenario | requests | interactive TTFT p50 (ms) | p90 (ms) | p99 (ms) | p50 vs alone "
+        "| p99 vs alone | tokens/s (all) | throughput vs alone | batch lines done |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         rows.append(
-            f"| {r.name} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | "
+            f"| {r.name} | {r.interactive} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
+            f"{r.ttft_p99_ms:.0f} | {r.ttft_p50_ms / base.ttft_p50_ms:.2f}x | "
             f"{r.ttft_p99_ms / base.ttft_p99_ms:.2f}x | {r.tokens_per_s:.0f} | "
             f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.batch_lines_done} |"
         )
+    rows += [
+        "",
+        "Steps that carried batch lines' tokens (an interactive request that arrives during "
+        "one waits for its end):",
+        "",
+        "| scenario | steps | ms each, mean | ms, max | batch tokens each, mean | max |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results[1:]:
+        if r.batch_steps:
+            ms = [t * 1000 for t, _ in r.batch_steps]
+            toks = [n for _, n in r.batch_steps]
+            rows.append(f"| {r.name} | {len(ms)} | {statistics.mean(ms):.0f} | {max(ms):.0f} | "
+                        f"{statistics.mean(toks):.0f} | {max(toks)} |")  # fmt: skip
     table = "\n".join(rows)
     print(table)
     within = [r.name for r in results[1:] if r.ttft_p99_ms <= 1.1 * base.ttft_p99_ms
@@ -247,6 +278,14 @@ def main(argv: list[str] | None = None) -> None:
                           num_threads=args.threads)  # fmt: skip
     load = os.getloadavg()[0]
     engine = LLMEngine(config)
+    schedule = engine.scheduler.schedule
+    engine.scheduler.last_plan = None
+
+    def traced():  # keeps each step's plan for the step statistics
+        engine.scheduler.last_plan = plan = schedule()
+        return plan
+
+    engine.scheduler.schedule = traced
     warm = SamplingParams(max_tokens=4)
     for k in range(4):  # first steps allocate; keep them out of the measurement
         engine.add_request(f"w{k}", [5 + k] * 40, warm)
