@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.lora import AdapterError, LoRAAdapter, dora_scales, load_adapter
+from loraplex.engine.errors import AdapterError, AdapterUnavailable
+from loraplex.engine.lora import LoRAAdapter, dora_scales, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE
@@ -62,10 +63,6 @@ def layer_modules(layer) -> dict[str, tuple[LoRALinear, tuple[str, ...]]]:
                 targets = tuple(f"{SHARED_EXPERT}.{p}" for p in FUSED[name][1])
                 mods[f"{SHARED_EXPERT}.{name}"] = (getattr(layer.mlp.shared_expert, name), targets)
     return mods
-
-
-class AdapterUnavailable(RuntimeError):
-    """An adapter's files could not be read (disk or store trouble, not a bad adapter)."""
 
 
 @dataclass

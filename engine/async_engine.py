@@ -36,6 +36,7 @@ from loraplex.engine.core import (
     ResumeRequest,
     Stop,
 )
+from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
@@ -59,10 +60,6 @@ def _tokens(item: object) -> int:
     if not isinstance(item, RequestOutput):
         return 0
     return sum(len(c.token_ids) for c in item.outputs)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an internal error; requests cannot be served."""
 
 
 class StreamingEngine:

@@ -29,8 +29,8 @@ from collections import Counter, deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from loraplex.engine.adapter_manager import AdapterUnavailable
-from loraplex.engine.async_engine import EngineDeadError, StreamingEngine
+from loraplex.engine import errors
+from loraplex.engine.async_engine import StreamingEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import (
     AbortRequest,
@@ -41,7 +41,7 @@ from loraplex.engine.core import (
     ResumeRequest,
     Stop,
 )
-from loraplex.engine.lora import AdapterError
+from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.memory import MemoryReport
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
 from loraplex.engine.output_deltas import (
@@ -57,12 +57,6 @@ from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
 
-# Exceptions that cross the pipe by name; anything else arrives as RuntimeError.
-_ERRORS: dict[str, type[BaseException]] = {
-    "ValueError": ValueError,
-    "AdapterError": AdapterError,
-    "AdapterUnavailable": AdapterUnavailable,
-}
 STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while busy
 # Outputs of steps faster than this go out together, one message per COALESCE_S: each message
 # wakes the server's reader thread, and on a tiny model, whose steps are much shorter than
@@ -78,12 +72,13 @@ def _send(conn: Connection, msg: list) -> None:
 
 
 def _request_error(request_id: str, e: BaseException) -> RequestError:
-    name = type(e).__name__
-    return RequestError(request_id, name if name in _ERRORS else "RuntimeError", str(e))
+    """An error of the engine's typed errors crosses the pipe as its type and fields
+    (engine/errors.py); anything else as a RuntimeError with its text."""
+    return RequestError(request_id, *errors.to_message(e))
 
 
 def _error_from(e: RequestError) -> BaseException:
-    return _ERRORS.get(e.type, RuntimeError)(e.message)
+    return errors.from_message(e.type, e.message, e.param)
 
 
 # ---------------------------------------------------------------------------- child

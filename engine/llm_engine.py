@@ -23,6 +23,7 @@ from loraplex.engine import structured_output  # noqa: F401  (registers the "gra
 from loraplex.engine.adapter_manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import BadRequestError
 from loraplex.engine.loader import load_model
 from loraplex.engine.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.memory import MemoryReport
@@ -187,26 +188,32 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
+        # The checks that need the model: typed errors that name the request field to blame.
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise BadRequestError("the prompt is empty", param="prompt")
         if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+            raise BadRequestError(
+                f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt"
+            )
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(
+            raise BadRequestError(
                 f"the prompt has {len(ids)} tokens; this model serves at most {limit} tokens "
-                "including the output"
+                "including the output",
+                param="prompt",
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ValueError(
+            raise BadRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {limit}"
+                f"context length {limit}",
+                param="max_tokens",
             )
         samples = params.num_samples
         if samples > self.config.max_num_seqs:
-            raise ValueError(
+            raise BadRequestError(
                 f"n / best_of ({samples}) exceeds the engine's max_num_seqs "
-                f"({self.config.max_num_seqs})"
+                f"({self.config.max_num_seqs})",
+                param="best_of" if params.best_of else "n",
             )
         processors = []
         if params.has_processors:

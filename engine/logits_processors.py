@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.errors import BadRequestError
 from loraplex.engine.sampling_params import SamplingParams
 
 
@@ -119,9 +120,10 @@ class LogitBias(LogitsProcessor):
     def __init__(self, bias: dict[int, float], vocab_size: int):
         bad = [t for t in bias if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
+            raise BadRequestError(
                 f"logit_bias names token ids outside this model's vocabulary [0, {vocab_size}): "
-                f"{sorted(bad)[:5]}"
+                f"{sorted(bad)[:5]}",
+                param="logit_bias",
             )
         self.ids = list(bias)
         self.values = [max(-100.0, min(100.0, float(v))) for v in bias.values()]

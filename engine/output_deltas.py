@@ -85,8 +85,9 @@ class RequestError:
     """An error a request caused (bad input, an adapter that cannot be loaded)."""
 
     request_id: str
-    type: str  # the exception's class name
+    type: str  # the exception's class name (engine/errors.py BY_NAME)
     message: str
+    param: str | None = None  # BadRequestError's request field
 
 
 @dataclass

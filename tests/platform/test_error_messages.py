@@ -132,7 +132,11 @@ def _upload_errors(server, errors: Errors, key: str, good: Path, bad: dict[str, 
     _, none = server.new_tenant("none", max_adapters=0)
     up("count", parts, 403, "quota_exceeded", who=none)
     assert upload(url, key, "taken", parts).status_code == 201
-    up("exists", parts, 409, "adapter_exists", name="taken")
+    in_use = httpx.delete(f"{url}/v1/adapters/taken/versions/v1", headers=auth(key))
+    errors.expect("version in use", in_use, 409, "version_in_use")
+    no_such = httpx.put(f"{url}/v1/adapters/taken/aliases/default", json={"version": "v9"},
+                        headers=auth(key))  # fmt: skip
+    errors.expect("no such version", no_such, 404, "adapter_not_found")
 
 
 def _store_errors(server, errors: Errors, key: str, good: Path) -> None:
