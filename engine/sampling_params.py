@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.engine.errors import BadRequestError
+
 # Below this a temperature divides logits into overflow; such requests are decoded greedily.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -94,7 +96,7 @@ class SamplingParams:
         ):
             value = getattr(self, name)
             if not _is_number(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise BadRequestError(f"{name} must be a number, got {value!r}", param=name)
             setattr(self, name, float(value))
         for name, optional in (
             ("n", False),
@@ -109,10 +111,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not (_is_int(value) or (optional and value is None)):
                 allowed = "an integer or None" if optional else "an integer"
-                raise ValueError(f"{name} must be {allowed}, got {value!r}")
+                raise BadRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise BadRequestError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}", param=name
+                )
 
     def _normalise_stops(self) -> None:
         stop = self.stop
@@ -123,12 +127,15 @@ class SamplingParams:
         elif isinstance(stop, list | tuple):
             stop = list(stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise BadRequestError(
+                f"stop must be a string or a list of strings, got {stop!r}", param="stop"
+            )
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(
+                raise BadRequestError(
                     f"stop must contain only non-empty strings, got {s!r}; "
-                    "remove it or use stop_token_ids for token ids"
+                    "remove it or use stop_token_ids for token ids",
+                    param="stop",
                 )
         self.stop = stop
 
@@ -138,32 +145,46 @@ class SamplingParams:
         elif isinstance(ids, list | tuple):
             ids = list(ids)
         else:
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise BadRequestError(
+                f"stop_token_ids must be a list of token ids, got {ids!r}", param="stop_token_ids"
+            )
         for t in ids:
             if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+                raise BadRequestError(
+                    f"stop_token_ids must be non-negative integers, got {t!r}",
+                    param="stop_token_ids",
+                )
         self.stop_token_ids = ids
         kept = self.kept_special_tokens
         if kept is not None and (
             not isinstance(kept, list | tuple) or not all(isinstance(t, str) and t for t in kept)
         ):
-            raise ValueError(f"kept_special_tokens must be a list of token texts, got {kept!r}")
+            raise BadRequestError(
+                f"kept_special_tokens must be a list of token texts, got {kept!r}",
+                param="kept_special_tokens",
+            )
         self.kept_special_tokens = list(kept) if kept else None
 
     def _normalise_processors(self) -> None:
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+                raise BadRequestError(
+                    f"logit_bias must map token ids to numbers, got {bias!r}", param="logit_bias"
+                )
             out: dict[int, float] = {}
             for key, value in bias.items():
                 # JSON object keys are strings: "50256" names token 50256.
                 if isinstance(key, str) and key.isdigit():
                     key = int(key)
                 if not _is_int(key) or key < 0:
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                    raise BadRequestError(
+                        f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                    )
                 if not _is_number(value) or value != value:
-                    raise ValueError(f"logit_bias values must be numbers, got {value!r}")
+                    raise BadRequestError(
+                        f"logit_bias values must be numbers, got {value!r}", param="logit_bias"
+                    )
                 out[key] = float(value)
             self.logit_bias = out or None
         procs = self.logits_processors
@@ -171,8 +192,9 @@ class SamplingParams:
             if not isinstance(procs, list | tuple) or not all(
                 isinstance(p, dict) and isinstance(p.get("kind"), str) for p in procs
             ):
-                raise ValueError(
-                    'logits_processors must be a list of specs like {"kind": "...", ...}'
+                raise BadRequestError(
+                    'logits_processors must be a list of specs like {"kind": "...", ...}',
+                    param="logits_processors",
                 )
             self.logits_processors = list(procs) or None
 
@@ -182,54 +204,73 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+            raise BadRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
-            raise ValueError(
-                f"best_of must be between n ({self.n}) and {MAX_N}, got {self.best_of}"
+            raise BadRequestError(
+                f"best_of must be between n ({self.n}) and {MAX_N}, got {self.best_of}",
+                param="best_of",
             )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise BadRequestError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}",
+                param="temperature",
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(
-                f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to turn nucleus sampling off"
+            raise BadRequestError(
+                f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to turn nucleus sampling off",
+                param="top_p",
             )
         if self.top_k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 / -1 to turn it off, got {self.top_k}")
+            raise BadRequestError(
+                f"top_k must be >= 1, or 0 / -1 to turn it off, got {self.top_k}", param="top_k"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
+            raise BadRequestError(
+                f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}", param="min_p"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(
-                    f"{name} must be in [-2, 2] (0 turns it off), got {getattr(self, name)}"
+                raise BadRequestError(
+                    f"{name} must be in [-2, 2] (0 turns it off), got {getattr(self, name)}",
+                    param=name,
                 )
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}"
+            raise BadRequestError(
+                f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}",
+                param="repetition_penalty",
             )
         if self.max_tokens is not None and self.max_tokens < 0:
-            raise ValueError(
+            raise BadRequestError(
                 f"max_tokens must be >= 1 (0: compute the prompt only, as for its "
                 f"prompt_logprobs), or None to generate up to the context limit, "
-                f"got {self.max_tokens}"
+                f"got {self.max_tokens}",
+                param="max_tokens",
             )
         if self.max_tokens == 0 and self.best_of not in (None, self.n):
-            raise ValueError("best_of ranks generated samples: it needs max_tokens >= 1")
+            raise BadRequestError(
+                "best_of ranks generated samples: it needs max_tokens >= 1", param="best_of"
+            )
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise BadRequestError(
+                f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise BadRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                f"({self.max_tokens}); raise max_tokens or lower min_tokens"
+                f"({self.max_tokens}); raise max_tokens or lower min_tokens",
+                param="min_tokens",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
+            raise BadRequestError(
                 f"logprobs must be between 0 and {MAX_LOGPROBS} (0 returns only the chosen "
-                f"token's), got {self.logprobs}"
+                f"token's), got {self.logprobs}",
+                param="logprobs",
             )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
+            raise BadRequestError(
                 f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (0 returns only each "
-                f"prompt token's), got {self.prompt_logprobs}"
+                f"prompt token's), got {self.prompt_logprobs}",
+                param="prompt_logprobs",
             )
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+            raise BadRequestError(f"seed must fit in 64 bits, got {self.seed}", param="seed")
