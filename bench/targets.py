@@ -88,8 +88,7 @@ class EngineTarget:
     @classmethod
     def build(cls, model_dir: Path, adapter_dirs: list[Path], **config) -> EngineTarget:
         """`config`: EngineConfig options (dtype, max_loras, max_num_seqs, …)."""
-        from loraplex.engine import EngineConfig, LLMEngine
-        from loraplex.engine.async_engine import AsyncLLMEngine
+        from loraplex.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 
         engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
         return cls(engine, adapter_dirs)

@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _prepare_demo(args: argparse.Namespace) -> int:
-    from loraplex.engine.demo import prepare_demo
+    from loraplex.engine import prepare_demo
 
     print(prepare_demo(args.data_dir, dtype=args.dtype))
     return 0
@@ -45,7 +45,7 @@ def _prepare_demo(args: argparse.Namespace) -> int:
 
 def _engine_flags():
     """The engine options `serve` and `generate` take as flags (engine/options.py)."""
-    from loraplex.engine.options import server_options
+    from loraplex.engine import server_options
 
     return [o for o in server_options() if o.flag]
 

@@ -27,7 +27,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from loraplex.engine.stats import ADAPTER_LOAD_BUCKETS
+from loraplex.engine import ADAPTER_LOAD_BUCKETS
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

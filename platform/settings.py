@@ -25,7 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from loraplex.engine.options import server_options
+from loraplex.engine import server_options
 from loraplex.platform.security import looks_like_placeholder
 from loraplex.platform.tracing import traces_url
 

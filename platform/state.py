@@ -10,8 +10,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
 
-from loraplex.engine.async_engine import StreamingEngine
-from loraplex.engine.models.spec import ModelSpec
+from loraplex.engine import ModelSpec, StreamingEngine
 from loraplex.platform.db.models import ApiKey, Tenant
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.settings import Settings

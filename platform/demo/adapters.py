@@ -62,7 +62,7 @@ def _load(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loraplex.engine.tokenizer import Tokenizer
+    from loraplex.engine import Tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.requires_grad_(False)
@@ -99,7 +99,7 @@ def train_lora(
     import torch
     from tqdm import tqdm
 
-    from loraplex.engine.models.spec import PROJECTIONS  # every projection is a target
+    from loraplex.engine import PROJECTIONS  # every projection is a target
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -194,7 +194,7 @@ class _Stop(Exception):
 def _write_atomically(folder: Path, tensors, base_name: str, last_layers: int, model) -> None:
     from safetensors.torch import save_file
 
-    from loraplex.engine.models.spec import PROJECTIONS
+    from loraplex.engine import PROJECTIONS
 
     n = len(model.model.layers)
     config = {

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from loraplex.engine.models.spec import spec_from_config
+from loraplex.engine import spec_from_config
 from loraplex.platform.adapter_service import store_and_register
 from loraplex.platform.db import crud
 from loraplex.platform.demo.adapters import prepare_demo_adapters

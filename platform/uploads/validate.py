@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.lora import AdapterError, load_adapter, read_adapter_config
-from loraplex.engine.models.spec import ModelSpec
+from loraplex.engine import AdapterError, ModelSpec, load_adapter, read_adapter_config
 from loraplex.platform.store.base import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, adapter_digest
 from loraplex.platform.uploads.policy import UploadError, expected_files, too_large
 
