@@ -189,10 +189,12 @@ def cases(draw, names: tuple[str, ...] = ADAPTER_NAMES) -> Case:
                 max_tokens=draw(st.integers(1, 8)),
             )
         )
-    # The context fits the longest request, and the pool that context and a few blocks more,
-    # so that several requests at once must often preempt one another.
+    # The context fits the longest request (and the engine's least max_model_len, 16), and
+    # the pool that context and a few blocks more, so that several requests at once must
+    # often preempt one another.
     longest = max(
-        [len(r.prompt) + r.max_tokens for r in first]
+        [16]
+        + [len(r.prompt) + r.max_tokens for r in first]
         + [max(f.keep, 1) + len(f.suffix) + f.max_tokens for f in second]
     )
     block_size = draw(st.sampled_from([8, 16]))
