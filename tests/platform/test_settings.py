@@ -152,3 +152,12 @@ def test_engine_settings_and_flags_derive_from_the_engine_options(tiny_models):
     assert config.scheduling_policy == "vtc" and Settings().max_model_len == 2048  # the server's
     with pytest.raises(SystemExit):  # choices come from the option's Literal type
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int3"])
+
+
+def test_the_operations_page_lists_every_engine_setting():
+    from loraplex.engine.options import server_options
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    for o in server_options():
+        row = f"| `{o.setting.upper()}` | {f'`{o.flag}`' if o.flag else ''} | `{o.default}` |"
+        assert row in page, f"docs/operations.md: the row of {o.setting} is missing or stale"
