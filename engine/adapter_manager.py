@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.errors import AdapterError, AdapterUnavailable
-from loraplex.engine.lora import LoRAAdapter, dora_scales, load_adapter
+from loraplex.engine.lora import BaseProbe, LoRAAdapter, dora_scales, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE
@@ -239,17 +239,27 @@ class AdapterManager:
         target, as the engine multiplies by them. For one adapter load on a loader thread (it
         only reads the model): it keeps the last module's weight, so the slices of a fused
         module (`dora_scales` takes them in a row) dequantize or probe it once."""
-        last: dict[tuple[int, str], torch.Tensor] = {}
+        last: dict[tuple[int, str], torch.Tensor | None] = {}
 
-        def rows(layer: int, target: str) -> torch.Tensor:
+        def rows(layer: int, target: str) -> torch.Tensor | BaseProbe:
             for name, targets in self.slices[layer].items():
                 if target in targets:
                     mod = self.modules[layer][name]
                     if (layer, name) not in last:
                         last.clear()
                         last[(layer, name)] = mod.base_weight()
-                    off = sum(mod.out_sizes[: targets.index(target)])
-                    return last[(layer, name)][off : off + mod.out_sizes[targets.index(target)]]
+                    idx = targets.index(target)
+                    lo = sum(mod.out_sizes[:idx])
+                    hi = lo + mod.out_sizes[idx]
+                    w = last[(layer, name)]
+                    if w is not None:
+                        return w[lo:hi]
+                    # a packed layer: its product gives W A^T (cheap at rank rows)
+                    rows_of = slice(lo, hi)
+                    return BaseProbe(
+                        mod.weight_sq[rows_of],
+                        lambda a, mod=mod, rows_of=rows_of: mod.base_probe(a)[rows_of],
+                    )
             raise AdapterError(f"layers.{layer}.{target}: not a module this model serves LoRA on")
 
         return rows

@@ -486,7 +486,7 @@ def _check_magnitude(where: str, m: torch.Tensor, fout: int) -> torch.Tensor:
 
 def dora_scales(
     adapter: LoRAAdapter,
-    base_rows: Callable[[int, str], torch.Tensor],
+    base_rows: Callable[[int, str], torch.Tensor | BaseProbe],
     dtype: torch.dtype,
     rows_per_chunk: int = 1024,
 ) -> dict[tuple[int, str], torch.Tensor]:
@@ -494,9 +494,11 @@ def dora_scales(
     DoraLinearLayer computes it at inference (the norm is a constant there: detached).
 
     `base_rows(layer, target)` is the float32 [out, in] base weight the engine multiplies that
-    target's rows by: on a quantized base the dequantized weight, so the factor matches what
-    is served. Computed once per adapter load, in float32 and in row chunks (a large module's
-    W + B A is never whole in memory); returns the factors in `dtype` on the CPU."""
+    target's rows by (on a quantized base the dequantized weight, so the factor matches what
+    is served), or where only a packed weight stays a `BaseProbe`: ||W_n||^2 and a product
+    a -> W a^T, from which ||W_n + (B A)_n||^2 = ||W_n||^2 + 2 B_n . (W A^T)_n + B_n A A^T B_n^T.
+    Computed once per adapter load, in float32 and in row chunks (a large module's W + B A is
+    never whole in memory); returns the factors in `dtype` on the CPU."""
     out: dict[tuple[int, str], torch.Tensor] = {}
     # the slices of one fused module in a row (q|k|v, gate|up): `base_rows` may keep its weight
     order = sorted(adapter.magnitudes, key=lambda k: (k[0], PROJECTIONS.get(k[1], (k[1], 0))))
@@ -504,12 +506,19 @@ def dora_scales(
         m = adapter.magnitudes[key]
         a, b = adapter.weights[key]  # [r, in], [out, r] with the scale folded in
         w = base_rows(*key)
-        a = a.to(w.device, torch.float32)
-        norms = torch.empty(w.shape[0], dtype=torch.float32)
-        for lo in range(0, w.shape[0], rows_per_chunk):
-            hi = min(lo + rows_per_chunk, w.shape[0])
-            full = w[lo:hi].float() + b[lo:hi].to(w.device, torch.float32) @ a
-            norms[lo:hi] = torch.linalg.vector_norm(full, dim=1).cpu()
+        if isinstance(w, BaseProbe):
+            dev = w.sq.device
+            af, bf = a.to(dev, torch.float32), b.to(dev, torch.float32)
+            wa = w.probe(a.to(dev))  # [out, r]
+            sq = w.sq + 2 * (bf * wa).sum(1) + ((bf @ (af @ af.T)) * bf).sum(1)
+            norms = sq.clamp_min(0).sqrt().cpu()
+        else:
+            a = a.to(w.device, torch.float32)
+            norms = torch.empty(w.shape[0], dtype=torch.float32)
+            for lo in range(0, w.shape[0], rows_per_chunk):
+                hi = min(lo + rows_per_chunk, w.shape[0])
+                full = w[lo:hi].float() + b[lo:hi].to(w.device, torch.float32) @ a
+                norms[lo:hi] = torch.linalg.vector_norm(full, dim=1).cpu()
         scale = m / norms
         if not torch.isfinite(scale).all():
             raise AdapterError(
@@ -518,6 +527,15 @@ def dora_scales(
             )
         out[key] = scale.to(dtype)
     return out
+
+
+@dataclass
+class BaseProbe:
+    """A base layer's rows known only through its product (a pre-packed CPU weight):
+    ||W_n||^2 [out] and a -> W a^T [out, r] for a [r, in]."""
+
+    sq: torch.Tensor
+    probe: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _deinterleave(n: int) -> torch.Tensor:

@@ -215,26 +215,26 @@ class LoRALinear(UsesBackend, nn.Module):
         self.lora_dora_on = lin.lora_dora_on
         self._bound = lin._bound
         self.weight = None  # only `base` multiplies
+        # ||W_n||^2 per output row, for DoRA's norms where no float weight stays (`base_probe`)
+        w = lin.weight
+        self.weight_sq = None if w is None else w.detach().float().pow(2).sum(1)
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
         return F.linear(x, self.weight, self.bias)
 
-    @torch.no_grad()  # a probe that records autograd through oneDNN's product is very slow
-    def base_weight(self) -> torch.Tensor:
-        """The float32 [out, in] weight `base` multiplies by (DoRA's norms are taken of it).
-        Subclasses that keep no float weight (packed) are probed: base(I) - base(0)."""
-        if self.weight is not None:
-            return self.weight.detach().float()
-        dev = self.bias.device if self.bias is not None else self.lora_a.device
-        dtype = self.bias.dtype if self.bias is not None else self.lora_a.dtype
-        cols = []
-        for lo in range(0, self.in_features, 1024):  # 1024 rows of the identity at a time
-            n = min(1024, self.in_features - lo)
-            eye = torch.zeros(n, self.in_features, dtype=dtype, device=dev)
-            eye[torch.arange(n), torch.arange(lo, lo + n)] = 1
-            cols.append((self.base(eye) - self.base(torch.zeros_like(eye))).float())
-        return torch.cat(cols).T.contiguous()
+    def base_weight(self) -> torch.Tensor | None:
+        """The float32 [out, in] weight `base` multiplies by (DoRA's norms are taken of it);
+        quantized subclasses dequantize. None where only a packed form stays: see base_probe."""
+        return None if self.weight is None else self.weight.detach().float()
+
+    @torch.no_grad()  # autograd through oneDNN's product with a grad-requiring bias is slow
+    def base_probe(self, a: torch.Tensor) -> torch.Tensor:
+        """W a^T, float32 [out, r], for a [r, in], through `base` itself (a packed layer keeps
+        no float weight): with `weight_sq` what DoRA's row norms of W + B A need."""
+        dtype = a.dtype if self.lora_a is None else self.lora_a.dtype  # the activations'
+        y = self.base(a.to(dtype))
+        return (y if self.bias is None else y - self.bias).float().T
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = self.base(x)  # [num_tokens, out]

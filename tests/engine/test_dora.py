@@ -166,18 +166,26 @@ def test_no_dora_work_without_a_dora_row(tiny_models, dora, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
-def test_a_packed_layer_gives_dora_the_weight_it_multiplies_by():
-    """A pre-packed CPU layer keeps no float weight: DoRA's norms are taken of the weight its
-    product probes out (base(I) - base(0))."""
+def test_a_packed_layer_gives_dora_the_norms_of_its_weight():
+    """A pre-packed CPU layer keeps no float weight: DoRA's row norms come from ||W_n||^2
+    (kept when it was packed) and W A^T through its own product, and equal the direct ones."""
+    from loraplex.engine.lora import BaseProbe, LoRAAdapter, dora_scales
     from loraplex.engine.models.layers import LoRALinear
     from loraplex.engine.models.packing import PackedLoRALinear, _pack
 
     gen = torch.Generator().manual_seed(0)
-    lin = LoRALinear(1100, [64, 32], bias=True)  # more inputs than one probe chunk
+    lin = LoRALinear(160, [64, 32], bias=True)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
         lin.bias.copy_(torch.randn(96, generator=gen))
-    lin.lora_a = torch.zeros(1, 8, 1100)
+    lin.lora_a = torch.zeros(1, 8, 160)
     packed = PackedLoRALinear(lin, _pack(lin.weight))
-    assert packed.weight is None
-    torch.testing.assert_close(packed.base_weight(), lin.weight.detach(), rtol=1e-6, atol=1e-5)
+    assert packed.weight is None and packed.base_weight() is None
+    a, b = torch.randn(4, 160, generator=gen), 0.3 * torch.randn(96, 4, generator=gen)
+    key = (0, "q_proj")
+    adapter = LoRAAdapter("x", 4, ("q_proj",), {key: (a, b)},
+                          magnitudes={key: torch.rand(96, generator=gen) + 0.5})  # fmt: skip
+    direct = dora_scales(adapter, lambda *_: lin.weight.detach().float(), torch.float32)
+    probe = BaseProbe(packed.weight_sq, packed.base_probe)
+    probed = dora_scales(adapter, lambda *_: probe, torch.float32)
+    torch.testing.assert_close(probed[key], direct[key], rtol=1e-5, atol=1e-6)
