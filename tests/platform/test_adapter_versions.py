@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 
 from loraplex.platform.db.models import UsageRecord
-from tests.utils.server import run_server
+from tests.utils.server import ADMIN_KEY, run_server
 from tests.utils.uploads import auth, folder_parts, upload
 
 KEEP = 3  # adapter_versions_kept for this server: collection shows within a short test
@@ -87,6 +87,12 @@ def test_pins_aliases_promote_and_rollback(server, tiny_adapters):
     split = httpx.put(f"{aliases}/default", json={"weights": {"v1": 1, "v2": 1}},
                       headers=auth(key))  # fmt: skip
     assert split.status_code == 200, split.text
+    admin = httpx.get(f"{server.url}/admin/api/adapters", params={"tenant_id": tenant_id},
+                      headers=auth(ADMIN_KEY)).json()["data"]  # fmt: skip
+    assert {a["version"]: a["aliases"] for a in admin} == {
+        1: {"default": 50},
+        2: {"default": 50, "canary": 100},
+    }
     by_user = {u: _text(client, "sql", user=u) for u in map(str, range(12))}
     assert set(by_user.values()) == {v1, v2}  # 12 users, even odds: both answer
     assert all(_text(client, "sql", user=u) == text for u, text in by_user.items())

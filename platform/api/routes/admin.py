@@ -66,6 +66,9 @@ class KeyIn(ApiKeyCreate):
 
 class AdminAdapter(AdapterPublic):
     tenant: str  # the owner's name, so operators need no second lookup
+    # The aliases of its name that send this version traffic, with their weight
+    # in percent ({"default": 90}): the list shows where each name's traffic goes.
+    aliases: dict[str, int] = {}
 
 
 EndStreams = Annotated[
@@ -230,9 +233,19 @@ def list_adapters(
         _tenant(session, tenant_id)
     names = {t.id: t.name for t in crud.list_tenants(session)}
     rows = crud.list_adapters(session, tenant_id=tenant_id, status=status)
+    routed: dict[tuple[int, str, int], dict[str, int]] = {}
+    for alias in crud.list_aliases(session, tenant_id=tenant_id):
+        total = sum(alias.weights.values())
+        for version, weight in alias.weights.items():
+            share = round(100 * weight / total)
+            routed.setdefault((alias.tenant_id, alias.name, int(version)), {})[alias.alias] = share
     return ListOf[AdminAdapter](
         data=[
-            AdminAdapter(**AdapterPublic.model_validate(a).model_dump(), tenant=names[a.tenant_id])
+            AdminAdapter(
+                **AdapterPublic.model_validate(a).model_dump(),
+                tenant=names[a.tenant_id],
+                aliases=routed.get((a.tenant_id, a.name, a.version), {}),
+            )
             for a in rows
         ]
     )
