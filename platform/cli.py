@@ -263,6 +263,7 @@ def _one_line_error(e: BaseException) -> str | None:
 
     from loraplex.platform.db.crud import NotFound
     from loraplex.platform.db.session import SchemaError
+    from loraplex.platform.errors import APIError
     from loraplex.platform.store import StoreError
 
     if isinstance(e, ValidationError):  # a ValueError, but its text spans several lines
@@ -274,6 +275,8 @@ def _one_line_error(e: BaseException) -> str | None:
     if isinstance(e, OperationalError):  # unreachable server, locked or unreadable file
         reason = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
         return f"cannot use the database: {reason}"
+    if isinstance(e, APIError):  # the registry operations the API shares with the CLI
+        return e.message
     if isinstance(e, ValueError | FileNotFoundError | NotFound | SchemaError | StoreError):
         return " ".join(str(e).split())
     return None
