@@ -336,6 +336,8 @@ def lora_apply(
     The default launch parameters; no slice-skipping (the call does not carry slice ranks).
     `meta`: the tiles `build_meta` made for these segments and widths (the model runner's,
     once per step); `memo`: a dict to keep them in for the next call with the same widths.
+    DoRA's per-row factor is not applied here: the layer applies it after this call, the same
+    epilogue on every backend (KernelBackend.dora_apply).
     """
     if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
         return
