@@ -123,6 +123,9 @@ def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
                        headers={"Authorization": f"Bearer {key}"},
                        json={"model": "qv", "prompt": "hi", "max_tokens": 1})  # fmt: skip
         assert r.status_code == 200, r.text
+    for path in ("/admin/api/replicas", "/admin/api/adapter-loads"):  # the admin's only
+        refused = httpx.get(ui_server.url + path, headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code in (401, 403), (path, refused.status_code)
 
     page.goto("/admin/login")
     page.fill("#admin_key", ADMIN_KEY)
