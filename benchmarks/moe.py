@@ -25,6 +25,12 @@ their slots by a warm-up run first, so no run pays for loading; the scenarios al
 every repeat (ABC, CBA, ...), each repeat with fresh prompts; the figure is the median, the
 ratio the median scenario tokens/s over the median base tokens/s.
 
+Where the time goes (layer_times, per rank): CPU time of the benchmark's thread, which a shared
+machine's other processes do not add to, for decode steps with no adapter and with 32; and the
+routed layers' experts of one such step run alone on its captured inputs, with and without
+their adapters, caches flushed before each run; with the bytes each side reads (layer_bytes),
+their read rates and the rate the adapters' bytes would need for the goal.
+
 Forward: the same weights in transformers (its default experts implementation, and its eager
 loop over experts) and in our engine, in the engine's compute dtype: the MoE layer alone at
 32 tokens (a decode step of batch 32) and 512 tokens (batch 32 x 16-token prefill), and the
@@ -189,9 +195,57 @@ def decode_figures(args, base: Path, adapters: list[Path], rank: int) -> dict:
     manager = llm.engine.adapters
     info = {"compute_dtype": str(next(llm.engine.model.parameters()).dtype).replace("torch.", ""),
             "expert_slot_mib": manager.expert_slot_bytes() / 2**20,
-            "threads": torch.get_num_threads(), "rank": rank}  # fmt: skip
+            "threads": torch.get_num_threads(), "rank": rank,
+            "layers": layer_times(llm, rows[max(rows)], args.repeats * 10)}  # fmt: skip
     manager.close()
     return {"rows": out, **info}
+
+
+def layer_times(llm, loras: list, repeats: int) -> dict:
+    """Where a decode step's time goes, in CPU time of this thread (a shared machine's other
+    processes take no part of it; medians in ms): decode steps of batch 32 with no adapter and
+    with `loras`; and the routed layers' experts (router excluded) of one such step with
+    `loras`, run alone on its captured inputs without their adapters and with them, caches
+    flushed before each run, the two alternating."""
+    from loraplex.engine import SamplingParams
+    from loraplex.engine.models import moe
+
+    engine, captured, real = llm.engine, [], moe.Experts.forward
+
+    def capture(self, x, experts, weights, lora):
+        captured.append((self, x.clone(), experts.clone(), weights.clone(), lora))
+        return real(self, x, experts, weights, lora)
+
+    steps = {}
+    for name, rows in (("step_base", [None] * len(loras)), ("step_lora", loras)):
+        params = SamplingParams(temperature=0.0, max_tokens=repeats + 2, ignore_eos=True)
+        for i, (prompt, lora) in enumerate(zip(_prompts(20_000), rows, strict=True)):
+            engine.add_request(f"layers-{name}-{i}", prompt, params, lora)
+        engine.step()  # the prefill
+        if name == "step_lora":
+            moe.Experts.forward = capture
+            try:
+                engine.step()  # one decode step
+            finally:
+                moe.Experts.forward = real
+        cpu = []
+        while engine.has_unfinished():
+            t = time.thread_time()
+            engine.step()
+            cpu.append(time.thread_time() - t)
+        steps[name] = 1e3 * statistics.median(cpu[:-1])  # the last step finishes
+    flush = torch.empty(64 * 2**20 // 4)
+    times: dict[str, list[float]] = {"base": [], "lora": []}
+    with torch.inference_mode():
+        for r in range(repeats):
+            for name in ("base", "lora") if r % 2 == 0 else ("lora", "base"):
+                flush.fill_(r)
+                t = time.thread_time()
+                for ex, x, experts, weights, lora in captured:
+                    ex(x, experts, weights, lora if name == "lora" else None)
+                times[name].append(time.thread_time() - t)
+    medians = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"count": len(captured), **medians, **steps}
 
 
 def layer_bytes(rank: int, elsize: int) -> dict:
@@ -204,7 +258,9 @@ def layer_bytes(rank: int, elsize: int) -> dict:
     picked = e * (1 - (1 - k / e) ** BATCH)
     experts = picked * 3 * h * i * elsize
     lora = BATCH * k * (2 * rank * (h + 2 * i) + rank * (i + h)) * elsize
-    return {"experts_mib": experts / 2**20, "lora_mib": lora / 2**20}
+    # what the engine reads of PEFT's fused adapters (one A for gate|up): the used width only
+    read = BATCH * k * (rank * (h + 2 * i) + rank * (i + h)) * elsize
+    return {"experts_mib": experts / 2**20, "lora_mib": lora / 2**20, "lora_read_mib": read / 2**20}
 
 
 def _interleaved(fns: dict, repeats: int) -> dict[str, float]:
@@ -398,13 +454,39 @@ def markdown(result: dict, png: str | None) -> str:
                      f"{b['lora_mib'] / b['experts_mib']:.2f} | {real:.3f} |")  # fmt: skip
     lines += [
         "",
-        "A decode step at batch 32 is bound by those bytes on a CPU. A rank does not shrink "
-        "with the model, so at these tiny widths distinct rank-16 adapters read well over "
-        "half the experts' own bytes again, which keeps the ratio under the goal for any "
-        "kernel that reads them all; at Qwen3-30B-A3B's own widths the same adapters add "
-        "under a tenth (last column), and rank 2 is about that proportion here. The gate|up "
-        "stacks are twice the rank wide (gate and up may each have their own A), so an "
-        "adapter with PEFT's one shared A leaves half of what is read at zero.",
+        "A rank does not shrink with the model, so at these tiny widths distinct rank-16 "
+        "adapters read well over half the experts' own bytes again; at Qwen3-30B-A3B's own "
+        "widths the same adapters add under a tenth (last column), and rank 2 is about that "
+        "proportion here. The engine reads only each slot's used width of the gate|up stacks "
+        "(twice the rank wide, for gate and up with an A each): PEFT's fused adapters share "
+        "one A, so the columns read are about half the gate|up figures above.",
+        "",
+        "Where the time goes, in CPU time of the benchmark's thread (medians): decode steps "
+        f"of batch {BATCH} without adapters and with 32 (one per row); and the "
+        f"{first['layers']['count']} routed layers' experts of one such step (router "
+        "excluded), run alone on the step's captured inputs without their adapters and with "
+        f"them ({10 * result['repeats']} runs each, caches flushed before each run).",
+        "",
+        "| rank | decode step, base | with 32 adapters | experts, base | experts with adapters "
+        "| adapters' part | that part over the base step | ratio it leaves |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for d in decodes:
+        lay = d["layers"]
+        base_ms, last_ms = lay["step_base"], lay["step_lora"]
+        extra = lay["lora"] - lay["base"]
+        lines.append(f"| {d['rank']} | {base_ms:.1f} ms | {last_ms:.1f} ms | {lay['base']:.1f} ms "
+                     f"| {lay['lora']:.1f} ms | {extra:.1f} ms | {extra / base_ms:.2f} "
+                     f"| {base_ms / (base_ms + extra):.2f} |")  # fmt: skip
+    lines += [
+        "",
+        "The experts take most of a base decode step. The adapters' part reads each row's "
+        "A and B where they lie (embedding_bag; a narrow rank copies each row's A: "
+        "kernels/cpu.py's grouped_lora_rows); the bytes each side reads (from the shapes, the "
+        "adapters' used width) over its time: "
+        + "; ".join(_rates(d, elsize) for d in decodes)
+        + f". To keep {GOAL} of the base, the adapters' part may take {1 / GOAL - 1:.2f} of "
+        "the base step, which asks of their bytes the rate named last.",
         "",
         "## Forward: loraplex against transformers on the same weights",
         "",
@@ -431,6 +513,17 @@ def markdown(result: dict, png: str | None) -> str:
     if png:
         lines += ["", f"![expert LoRA decode and MoE forward]({png})"]
     return "\n".join(lines) + "\n"
+
+
+def _rates(d: dict, elsize: int) -> str:
+    """Rank d's read rates (GB/s) of the experts' weights and of the adapters' A and B."""
+    b, lay = layer_bytes(d["rank"], elsize), d["layers"]
+    n, extra = lay["count"], lay["lora"] - lay["base"]
+    scale = 2**20 * n / 1e9 * 1e3  # MiB per layer / ms -> GB/s over all layers
+    lora_mib, base_step = b["lora_read_mib"], lay["step_base"]
+    return (f"rank {d['rank']}: experts {b['experts_mib'] * scale / lay['base']:.1f} GB/s, "
+            f"adapters {lora_mib * scale / extra:.1f} GB/s ({lora_mib * n:.1f} MiB), "
+            f"{lora_mib * scale / ((1 / GOAL - 1) * base_step):.1f} GB/s for the goal")  # fmt: skip
 
 
 def a3b_lora_share(rank: int) -> float:

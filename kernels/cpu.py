@@ -499,30 +499,48 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch._grouped_mm(xp, wp, offs=offs)[:, :n]
 
 
-def grouped_lora_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group: torch.Tensor,
+# The shrink of `grouped_lora_rows` reads A^T in place through embedding_bag while a row of the
+# table (the width read per input feature) is at least this many bytes; under it the
+# per-index cost of embedding_bag outweighs copying each row's whole A^T block.
+_SHRINK_ROW_BYTES = 32
+
+
+def grouped_lora_rows(x: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor, group: torch.Tensor,
                       width: int) -> torch.Tensor:  # fmt: skip
-    """delta[p] = (x[p] @ a[group[p], :width].T) @ b[group[p], :width]: each row through its own
-    group's LoRA (expert LoRA at a decode step: about one row per adapter slot x expert), the
-    per-row form of two `grouped_mm` calls that needs no sort by group.
+    """delta[p] = (x[p] @ a_t[group[p], :, :width]) @ b[group[p], :width]: each row through its
+    own group's LoRA (expert LoRA at a decode step: about one row per adapter slot x expert),
+    the per-row form of two `grouped_mm` calls that needs no sort by group.
 
-    Shape: x [P, K]; a [G, Wa, K] and b [G, Wb, N] contiguous (width <= Wa, Wb: a group's rows
-    past its own width are zeros); group [P] int64. Returns [P, N] in x's dtype.
+    Shape: x [P, K]; a_t [G, K, Wa] (each group's A transposed) and b [G, Wb, N], both
+    contiguous (width <= Wa, Wb: a group's A columns and B rows past its own width are zeros);
+    group [P] int64. Returns [P, N] in x's dtype.
 
-    Each row's A rows are one contiguous block of the stack, gathered as rows of a 2-D view
-    (a 3-D gather of a narrowed stack copies element by element); B is read in place by
-    embedding_bag (each output row a sum of its group's B rows scaled by the row's shrunk
-    values), so nothing of B is copied."""
-    p, (wa, k), (wb, n) = x.shape[0], a.shape[1:], b.shape[1:]
-    cols = torch.arange(width, device=x.device)
-    rows_a = (group.unsqueeze(1) * wa + cols).flatten()
-    rows_b = rows_a if wb == wa else (group.unsqueeze(1) * wb + cols).flatten()
-    ga = a.view(-1, k).index_select(0, rows_a).view(p, width, k)
-    xa = torch.matmul(x.unsqueeze(1), ga.transpose(1, 2)).squeeze(1)  # [P, width]
+    In float32 the stacks are read in place through embedding_bag, which sums table rows
+    scaled by per-row weights: the expand sums row p's `width` rows of B scaled by its shrunk
+    values; the shrink its K rows of A^T scaled by x[p], each row split at `width` where that
+    divides Wa, so the zero columns past it are not read. A narrow shrink (rank 2: a few bytes
+    per index) copies each row's A^T block instead and multiplies."""
+    p, (g, k, wa), (wb, n) = x.shape[0], a_t.shape, b.shape[1:]
+    dev = x.device
+    # int32 indices (half the bytes to write and read) while the tables' rows fit
+    index = torch.int32 if g * max(k * wa, wb) < 2**31 else torch.int64
+    group = group.to(index)
+    c = width if wa % width == 0 else wa
+    if x.dtype == a_t.dtype == torch.float32 and c * 4 >= _SHRINK_ROW_BYTES:
+        split = wa // c  # table rows per A^T row
+        rows = group.unsqueeze(1) * (k * split) + torch.arange(0, k * split, split, device=dev,
+                                                               dtype=index)  # fmt: skip
+        bags = torch.arange(0, p * k, k, device=dev, dtype=index)
+        xa = F.embedding_bag(rows.flatten(), a_t.view(-1, c), bags, mode="sum",
+                             per_sample_weights=x.flatten())[:, :width]  # fmt: skip
+    else:
+        xa = torch.matmul(x.unsqueeze(1), a_t.index_select(0, group)[:, :, :width]).squeeze(1)
     if xa.dtype == b.dtype == torch.float32:
-        bags = torch.arange(0, p * width, width, device=x.device)
-        return F.embedding_bag(rows_b, b.view(-1, n), bags, mode="sum",
+        rows = group.unsqueeze(1) * wb + torch.arange(width, device=dev, dtype=index)
+        bags = torch.arange(0, p * width, width, device=dev, dtype=index)
+        return F.embedding_bag(rows.flatten(), b.view(-1, n), bags, mode="sum",
                                per_sample_weights=xa.flatten())  # fmt: skip
-    gb = b.view(-1, n).index_select(0, rows_b).view(p, width, n)
+    gb = b.index_select(0, group)[:, :width]  # other dtypes: each row's B rows copied
     return torch.matmul(xa.unsqueeze(1), gb).squeeze(1)
 
 

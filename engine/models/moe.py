@@ -9,7 +9,10 @@ Expert LoRA takes the same path. Each adapter slot holds, per expert, the A and 
 expert's gate|up and down projections (`lora_gate_up_a` [slots, experts, width, hidden], ...).
 A row with adapter slot s routed to expert e belongs to the "virtual expert" s * experts + e,
 so one grouped matmul over slots x experts applies every row's own adapter delta (shrink, then
-expand) without building any weight per token; rows without an expert adapter skip it.
+expand) without building any weight per token; rows without an expert adapter skip it. On the
+CPU, a decode step (about one row per virtual expert) skips the grouping altogether: each row
+reads its own A and B rows in place (`cpu.grouped_lora_rows`), which is what a decode step with
+expert adapters costs beyond the base: the bytes of those rows.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ class _Virtual:
     v: torch.Tensor
     order: torch.Tensor | None = None
     offs: torch.Tensor | None = None
+
+
+def _rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t [..., width, in] as a transposed view of [..., in, width] memory (t's values)."""
+    if t is None or t.transpose(-1, -2).is_contiguous():
+        return t
+    out = torch.empty(*t.shape[:-2], t.shape[-1], t.shape[-2], dtype=t.dtype, device=t.device)
+    return out.transpose(-1, -2).copy_(t)
 
 
 def row_slots(segments: list[tuple[int, int, int]], rows: int, device) -> torch.Tensor:
@@ -79,6 +90,25 @@ class Experts(UsesBackend, nn.Module):
         self.lora_gate_up_widths: list[int] = []  # per slot: rows used in the gate|up stacks
         self.lora_down_widths: list[int] = []
 
+    # The A stacks are kept as transposed views of [slots, experts, in, width] memory (the
+    # adapter manager allocates [slots, experts, width, in] and writes slots through the view):
+    # the CPU's per-row form reads a row's A^T in place as `in` rows of its width.
+    @property
+    def lora_gate_up_a(self) -> torch.Tensor | None:
+        return self._lora_gate_up_a
+
+    @lora_gate_up_a.setter
+    def lora_gate_up_a(self, t: torch.Tensor | None) -> None:
+        self._lora_gate_up_a = _rows_of(t)
+
+    @property
+    def lora_down_a(self) -> torch.Tensor | None:
+        return self._lora_down_a
+
+    @lora_down_a.setter
+    def lora_down_a(self, t: torch.Tensor | None) -> None:
+        self._lora_down_a = _rows_of(t)
+
     def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Quantized experts (engine/quantization.py) replace the two base products."""
         return self.backend.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
@@ -98,8 +128,9 @@ class Experts(UsesBackend, nn.Module):
         s, e = a.shape[:2]
         if virt.order is None:  # the per-row form (see _virtual)
             xr = x if virt.rows is None else x[virt.rows]
-            delta = cpu.grouped_lora_rows(xr, a.view(s * e, *a.shape[2:]),
-                                          b.view(s * e, *b.shape[2:]), virt.v, width)  # fmt: skip
+            a_t = a.transpose(2, 3).reshape(s * e, a.shape[3], a.shape[2])  # a view (_rows_of)
+            b = b.view(s * e, *b.shape[2:])
+            delta = cpu.grouped_lora_rows(xr, a_t, b, virt.v, width)
             if virt.rows is None:
                 y.add_(delta.to(y.dtype))
             else:
@@ -150,9 +181,6 @@ class Experts(UsesBackend, nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def _stacks(self) -> tuple[torch.Tensor, ...]:
-        return (self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b)
-
     def _virtual(self, expert: torch.Tensor, lora: LoRABatch, token: torch.Tensor):
         """For pairs sorted by expert: which have an expert adapter, and each one's virtual
         expert (slot * experts + expert). On the CPU, while the pairs are about one per
@@ -180,7 +208,10 @@ class Experts(UsesBackend, nn.Module):
         counts = torch.bincount(v, minlength=n_virtual)
         per_row = (
             self.backend.which(expert) == "cpu"
-            and all(t.is_contiguous() for t in self._stacks())
+            and self.lora_gate_up_a.transpose(2, 3).is_contiguous()
+            and self.lora_down_a.transpose(2, 3).is_contiguous()
+            and self.lora_gate_up_b.is_contiguous()
+            and self.lora_down_b.is_contiguous()
             and n <= _ROWS_PER_VIRTUAL * int(torch.count_nonzero(counts))
         )
         if per_row:

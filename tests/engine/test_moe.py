@@ -404,3 +404,25 @@ def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch)
     assert per_row == (tokens == 6)
     for name, y in got.items():
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wa, width", [(16, 8), (8, 8), (12, 8), (4, 2), (6, 4)])
+def test_grouped_lora_rows(dtype, wa, width):
+    """kernels/cpu.grouped_lora_rows against each row's own matmuls: A^T read in place or
+    copied per row (narrow), split at the width or whole (a width that does not divide it)."""
+    from loraplex.kernels import cpu
+
+    gen = torch.Generator().manual_seed(3)
+    g, p, k, n = 12, 9, 16, 24
+    a_t = torch.randn(g, k, wa, generator=gen)
+    b = torch.randn(g, wa, n, generator=gen)
+    a_t[:, :, width:], b[:, width:] = 0, 0
+    x = torch.randn(p, k, generator=gen)
+    group = torch.randint(0, g, (p,), generator=gen)
+    want = torch.stack([x[i].double() @ a_t[j].double() @ b[j].double()
+                        for i, j in enumerate(group.tolist())])  # fmt: skip
+    got = cpu.grouped_lora_rows(x.to(dtype), a_t.to(dtype), b.to(dtype), group, width)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 4)
