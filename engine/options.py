@@ -76,7 +76,7 @@ class EngineOptions:
     )
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     max_batch_step_tokens: int = option(
-        32,
+        16,
         "tokens one step may give the Batch API's class: a request that arrives while a step "
         "runs waits for its end, so steps carrying batch work stay short",
         ge=1,

@@ -34,7 +34,8 @@ def add(sim: _Sim, prompt, *, batch: bool, max_tokens: int = 4, adapter=None, te
 
 
 def test_batch_fills_free_seats_and_yields_them_to_interactive(model_dir):
-    sched = make_scheduler(model_dir, num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    sched = make_scheduler(model_dir, num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_batch_step_tokens=64)  # fmt: skip
     sim = _Sim(sched)
     batch = [add(sim, p, batch=True, max_tokens=50) for p in random_prompts(1, 6, 4, 10)]
     sim.step()
