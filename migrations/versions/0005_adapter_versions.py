@@ -1,6 +1,7 @@
 """adapter versions and aliases: an upload under a taken name adds a version; aliases point
 at one version or split traffic between several; usage records name the version that
-answered; quotas get an optional monthly cap on Batch API tokens
+answered; quotas get an optional monthly cap on Batch API tokens; replicas write a heartbeat
+with their engine's live state
 
 Every existing adapter becomes version 1 of its name, and its name's `default` alias points
 at it, so requests naming it are answered as before.
@@ -61,9 +62,20 @@ def upgrade() -> None:
     )
     op.add_column("usage_records", sa.Column("adapter_version", sa.Integer(), nullable=True))
     op.add_column("quotas", sa.Column("batch_tokens_per_month", sa.BigInteger(), nullable=True))
+    op.create_table(
+        "replicas",
+        sa.Column("id", sa.String(length=64), nullable=False),
+        sa.Column("started_at", TIMESTAMP, nullable=False),
+        sa.Column("seen_at", TIMESTAMP, nullable=False),
+        sa.Column("state", sa.JSON(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_replicas")),
+    )
+    op.create_index(op.f("ix_replicas_seen_at"), "replicas", ["seen_at"])
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_replicas_seen_at"), table_name="replicas")
+    op.drop_table("replicas")
     with op.batch_alter_table("quotas") as batch:
         batch.drop_column("batch_tokens_per_month")
     with op.batch_alter_table("usage_records") as batch:

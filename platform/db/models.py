@@ -329,3 +329,15 @@ class BatchLine(Base):
     ok: Mapped[bool]
     result: Mapped[str] = mapped_column(Text)  # the JSON line of the output or error file
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Replica(Base):
+    """A server replica's heartbeat: its engine's live state, written every few seconds, so
+    that any replica's dashboard shows the whole fleet (a row not renewed is a gone replica)."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # host:port:pid
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    state: Mapped[dict] = mapped_column(JSON)  # the engine stats snapshot the overview shows
