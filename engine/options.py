@@ -79,6 +79,7 @@ class EngineOptions:
         16,
         "tokens one step may give the Batch API's class: a request that arrives while a step "
         "runs waits for its end, so steps carrying batch work stay short",
+        server=True,
         ge=1,
     )
     enable_prefix_caching: bool = option(

@@ -435,15 +435,17 @@ def latency_stats(
     adapter: str | None = None,
     base_model: bool = False,
 ) -> list[LatencyStats]:
-    """p50/p99 TTFT and TPOT (and p99 queue time) of the requests in [start, end), per time
-    bucket of `bucket_s` seconds (buckets without requests left out), per tenant or per
-    adapter name (the base model first); for one
+    """p50/p99 TTFT and TPOT (and p99 queue time) of the interactive requests in [start, end),
+    per time bucket of `bucket_s` seconds (buckets without requests left out), per tenant or
+    per adapter name (the base model first); for one
     tenant, one adapter name (`adapter`) or the base model only (`base_model`).
 
     PostgreSQL computes the percentiles itself (percentile_cont); on SQLite the timings are
     read and ranked here, with the same interpolation."""
     start, end = _as_utc(start), _as_utc(end)
-    where = _in_period(start, end)
+    # Interactive requests only: a Batch API line waits for idle capacity by design, and its
+    # latency would hide (or fake) the interactive latency these figures watch.
+    where = [*_in_period(start, end), UsageRecord.request_class == RequestClass.interactive.value]
     if tenant_id is not None:
         where.append(UsageRecord.tenant_id == tenant_id)
     if adapter is not None:
