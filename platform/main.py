@@ -37,6 +37,7 @@ from loraplex.platform.api.routes import (
 from loraplex.platform.batch_runner import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.metrics import Metrics
+from loraplex.platform.replicas import Heartbeat
 from loraplex.platform.security import new_admin_key
 from loraplex.platform.settings import Settings
 from loraplex.platform.state import AppState
@@ -132,6 +133,10 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
                     grace_s=settings.store_gc_grace_s,
                 )
             )
+        heartbeat = None
+        if settings.replica_heartbeat_s > 0:  # this replica's engine state, for every overview
+            heartbeat = Heartbeat(state, settings.replica_heartbeat_s)
+            beating = asyncio.create_task(heartbeat.run())
         runner = BatchRunner(state)  # Batch API jobs, on the capacity interactive work leaves
         batch_loop = asyncio.create_task(runner.run()) if settings.batch_max_active else None
         if load_model:
@@ -150,6 +155,9 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         deadline = asyncio.get_running_loop().time() + settings.shutdown_grace_s
         while state.inflight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
+        if heartbeat is not None:  # beats through the drain, gone with the engine
+            beating.cancel()
+            await asyncio.to_thread(heartbeat.stop)
         if state.engine is not None:
             state.engine.shutdown()
         state.cache.close()

@@ -94,6 +94,14 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         description="an unnamed object younger than this is kept: it may belong to an upload "
         "whose registry row is being written",
     )
+    replica_heartbeat_s: float = Field(
+        5.0,
+        ge=0,
+        description="how often each server writes its engine's live state (running, waiting, "
+        "KV cache, adapters) to the database, so that any replica's admin overview shows every "
+        "replica; a row unrenewed for 3 beats shows as stale; 0 = off (the overview shows only "
+        "the replica that answered)",
+    )
     shutdown_grace_s: float = Field(
         25.0,  # under Kubernetes' default terminationGracePeriodSeconds (30)
         ge=0,

@@ -23,6 +23,7 @@ from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.periods import last_day, period
+from loraplex.platform.replicas import STALE_BEATS, fleet, replica_id, snapshot
 from loraplex.platform.usage import BillingRow, GroupBy, UsageSummary
 
 router = APIRouter()
@@ -236,26 +237,39 @@ def replicas(state: StateDep, session: SessionDep) -> dict:
     """Each replica's live engine state: running and waiting requests, KV cache use, the
     adapters in its device slots, and when the state was read.
 
-    Replicas do not publish their engine state to the shared database (yet), so the list
-    holds the replica that answered; `shared` says so, and a fleet's page shows whichever
-    replica the load balancer picked. Every replica's state is in its own `/metrics`."""
+    The replica that answered reads its own engine now (`this`, first); the others come from
+    their heartbeat rows (`platform/replicas.py`), `seen_s_ago` seconds old and `stale` after
+    3 missed beats. `shared` says whether the list can hold other replicas: always on
+    PostgreSQL, on SQLite when another process beats into the same file. With the heartbeat
+    off (`replica_heartbeat_s` 0) the list holds the replica that answered alone."""
     now = utcnow()
-    row: dict = {"replica": socket.gethostname(), "ready": state.engine is not None,
-                 "alive": False, "updated_at": now.isoformat()}  # fmt: skip
-    if state.engine is not None:
-        s = state.engine.stats()
-        tenants = {t.id: t.name for t in crud.list_tenants(session)}
-        row |= {
-            "alive": s.alive,
-            "running": s.running,
-            "waiting": s.waiting,
-            "paused": s.paused,
-            "kv_usage": s.kv_usage,
-            "kv_blocks": s.kv_blocks,
-            "kv_blocks_used": s.kv_blocks_used,
-            "adapter_slots": s.adapter_slots,
-            "resident_adapters": [_served(n, tenants) for n in s.resident_adapters],
-            "host_adapters": s.adapters_in_host,
-            "adapters_loading": s.adapters_loading,
-        }
-    return {"shared": False, "data": [row]}
+    settings = state.settings
+    tenants = {t.id: t.name for t in crud.list_tenants(session)}
+
+    def shown(row: dict, **extra) -> dict:
+        names = row.get("resident_adapters")
+        if names is not None:
+            row = row | {"resident_adapters": [_served(n, tenants) for n in names]}
+        return row | extra
+
+    this = replica_id(settings)
+    rows = [shown(snapshot(state.engine), id=this, this=True, stale=False, seen_s_ago=0.0,
+                  updated_at=now.isoformat())]  # fmt: skip
+    beat_s = settings.replica_heartbeat_s
+    if beat_s <= 0:
+        return {"shared": False, "heartbeat_s": 0.0, "data": rows}
+    others = [r for r in fleet(session, stale_after_s=STALE_BEATS * beat_s, now=now)
+              if r["id"] != this]  # fmt: skip
+    rows += [
+        shown(
+            r["state"],
+            id=r["id"],
+            this=False,
+            stale=r["stale"],
+            seen_s_ago=r["seen_s_ago"],
+            updated_at=r["seen_at"].isoformat(),
+        )  # fmt: skip
+        for r in others
+    ]
+    shared = bool(others) or session.get_bind().dialect.name != "sqlite"
+    return {"shared": shared, "heartbeat_s": beat_s, "data": rows}

@@ -1,0 +1,65 @@
+"""The replica heartbeat's rows (platform/replicas.py) on SQLite and PostgreSQL: one row per
+replica however often it beats, stale after missed beats, deleted on shutdown or, for a
+replica that crashed, by a peer's beat."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import timedelta
+from types import SimpleNamespace
+
+from loraplex.platform import replicas
+from loraplex.platform.db.models import utcnow
+from loraplex.platform.db.session import make_sessionmaker
+from loraplex.platform.settings import Settings
+
+
+def test_beats_upsert_mark_stale_and_clean_up(session):
+    t0 = utcnow()
+    replicas.beat(session, "a:1:1", {"running": 1}, started_at=t0, now=t0)
+    replicas.beat(session, "b:2:2", {"running": 0}, started_at=t0, now=t0)
+    later = t0 + timedelta(seconds=20)
+    replicas.beat(session, "a:1:1", {"running": 3}, started_at=later, now=later)  # an upsert
+
+    rows = {r["id"]: r for r in replicas.fleet(session, stale_after_s=15, now=later)}
+    assert set(rows) == {"a:1:1", "b:2:2"}
+    assert rows["a:1:1"]["state"] == {"running": 3}
+    assert rows["a:1:1"]["started_at"] == t0  # kept from the first beat
+    assert (rows["a:1:1"]["stale"], rows["a:1:1"]["seen_s_ago"]) == (False, 0.0)
+    assert (rows["b:2:2"]["stale"], rows["b:2:2"]["seen_s_ago"]) == (True, 20.0)
+
+    gone = t0 + timedelta(seconds=replicas.GONE_S + 1)  # b crashed long ago: a's beat drops it
+    replicas.beat(session, "a:1:1", {}, started_at=t0, now=gone)
+    assert [r["id"] for r in replicas.fleet(session, stale_after_s=15, now=gone)] == ["a:1:1"]
+    replicas.remove(session, "a:1:1")
+    assert replicas.fleet(session, stale_after_s=15) == []
+
+
+def test_heartbeat_loop_survives_an_outage_and_stop_is_final(engine, caplog):
+    sessions = make_sessionmaker(engine)
+    broken = SimpleNamespace(settings=Settings(port=9), engine=None, sessions=_raise)
+    state = SimpleNamespace(settings=Settings(port=9), engine=None, sessions=sessions)
+
+    async def run(hb: replicas.Heartbeat) -> None:
+        task = asyncio.create_task(hb.run())
+        await asyncio.sleep(0.05)  # a few beats
+        task.cancel()
+
+    asyncio.run(run(replicas.Heartbeat(broken, 0.01)))
+    assert "replica heartbeat failed" in caplog.text
+
+    hb = replicas.Heartbeat(state, 0.01)
+    asyncio.run(run(hb))
+    with sessions() as s:
+        (row,) = replicas.fleet(s, stale_after_s=1)
+    assert row["id"] == hb.id and row["id"].endswith(f":9:{os.getpid()}")
+    assert row["state"] == {"replica": row["state"]["replica"], "ready": False, "alive": False}
+    hb.stop()
+    hb.beat_once()  # a beat still under way when the server stops writes nothing
+    with sessions() as s:
+        assert replicas.fleet(s, stale_after_s=1) == []
+
+
+def _raise():
+    raise ConnectionError("database down")
