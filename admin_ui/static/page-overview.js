@@ -93,18 +93,28 @@ function who(a) {
   return a.tenant === null ? a.adapter : `${a.tenant} / ${a.adapter}`;
 }
 
-// Replicas and cold loads: what the engine of the replica that answered counts, live.
+// Replicas and cold loads: every replica's engine state (the one that answered reads its own,
+// the others' come from their heartbeat rows); cold loads are what the answering one counts.
 async function engineSection(main) {
   const replicas = h("section", { class: "card", id: "replicas" });
   const loads = h("section", { class: "card", id: "cold-loads" });
   main.append(h("section", { id: "engine" }, h("h2", {}, "Engine"), replicas, loads));
 
+  function engine(x) {
+    if (x.stale) {
+      return h("span", { class: "badge expired", title: `no heartbeat for ${Math.round(x.seen_s_ago)} s` }, "stale");
+    }
+    return h("span", { class: `badge ${x.alive ? "ready" : "failed"}` },
+      x.alive ? "running" : x.ready ? "down" : "loading");
+  }
+
   async function reload() {
     const [r, l] = await Promise.all([api.get("/replicas"), api.get("/adapter-loads")]);
+    const stale = r.data.filter((x) => x.stale).length;
     replicas.replaceChildren(h("h2", {}, "Replicas"), table([
-      { label: "Replica", cell: (x) => x.replica },
-      { label: "Engine", cell: (x) => h("span", { class: `badge ${x.alive ? "ready" : "failed"}` },
-        x.alive ? "running" : x.ready ? "down" : "loading") },
+      { label: "Replica", cell: (x) => h("span", { title: x.replica }, x.id ?? x.replica,
+        x.this ? h("span", { class: "muted" }, " (this page's)") : null) },
+      { label: "Engine", cell: engine },
       { label: "Running", num: true, cell: (x) => number(x.running ?? 0) },
       { label: "Waiting", num: true, cell: (x) => number(x.waiting ?? 0) },
       { label: "KV cache", num: true, cell: (x) => (x.kv_usage === undefined ? "–" : pct(x.kv_usage)) },
@@ -112,8 +122,10 @@ async function engineSection(main) {
       { label: "Host memory", num: true, cell: (x) => number(x.host_adapters ?? 0) },
       { label: "As of", cell: (x) => new Date(x.updated_at).toLocaleTimeString() },
     ], r.data, "No replica answered."),
-    r.shared ? null : h("p", { class: "muted note" }, "Only the replica that answered this page: " +
-      "replicas do not share their engine state yet. Each replica's own is on its /metrics."));
+    r.heartbeat_s ? null : h("p", { class: "muted note" }, "Only the replica that answered this page: " +
+      "the replica heartbeat is off (replica_heartbeat_s = 0). Each replica's own state is on its /metrics."),
+    stale ? h("p", { class: "muted note" }, `${stale} replica(s) missed 3 heartbeats: stopped, crashed or cut off ` +
+      "from the database; their rows go after 10 minutes.") : null);
     const tiers = Object.entries(TIERS).filter(([t]) => l.tiers[t] && l.tiers[t].requests).map(([t, label]) =>
       `${number(l.tiers[t].requests)} ${label}` + (t === "device" ? "" : ` (mean ${ms(l.tiers[t].mean_ms)})`));
     loads.replaceChildren(h("h2", {}, "Cold loads"),

@@ -113,8 +113,8 @@ def test_latency_overview(page, ui_server, shots):
 
 
 def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
-    """The live engine section: this replica's state (with the note that replicas do not
-    share theirs) and the adapter that cold-loaded, with its load time, from the engine."""
+    """The live engine section: this replica's state (read from its engine, first; its peers'
+    come from their heartbeat rows) and the adapter that cold-loaded, with its load time."""
     _, key = ui_server.new_tenant("coldco")
     uploaded = upload_adapter(ui_server.url, key, "qv", tiny_adapters["llama"]["qv4"])
     assert uploaded.status_code == 201
@@ -133,7 +133,8 @@ def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
     replicas = page.locator("#replicas")
     expect(replicas.locator("td[data-label=Engine]")).to_have_text("running")
     expect(replicas.locator("td[data-label='In slots']")).to_contain_text("coldco / qv")
-    expect(replicas).to_contain_text("replicas do not share their engine state yet")
+    expect(replicas.locator("td[data-label=Replica]")).to_contain_text("(this page's)")
+    expect(replicas).not_to_contain_text("heartbeat is off")  # on by default: a fleet's list
     loads = page.locator("#cold-loads")
     row = loads.locator("tr", has_text="coldco")
     expect(row.locator("td[data-label=Adapter]")).to_contain_text("qv")
