@@ -144,3 +144,28 @@ def test_alias_changes_on_one_replica_steer_the_other_at_once(replicas):
     answered = dict(versions)
     # pinned 2, default 1, sticky 5 on B and 5 on A, promoted 1, rolled back 5
     assert set(answered) == {1, 2} and sum(answered.values()) == 19
+
+
+def test_each_replica_lists_both_engines_by_their_heartbeats(replicas):
+    a, b, _, _, _ = replicas
+
+    def listed(url: str) -> dict:
+        deadline = time.monotonic() + 10  # a beat every 0.5 s (fleet_settings)
+        while True:
+            r = httpx.get(f"{url}/admin/api/replicas", headers=auth(ADMIN_KEY), timeout=10)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            peers = [x for x in body["data"][1:] if not x["stale"]]
+            if peers or time.monotonic() > deadline:
+                return body
+            time.sleep(0.1)
+
+    for url, peer in ((a, b), (b, a)):
+        body = listed(url)
+        this, rows = body["data"][0], body["data"][1:]
+        assert body["shared"] is True and this["this"] is True, body
+        assert f":{url.rsplit(':', 1)[1]}:" in this["id"] and this["alive"], this
+        (other,) = [x for x in rows if f":{peer.rsplit(':', 1)[1]}:" in x["id"]]
+        assert other["this"] is False and other["stale"] is False and other["alive"], other
+        assert other["id"] != this["id"] and other["seen_s_ago"] < 1.5
+        assert {"running", "waiting", "kv_usage", "resident_adapters"} <= other.keys()

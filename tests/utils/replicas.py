@@ -76,6 +76,7 @@ def fleet_settings(model_dir: Path, pg_database_url: str, bucket: str, prefix: s
             LORAPLEX_ENGINE_THREADS="1",
             LORAPLEX_ENGINE_PROCESS="false",
             LORAPLEX_HOST="127.0.0.1",
+            LORAPLEX_REPLICA_HEARTBEAT_S="0.5",  # each sees the other's within a second
         )
 
 
