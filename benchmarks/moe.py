@@ -429,6 +429,8 @@ def markdown(result: dict, png: str | None) -> str:
             runs = ", ".join(f"{x:.0f}" for x in r["runs_tok_s"])
             lines.append(f"| {d['rank']} | {name} | {r['decode_tok_s']:.0f} | "
                          f"{r['vs_base']:.2f} | {runs} |")  # fmt: skip
+    if "compare" in result:
+        lines += _compare_lines(result)
     lines += ["", f"Goal: {max(result['adapters'])} expert adapters of rank 16 keep >= {GOAL} of "
               "the base's decode tokens/s at batch 32."]  # fmt: skip
     for d in decodes:
@@ -467,15 +469,17 @@ def markdown(result: dict, png: str | None) -> str:
         "excluded), run alone on the step's captured inputs without their adapters and with "
         f"them ({10 * result['repeats']} runs each, caches flushed before each run).",
         "",
-        "| rank | decode step, base | with 32 adapters | experts, base | experts with adapters "
-        "| adapters' part | that part over the base step | ratio it leaves |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| rank | decode step, base | with 32 adapters | vs base | experts, base "
+        "| experts with adapters | adapters' part | that part over the base step "
+        "| ratio it leaves |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for d in decodes:
         lay = d["layers"]
         base_ms, last_ms = lay["step_base"], lay["step_lora"]
         extra = lay["lora"] - lay["base"]
-        lines.append(f"| {d['rank']} | {base_ms:.1f} ms | {last_ms:.1f} ms | {lay['base']:.1f} ms "
+        lines.append(f"| {d['rank']} | {base_ms:.1f} ms | {last_ms:.1f} ms "
+                     f"| {base_ms / last_ms:.2f} | {lay['base']:.1f} ms "
                      f"| {lay['lora']:.1f} ms | {extra:.1f} ms | {extra / base_ms:.2f} "
                      f"| {base_ms / (base_ms + extra):.2f} |")  # fmt: skip
     lines += [
@@ -515,6 +519,26 @@ def markdown(result: dict, png: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compare_lines(result: dict) -> list[str]:
+    """This run's ratios beside an earlier run's (--compare), row by row."""
+    cmp = result["compare"]
+    lines = ["", f"Beside an earlier run ({cmp['label']}): `{cmp['command']}`", "",
+             "| rank | rows | vs base, earlier run | vs base, this run |",
+             "| ---: | --- | ---: | ---: |"]  # fmt: skip
+    for d in result["decode"]:
+        old = next((o for o in cmp["decode"] if o["rank"] == d["rank"]), None)
+        for r in d["rows"][1:]:
+            was = [o for o in (old or {"rows": []})["rows"] if o["adapters"] == r["adapters"]]
+            before = f"{was[0]['vs_base']:.2f}" if was else "-"
+            lines.append(f"| {d['rank']} | {r['adapters']} expert adapters | {before} | "
+                         f"{r['vs_base']:.2f} |")  # fmt: skip
+        if old and "layers" in old and "layers" in d:
+            cpu = [x["layers"]["step_base"] / x["layers"]["step_lora"] for x in (old, d)]
+            lines.append(f"| {d['rank']} | {d['rows'][-1]['adapters']} expert adapters, CPU time "
+                         f"of decode steps | {cpu[0]:.2f} | {cpu[1]:.2f} |")  # fmt: skip
+    return lines
+
+
 def _rates(d: dict, elsize: int) -> str:
     """Rank d's read rates (GB/s) of the experts' weights and of the adapters' A and B."""
     b, lay = layer_bytes(d["rank"], elsize), d["layers"]
@@ -552,12 +576,16 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", type=Path, default=CACHE_DIR)
     p.add_argument("--render", type=Path, default=None,
                    help="write the page from this --json file, measuring nothing")  # fmt: skip
+    p.add_argument("--compare", type=Path, default=None,
+                   help="an earlier run's --json: its decode ratios beside this run's")  # fmt: skip
+    p.add_argument("--compare-label", default="earlier run",
+                   help="what the earlier run measured (e.g. the commit)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__, _args).parse_args(argv)
     if args.render:
-        result = json.loads(args.render.read_text())
+        result = _with_compare(json.loads(args.render.read_text()), args)
         write_page(result, args.doc, plot_it=not args.no_plot)
         return
     if args.adapters[0] != 0:
@@ -597,7 +625,16 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    write_page(result, args.doc, plot_it=not args.no_plot)
+    write_page(_with_compare(result, args), args.doc, plot_it=not args.no_plot)
+
+
+def _with_compare(result: dict, args) -> dict:
+    """result with an earlier run's decode figures (--compare) beside its own."""
+    if args.compare is None:
+        return result
+    earlier = json.loads(args.compare.read_text())
+    return {**result, "compare": {"label": args.compare_label, "decode": earlier["decode"],
+                                  "command": earlier["command"]}}  # fmt: skip
 
 
 def _measuring(argv: list[str]) -> list[str]:
