@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
+from fastapi.testclient import TestClient
+
 from loraplex.platform import replicas
 from loraplex.platform.db.models import utcnow
-from loraplex.platform.db.session import make_sessionmaker
+from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+from loraplex.platform.main import create_app
 from loraplex.platform.settings import Settings
+from tests.utils.server import ADMIN_KEY
 
 
 def test_beats_upsert_mark_stale_and_clean_up(session):
@@ -63,3 +68,38 @@ def test_heartbeat_loop_survives_an_outage_and_stop_is_final(engine, caplog):
 
 def _raise():
     raise ConnectionError("database down")
+
+
+def test_the_app_beats_lists_its_peers_and_removes_its_row_on_shutdown(tmp_path):
+    settings = Settings(data_dir=tmp_path, model=str(tmp_path / "no-model"), admin_key=ADMIN_KEY,
+                        replica_heartbeat_s=5.0)  # fmt: skip
+    upgrade(settings.database_url)
+    db = make_engine(settings.database_url)
+    sessions = make_sessionmaker(db)
+    t0 = utcnow()
+    with sessions() as s:  # a live peer on the same SQLite file, and one that stopped beating
+        replicas.beat(s, "peer:1:1", {"replica": "peer", "alive": True, "running": 2,
+                                      "resident_adapters": ["7/qv"]}, started_at=t0)  # fmt: skip
+        replicas.beat(s, "old:1:1", {}, started_at=t0, now=t0 - timedelta(seconds=60))
+    app = create_app(settings, load_model=False)
+    this = replicas.replica_id(settings)
+    with TestClient(app) as client:
+        r = client.get("/admin/api/replicas", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (body["shared"], body["heartbeat_s"]) == (True, 5.0)
+        assert [(x["id"], x["this"], x["stale"]) for x in body["data"]] == [
+            (this, True, False), ("old:1:1", False, True), ("peer:1:1", False, False)]  # fmt: skip
+        peer = body["data"][2]
+        assert peer["running"] == 2 and peer["resident_adapters"] == [
+            {"adapter": "qv", "tenant_id": 7, "tenant": "7"}]  # fmt: skip
+        for _ in range(100):  # the first beat runs as the app starts
+            with sessions() as s:
+                if this in {x["id"] for x in replicas.fleet(s, stale_after_s=1)}:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no heartbeat row")
+    with sessions() as s:
+        assert {x["id"] for x in replicas.fleet(s, stale_after_s=1)} == {"old:1:1", "peer:1:1"}
+    db.dispose()
