@@ -111,7 +111,7 @@ async function engineSection(main) {
   async function reload() {
     const [r, l] = await Promise.all([api.get("/replicas"), api.get("/adapter-loads")]);
     const stale = r.data.filter((x) => x.stale).length;
-    replicas.replaceChildren(h("h2", {}, "Replicas"), table([
+    replicas.replaceChildren(...[h("h2", {}, "Replicas"), table([
       { label: "Replica", cell: (x) => h("span", { title: x.replica }, x.id ?? x.replica,
         x.this ? h("span", { class: "muted" }, " (this page's)") : null) },
       { label: "Engine", cell: engine },
@@ -125,7 +125,7 @@ async function engineSection(main) {
     r.heartbeat_s ? null : h("p", { class: "muted note" }, "Only the replica that answered this page: " +
       "the replica heartbeat is off (replica_heartbeat_s = 0). Each replica's own state is on its /metrics."),
     stale ? h("p", { class: "muted note" }, `${stale} replica(s) missed 3 heartbeats: stopped, crashed or cut off ` +
-      "from the database; their rows go after 10 minutes.") : null);
+      "from the database; their rows go after 10 minutes.") : null].filter(Boolean));
     const tiers = Object.entries(TIERS).filter(([t]) => l.tiers[t] && l.tiers[t].requests).map(([t, label]) =>
       `${number(l.tiers[t].requests)} ${label}` + (t === "device" ? "" : ` (mean ${ms(l.tiers[t].mean_ms)})`));
     loads.replaceChildren(h("h2", {}, "Cold loads"),

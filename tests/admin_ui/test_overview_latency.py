@@ -12,6 +12,7 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
+from loraplex.platform import replicas as heartbeat
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.usage import record_usage
@@ -127,13 +128,19 @@ def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
         refused = httpx.get(ui_server.url + path, headers={"Authorization": f"Bearer {key}"})
         assert refused.status_code in (401, 403), (path, refused.status_code)
 
+    gone = utcnow() - timedelta(minutes=1)  # a peer that stopped beating (default 5 s)
+    with ui_server.sessions() as session:
+        heartbeat.beat(session, "peer:8000:1", {"alive": True}, started_at=gone, now=gone)
+
     page.goto("/admin/login")
     page.fill("#admin_key", ADMIN_KEY)
     page.click("button[type=submit]")
     replicas = page.locator("#replicas")
-    expect(replicas.locator("td[data-label=Engine]")).to_have_text("running")
-    expect(replicas.locator("td[data-label='In slots']")).to_contain_text("coldco / qv")
-    expect(replicas.locator("td[data-label=Replica]")).to_contain_text("(this page's)")
+    engines = replicas.locator("td[data-label=Engine]")
+    expect(engines).to_have_text(["running", "stale"])  # this page's replica first
+    expect(replicas.locator("td[data-label='In slots']").first).to_contain_text("coldco / qv")
+    expect(replicas.locator("td[data-label=Replica]").first).to_contain_text("(this page's)")
+    expect(replicas).to_contain_text("1 replica(s) missed 3 heartbeats")
     expect(replicas).not_to_contain_text("heartbeat is off")  # on by default: a fleet's list
     loads = page.locator("#cold-loads")
     row = loads.locator("tr", has_text="coldco")
@@ -143,5 +150,7 @@ def test_replicas_and_cold_loads(page, ui_server, tiny_adapters, shots):
     expect(loads).to_contain_text("1 in a slot")
     expect(loads).to_contain_text("1 read from disk")
     _shoot(page, shots, "overview-engine")
+    with ui_server.sessions() as session:
+        heartbeat.remove(session, "peer:8000:1")
     assert page.watch.errors == []
     assert page.watch.foreign == []
