@@ -319,7 +319,7 @@ class BatchRunner:
                 group.create_task(worker())
 
     async def _serve(self, batch_id, caller, req, route, stop) -> tuple[bool, str]:
-        from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
+        from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 
         rid = f"{batch_id}-{req.line}"
         schema = ChatCompletionRequest if req.url == "/v1/chat/completions" else CompletionRequest

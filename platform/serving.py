@@ -28,8 +28,8 @@ from loraplex.platform.adapter_refs import AdapterRef, choose_version, parse_ref
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, RequestClass
 from loraplex.platform.errors import APIError
+from loraplex.platform.openai.tool_calls import Tool, plain_tool_messages, template_messages
 from loraplex.platform.state import AppState, Caller
-from loraplex.platform.tool_calls import Tool, plain_tool_messages, template_messages
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")

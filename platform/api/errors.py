@@ -21,9 +21,9 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from loraplex.platform.api.bodies import TextOnlyJSONBodies
 from loraplex.platform.api.deps import require_admin
 from loraplex.platform.errors import APIError, error_body
+from loraplex.platform.openai.bodies import TextOnlyJSONBodies
 
 log = logging.getLogger("loraplex.platform")
 

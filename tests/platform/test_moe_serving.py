@@ -20,7 +20,7 @@ import torch
 
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.platform.api.logprobs import token_text
+from loraplex.platform.openai.logprobs import token_text
 from loraplex.platform.uploads.validate import validate_adapter
 from tests.platform.test_quickstart import Serve
 from tests.utils.factories import make_adapter, make_tiny_model

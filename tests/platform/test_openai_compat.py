@@ -38,7 +38,7 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from loraplex.platform.api.schemas import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.utils.server import run_server
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from loraplex.platform.api.sse import MeteredEventStream
+from loraplex.platform.openai.sse import MeteredEventStream
 
 
 def _run(send_delay: float, disconnect_at_once: bool) -> tuple[list, list, list]:

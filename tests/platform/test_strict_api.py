@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from loraplex.platform.api.schemas import IGNORED_FIELDS, IGNORED_MESSAGE_FIELDS
+from loraplex.platform.openai.protocol import IGNORED_FIELDS, IGNORED_MESSAGE_FIELDS
 from tests.utils.server import ADMIN_KEY, run_server
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.platform.tool_calls import Tool, parse_tool_calls
-from loraplex.platform.tool_stream import ToolCallStream
+from loraplex.platform.openai.tool_calls import Tool, parse_tool_calls
+from loraplex.platform.openai.tool_stream import ToolCallStream
 
 TOOLS = [
     Tool.model_validate({"type": "function", "function": {"name": n}})

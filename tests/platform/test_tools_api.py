@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from loraplex.platform.tool_calls import (
+from loraplex.platform.openai.tool_calls import (
     ForcedCallStream,
     Tool,
     parse_tool_calls,

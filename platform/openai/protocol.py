@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from loraplex.engine.structured_output import grammar_spec
 from loraplex.platform.api.errors import APIError
-from loraplex.platform.api.structured import StructuredFields
-from loraplex.platform.tool_calls import (
+from loraplex.platform.openai.structured import StructuredFields
+from loraplex.platform.openai.tool_calls import (
     TOOL_MARKERS,
     Tool,
     ToolChoice,
@@ -363,7 +363,7 @@ class ChatCompletionRequest(_Common):
 
     @property
     def tool_mode(self) -> str | None:
-        """'auto', 'required', a function name, or None: see platform/tool_calls.py."""
+        """'auto', 'required', a function name, or None: see platform/openai/tool_calls.py."""
         return resolve_choice(self.tools, self.tool_choice)
 
     def kept_special_tokens(self) -> list[str] | None:

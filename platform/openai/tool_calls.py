@@ -19,8 +19,8 @@ Streamed: a forced call's `delta.tool_calls` come as it is written, as OpenAI se
 call's index, id, type and name once its name is complete, then its arguments piece by
 piece; `ForcedCallStream`); a call cut by max_tokens has streamed partial arguments and ends
 with finish_reason "length". With `auto` the content streams as it is written and each call
-comes once its text parses (`ToolCallStream`, platform/tool_stream.py), so a stream adds up to
-the unstreamed answer, a call cut by max_tokens included (text, in both).
+comes once its text parses (`ToolCallStream`, platform/openai/tool_stream.py), so a stream
+adds up to the unstreamed answer, a call cut by max_tokens included (text, in both).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[Too
       them, trailing whitespace stripped (None when empty).
 
     Every rule is decided by a prefix of the answer and what follows it, never by text
-    before it: `ToolCallStream` (platform/tool_stream.py) streams the same result.
+    before it: `ToolCallStream` (platform/openai/tool_stream.py) streams the same result.
     """
     names = {t.function.name for t in tools}
     stripped = text.strip()

@@ -1,10 +1,10 @@
 """A /v1/completions request with a list of prompts: one job (engine request, usage record)
 per prompt, all started before any is awaited so the engine batches them together.
 
-`JobGroup` stands in for one job and its service where a single job streams (the routes'
-`_respond` / `_sse`): it merges the prompts' outputs in arrival order, finishes every job, and
-gives each job the tokens of the events that carried its choices once they are delivered, so
-each prompt's usage record holds exactly what its client received.
+`JobGroup` stands in for one job and its service where a single job streams (`AnswerStream`,
+platform/openai/streaming.py): it merges the prompts' outputs in arrival order, finishes every
+job, and gives each job the tokens of the events that carried its choices once they are
+delivered, so each prompt's usage record holds exactly what its client received.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ unstreamed answer: a call's pieces are sent only once it can no longer turn into
 
 from __future__ import annotations
 
-from loraplex.platform.tool_calls import (
+from loraplex.platform.openai.tool_calls import (
     HERMES_CLOSE,
     HERMES_OPEN,
     TAIL_MARKERS,

@@ -1,6 +1,6 @@
 """Logprobs in the shapes clients read: OpenAI's legacy completions `logprobs` object (with
 `echo`: the prompt's tokens first, the first one without a logprob) and vLLM's
-`prompt_logprobs` list.
+`prompt_logprobs` list, and the chat answer's `logprobs.content`.
 
 `text_offset` gives each token's first character in the choice's text, the echoed prompt
 included. Offsets come from the same incremental detokenization that writes the text, so
@@ -10,8 +10,9 @@ character, or a special token left out of the text (a BOS), takes no characters.
 
 from __future__ import annotations
 
-from loraplex.engine.outputs import PromptLogprobs
+from loraplex.engine.outputs import PromptLogprobs, RequestOutput
 from loraplex.engine.tokenizer import Tokenizer
+from loraplex.platform.openai.responses import ChatLogprobs, TokenLogprob, TopLogprob
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:
@@ -99,3 +100,25 @@ def vllm_prompt_logprobs(
 
 def _logprob(tok: Tokenizer, token_id: int, logprob: float, rank: int) -> dict:
     return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tok, token_id)}
+
+
+def chat_logprobs(
+    tok: Tokenizer, out: RequestOutput, start: int, end: int, top: int, index: int = 0
+) -> ChatLogprobs | None:
+    """Choice `index`'s chat `logprobs` for its tokens [start, end): each token with its
+    logprob, its UTF-8 bytes and the `top` most likely alternatives (None: not asked for)."""
+    lps = out.outputs[index].logprobs
+    if lps is None:
+        return None
+    content = []
+    for t, e in zip(out.outputs[index].token_ids[start:end], lps[start:end], strict=True):
+        text = token_text(tok, t)
+        alts = sorted(e.items(), key=lambda kv: -kv[1])[:top]
+        tops = []
+        for k, v in alts:
+            alt = token_text(tok, k)
+            tops.append(TopLogprob(token=alt, logprob=v, bytes=list(alt.encode())))
+        content.append(
+            TokenLogprob(token=text, logprob=e.get(t), bytes=list(text.encode()), top_logprobs=tops)
+        )
+    return ChatLogprobs(content=content)
