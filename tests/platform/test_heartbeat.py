@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 
+import hypothesis
 from fastapi.testclient import TestClient
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from sqlalchemy import delete
 
 from loraplex.platform import replicas
-from loraplex.platform.db.models import utcnow
+from loraplex.platform.db.models import Replica, utcnow
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from loraplex.platform.main import create_app
 from loraplex.platform.settings import Settings
@@ -103,3 +107,53 @@ def test_the_app_beats_lists_its_peers_and_removes_its_row_on_shutdown(tmp_path)
     with sessions() as s:
         assert {x["id"] for x in replicas.fleet(s, stale_after_s=1)} == {"old:1:1", "peer:1:1"}
     db.dispose()
+
+
+class HeartbeatRows(RuleBasedStateMachine):
+    """Replicas beating, stopping, and going silent (a crash) while the clock moves: the rows
+    are always those of replicas that beat within GONE_S of the latest beat and did not stop,
+    each with its first beat's start, stale exactly when silent for more than STALE_S."""
+
+    STALE_S = 15.0
+
+    def __init__(self, session):
+        super().__init__()
+        self.session = session
+        session.execute(delete(Replica))
+        session.commit()
+        self.now = utcnow()
+        self.model: dict[str, tuple[datetime, datetime]] = {}  # id: (started, seen)
+
+    @rule(rid=st.sampled_from(["a:1:1", "b:1:2", "c:1:3"]), n=st.integers(0, 9))
+    def beat(self, rid, n):
+        replicas.beat(self.session, rid, {"running": n}, started_at=self.now, now=self.now)
+        started = self.model.get(rid, (self.now, None))[0]
+        self.model[rid] = (started, self.now)
+        cutoff = self.now - timedelta(seconds=replicas.GONE_S)
+        self.model = {k: v for k, v in self.model.items() if v[1] >= cutoff}
+
+    @rule(rid=st.sampled_from(["a:1:1", "b:1:2", "c:1:3"]))
+    def stop(self, rid):
+        replicas.remove(self.session, rid)
+        self.model.pop(rid, None)
+
+    @rule(seconds=st.sampled_from([1, 10, 100, 500]))
+    def advance(self, seconds):
+        self.now += timedelta(seconds=seconds)
+
+    @invariant()
+    def rows_match(self):
+        rows = replicas.fleet(self.session, stale_after_s=self.STALE_S, now=self.now)
+        expected = sorted(self.model.items(), key=lambda kv: (kv[1][0], kv[0]))
+        assert [(r["id"], r["started_at"], r["seen_at"]) for r in rows] == [
+            (k, started, seen) for k, (started, seen) in expected
+        ]
+        for r in rows:
+            assert r["stale"] == ((self.now - r["seen_at"]).total_seconds() > self.STALE_S)
+
+
+def test_heartbeat_rows_under_any_interleaving(session):
+    run_state_machine_as_test(
+        lambda: HeartbeatRows(session),
+        settings=hypothesis.settings(max_examples=25, stateful_step_count=12, deadline=None),
+    )
