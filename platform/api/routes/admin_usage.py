@@ -268,7 +268,7 @@ def replicas(state: StateDep, session: SessionDep) -> dict:
             stale=r["stale"],
             seen_s_ago=r["seen_s_ago"],
             updated_at=r["seen_at"].isoformat(),
-        )  # fmt: skip
+        )
         for r in others
     ]
     shared = bool(others) or session.get_bind().dialect.name != "sqlite"
