@@ -189,3 +189,50 @@ class ChatCompletionChunk(_Answer):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | MISSING = MISSING
+
+
+# ---------------------------------------------------------------------------- models
+class ModelPermission(_Answer):
+    """vLLM's `ModelPermission`, which clients written against it may read."""
+
+    id: str
+    object: Literal["model_permission"]
+    created: int
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: str | None
+    is_blocking: bool
+
+
+class MixtureOfExperts(_Answer):
+    num_experts: int
+    experts_per_token: int
+
+
+class Architecture(_Answer):
+    """Our extension: what the base model is, so what an adapter must have been trained on."""
+
+    family: str
+    mixture_of_experts: MixtureOfExperts | None  # null for a dense model
+
+
+class ModelCard(_Answer):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int | None
+    permission: list[ModelPermission]
+    architecture: Architecture | None  # null while the model loads
+
+
+class ModelList(_Answer):
+    object: Literal["list"]
+    data: list[ModelCard]

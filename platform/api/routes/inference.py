@@ -19,14 +19,23 @@ from loraplex.platform.db.models import AdapterStatus
 from loraplex.platform.openai.chat import serve_chat
 from loraplex.platform.openai.completions import serve_completion
 from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loraplex.platform.openai.responses import ChatCompletion, Completion
+from loraplex.platform.openai.responses import (
+    ChatCompletion,
+    Completion,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+)
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=API_ERRORS)
 # JSON, or server-sent events with "stream": true.
 _STREAMABLE = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+# A typed answer is written by JSONResponse (json.dumps) rather than FastAPI's pydantic fast
+# path, whose float spelling differs ("1e-7" for Python's "1e-07"): the same bytes as always.
+_TYPED = {"response_class": JSONResponse}
 
 
-@router.get("/models")
+@router.get("/models", response_model=ModelList, **_TYPED)
 def list_models(state: StateDep, caller: CallerDep):
     """The base model and the caller's ready adapters as vLLM's model cards: the base has
     `root` = its name (never its folder: a server path) and `parent` null; an adapter has
@@ -36,13 +45,9 @@ def list_models(state: StateDep, caller: CallerDep):
     base = state.model_name
     limit = state.engine.config.max_model_len if state.engine is not None else None
     arch = architecture(state.spec)
-
-    def card(id_: str, created: int, owned_by: str, root: str, parent: str | None) -> dict:
-        return {"id": id_, "object": "model", "created": created, "owned_by": owned_by,
-                "root": root, "parent": parent, "max_model_len": limit,
-                "permission": [_permission(created)], "architecture": arch}  # fmt: skip
-
-    data = [card(base, created, "loraplex", base, None)]
+    common = {"object": "model", "max_model_len": limit, "architecture": arch}
+    data = [ModelCard(id=base, created=created, owned_by="loraplex", root=base, parent=None,
+                      permission=[_permission(created)], **common)]  # fmt: skip
     with state.sessions() as session:
         # One card per name (its versions are in /v1/adapters; `name@vN` serves any of them),
         # dated by its first version, rooted in its newest.
@@ -52,9 +57,10 @@ def list_models(state: StateDep, caller: CallerDep):
                 names.setdefault(a.name, []).append(a)
         for name, versions in names.items():
             at = int(versions[0].created_at.timestamp())
-            root = f"sha256:{versions[-1].sha256}"
-            data.append(card(name, at, caller.tenant.name, root, base))
-    return {"object": "list", "data": data}
+            data.append(ModelCard(id=name, created=at, owned_by=caller.tenant.name,
+                                  root=f"sha256:{versions[-1].sha256}", parent=base,
+                                  permission=[_permission(at)], **common))  # fmt: skip
+    return ModelList(object="list", data=data)
 
 
 def architecture(spec) -> dict | None:
@@ -70,19 +76,15 @@ def architecture(spec) -> dict | None:
     return {"family": spec.family, "mixture_of_experts": moe}
 
 
-def _permission(created: int) -> dict:
-    """vLLM's `ModelPermission`, which clients written against it may read: what a tenant's key
-    may do with the model (sample and read logprobs; no fine-tuning through this API)."""
-    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-            "created": created, "allow_create_engine": False, "allow_sampling": True,
-            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-            "allow_fine_tuning": False, "organization": "*", "group": None,
-            "is_blocking": False}  # fmt: skip
-
-
-# A typed answer is written by JSONResponse (json.dumps) rather than FastAPI's pydantic fast
-# path, whose float spelling differs ("1e-7" for Python's "1e-07"): the same bytes as always.
-_TYPED = {"response_class": JSONResponse}
+def _permission(created: int) -> ModelPermission:
+    """What a tenant's key may do with the model: sample and read logprobs; no fine-tuning
+    through this API."""
+    return ModelPermission(
+        id=f"modelperm-{uuid.uuid4().hex}", object="model_permission", created=created,
+        allow_create_engine=False, allow_sampling=True, allow_logprobs=True,
+        allow_search_indices=False, allow_view=True, allow_fine_tuning=False,
+        organization="*", group=None, is_blocking=False,
+    )  # fmt: skip
 
 
 @router.post("/completions", response_model=Completion, responses=_STREAMABLE, **_TYPED)
