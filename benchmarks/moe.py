@@ -25,11 +25,11 @@ their slots by a warm-up run first, so no run pays for loading; the scenarios al
 every repeat (ABC, CBA, ...), each repeat with fresh prompts; the figure is the median, the
 ratio the median scenario tokens/s over the median base tokens/s.
 
-Where the time goes (layer_times, per rank): CPU time of the benchmark's thread, which a shared
-machine's other processes do not add to, for decode steps with no adapter and with 32; and the
-routed layers' experts of one such step run alone on its captured inputs, with and without
-their adapters, caches flushed before each run; with the bytes each side reads (layer_bytes),
-their read rates and the rate the adapters' bytes would need for the goal.
+Where the time goes (layer_times, per rank): the routed layers' experts of one decode step with
+32 adapters run alone on its captured inputs, with and without their adapters, caches flushed
+before each run, in CPU time of the benchmark's thread (which a shared machine's other
+processes do not add to); with the bytes each side reads (layer_bytes), their read rates and
+the rate the adapters' bytes would need for the goal.
 
 Forward: the same weights in transformers (its default experts implementation, and its eager
 loop over experts) and in our engine, in the engine's compute dtype: the MoE layer alone at
@@ -202,11 +202,11 @@ def decode_figures(args, base: Path, adapters: list[Path], rank: int) -> dict:
 
 
 def layer_times(llm, loras: list, repeats: int) -> dict:
-    """Where a decode step's time goes, in CPU time of this thread (a shared machine's other
-    processes take no part of it; medians in ms): decode steps of batch 32 with no adapter and
-    with `loras`; and the routed layers' experts (router excluded) of one such step with
-    `loras`, run alone on its captured inputs without their adapters and with them, caches
-    flushed before each run, the two alternating."""
+    """Where a decode step's time goes: the routed layers' experts (router excluded) of one
+    decode step of batch 32 with `loras`, run alone on its captured inputs without their
+    adapters and with them, the two alternating, caches flushed before each run; CPU time of
+    this thread (a shared machine's other processes do not add to it), median ms of all the
+    layers together."""
     from loraplex.engine import SamplingParams
     from loraplex.engine.models import moe
 
@@ -216,24 +216,17 @@ def layer_times(llm, loras: list, repeats: int) -> dict:
         captured.append((self, x.clone(), experts.clone(), weights.clone(), lora))
         return real(self, x, experts, weights, lora)
 
-    steps = {}
-    for name, rows in (("step_base", [None] * len(loras)), ("step_lora", loras)):
-        params = SamplingParams(temperature=0.0, max_tokens=repeats + 2, ignore_eos=True)
-        for i, (prompt, lora) in enumerate(zip(_prompts(20_000), rows, strict=True)):
-            engine.add_request(f"layers-{name}-{i}", prompt, params, lora)
-        engine.step()  # the prefill
-        if name == "step_lora":
-            moe.Experts.forward = capture
-            try:
-                engine.step()  # one decode step
-            finally:
-                moe.Experts.forward = real
-        cpu = []
-        while engine.has_unfinished():
-            t = time.thread_time()
-            engine.step()
-            cpu.append(time.thread_time() - t)
-        steps[name] = 1e3 * statistics.median(cpu[:-1])  # the last step finishes
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, (prompt, lora) in enumerate(zip(_prompts(20_000), loras, strict=True)):
+        engine.add_request(f"layers-{i}", prompt, params, lora)
+    engine.step()  # the prefill
+    moe.Experts.forward = capture
+    try:
+        engine.step()  # one decode step
+    finally:
+        moe.Experts.forward = real
+    while engine.has_unfinished():
+        engine.step()
     flush = torch.empty(64 * 2**20 // 4)
     times: dict[str, list[float]] = {"base": [], "lora": []}
     with torch.inference_mode():
@@ -244,8 +237,7 @@ def layer_times(llm, loras: list, repeats: int) -> dict:
                 for ex, x, experts, weights, lora in captured:
                     ex(x, experts, weights, lora if name == "lora" else None)
                 times[name].append(time.thread_time() - t)
-    medians = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    return {"count": len(captured), **medians, **steps}
+    return {"count": len(captured), **{k: 1e3 * statistics.median(v) for k, v in times.items()}}
 
 
 def layer_bytes(rank: int, elsize: int) -> dict:
@@ -463,23 +455,23 @@ def markdown(result: dict, png: str | None) -> str:
         "(twice the rank wide, for gate and up with an A each): PEFT's fused adapters share "
         "one A, so the columns read are about half the gate|up figures above.",
         "",
-        "Where the time goes, in CPU time of the benchmark's thread (medians): decode steps "
-        f"of batch {BATCH} without adapters and with 32 (one per row); and the "
-        f"{first['layers']['count']} routed layers' experts of one such step (router "
-        "excluded), run alone on the step's captured inputs without their adapters and with "
-        f"them ({10 * result['repeats']} runs each, caches flushed before each run).",
+        "Where the time goes: a decode step of the table above (its median tokens/s over the "
+        f"batch of {BATCH}); and the {first['layers']['count']} routed layers' experts of one "
+        "decode step with 32 adapters (one per row; router excluded), run alone on the step's "
+        f"captured inputs without their adapters and with them ({10 * result['repeats']} runs "
+        "each, alternating, caches flushed before each run; median CPU time of the benchmark's "
+        "thread, which other processes do not add to).",
         "",
-        "| rank | decode step, base | with 32 adapters | vs base | experts, base "
+        "| rank | decode step, base | with 32 adapters | experts, base "
         "| experts with adapters | adapters' part | that part over the base step "
         "| ratio it leaves |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for d in decodes:
         lay = d["layers"]
-        base_ms, last_ms = lay["step_base"], lay["step_lora"]
+        base_ms, last_ms = (1e3 * BATCH / d["rows"][i]["decode_tok_s"] for i in (0, -1))
         extra = lay["lora"] - lay["base"]
-        lines.append(f"| {d['rank']} | {base_ms:.1f} ms | {last_ms:.1f} ms "
-                     f"| {base_ms / last_ms:.2f} | {lay['base']:.1f} ms "
+        lines.append(f"| {d['rank']} | {base_ms:.1f} ms | {last_ms:.1f} ms | {lay['base']:.1f} ms "
                      f"| {lay['lora']:.1f} ms | {extra:.1f} ms | {extra / base_ms:.2f} "
                      f"| {base_ms / (base_ms + extra):.2f} |")  # fmt: skip
     lines += [
@@ -490,7 +482,8 @@ def markdown(result: dict, png: str | None) -> str:
         "adapters' used width) over its time: "
         + "; ".join(_rates(d, elsize) for d in decodes)
         + f". To keep {GOAL} of the base, the adapters' part may take {1 / GOAL - 1:.2f} of "
-        "the base step, which asks of their bytes the rate named last.",
+        "the base step, which asks of their bytes the rate named last."
+        + "".join(_short(d, elsize) for d in decodes),
         "",
         "## Forward: loraplex against transformers on the same weights",
         "",
@@ -533,10 +526,36 @@ def _compare_lines(result: dict) -> list[str]:
             lines.append(f"| {d['rank']} | {r['adapters']} expert adapters | {before} | "
                          f"{r['vs_base']:.2f} |")  # fmt: skip
         if old and "layers" in old and "layers" in d:
-            cpu = [x["layers"]["step_base"] / x["layers"]["step_lora"] for x in (old, d)]
-            lines.append(f"| {d['rank']} | {d['rows'][-1]['adapters']} expert adapters, CPU time "
-                         f"of decode steps | {cpu[0]:.2f} | {cpu[1]:.2f} |")  # fmt: skip
+            part = [x["layers"]["lora"] - x["layers"]["base"] for x in (old, d)]
+            lines.append(f"| {d['rank']} | {d['rows'][-1]['adapters']} expert adapters: the "
+                         f"adapters' part of the experts' time (below) | {part[0]:.1f} ms | "
+                         f"{part[1]:.1f} ms |")  # fmt: skip
     return lines
+
+
+def _short(d: dict, elsize: int) -> str:
+    """A sentence for a rank whose adapters' bytes are read slower than the goal needs."""
+    b, lay = layer_bytes(d["rank"], elsize), d["layers"]
+    base_step = 1e3 * BATCH / d["rows"][0]["decode_tok_s"]
+    need = b["lora_read_mib"] / ((1 / GOAL - 1) * base_step)
+    have = b["lora_read_mib"] / (lay["lora"] - lay["base"])
+    experts, k = b["experts_mib"] / lay["base"], TINY_A3B["num_experts_per_tok"]
+    if have >= need:
+        return ""
+    return (f" Rank {d['rank']} would need its adapters' bytes read {need / have:.1f} times as "
+            f"fast as they are, {need / experts:.1f} times the rate of the experts' own weights, "
+            "while each row's A and B are already read once, in place: its bytes, not a fixed "
+            "cost per layer, keep it under the goal. Fewer adapters save little of them: the "
+            f"{BATCH * k} (row, expert) pairs of 4 adapters (8 rows each) still touch about "
+            f"{_distinct(4):.0f} distinct A and B on average, against {_distinct(32):.0f} "
+            "for 32.")  # fmt: skip
+
+
+def _distinct(adapters: int) -> float:
+    """Expected distinct (adapter, expert) pairs of a decode step of batch 32 whose rows are
+    spread evenly over `adapters` adapters, each row routed to top-k of the experts."""
+    e, k = TINY_A3B["num_experts"], TINY_A3B["num_experts_per_tok"]
+    return adapters * e * (1 - (1 - k / e) ** (BATCH / adapters))
 
 
 def _rates(d: dict, elsize: int) -> str:
@@ -544,7 +563,7 @@ def _rates(d: dict, elsize: int) -> str:
     b, lay = layer_bytes(d["rank"], elsize), d["layers"]
     n, extra = lay["count"], lay["lora"] - lay["base"]
     scale = 2**20 * n / 1e9 * 1e3  # MiB per layer / ms -> GB/s over all layers
-    lora_mib, base_step = b["lora_read_mib"], lay["step_base"]
+    lora_mib, base_step = b["lora_read_mib"], 1e3 * BATCH / d["rows"][0]["decode_tok_s"]
     return (f"rank {d['rank']}: experts {b['experts_mib'] * scale / lay['base']:.1f} GB/s, "
             f"adapters {lora_mib * scale / extra:.1f} GB/s ({lora_mib * n:.1f} MiB), "
             f"{lora_mib * scale / ((1 / GOAL - 1) * base_step):.1f} GB/s for the goal")  # fmt: skip
