@@ -11,18 +11,24 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from loraplex.engine.adapter_manager import AdapterUnavailable
-from loraplex.engine.async_engine import EngineDeadError
-from loraplex.engine.lora import AdapterError
-from loraplex.engine.outputs import RequestOutput
-from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.sequence import PRIORITY_BATCH, PRIORITY_INTERACTIVE, LoRARequest
+from loraplex.engine import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    AdapterError,
+    AdapterUnavailable,
+    BadRequestError,
+    EngineDeadError,
+    EngineError,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
 from loraplex.platform import quotas, tracing, usage
 from loraplex.platform.adapter_refs import AdapterRef, choose_version, parse_ref
 from loraplex.platform.db import crud
@@ -33,9 +39,6 @@ from loraplex.platform.state import AppState, Caller
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
-_ENGINE_CHECKED_FIELDS = frozenset({"logit_bias", "max_tokens", "min_tokens", "prompt", "messages"})
-
-
 def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
     """The documented plain chat format for base models without a chat template."""
     parts = []
@@ -135,6 +138,57 @@ def _adapter_tier(engine, lora_name: str) -> str:
     if lora_name in stats.resident_adapters:
         return "device"
     return "host" if lora_name in stats.host_adapters else "disk"
+
+
+def _adapter_unavailable(e: Exception, job: Job) -> APIError:
+    # Disk or store trouble: retrying may work. The cause names cache folders: the log gets
+    # it, the tenant what to do.
+    log.warning("adapter %s could not be read: %s", job.lora and job.lora.lora_name, e)
+    msg = f"adapter '{job.model}' could not be read on this server; retry later"
+    return APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"})
+
+
+def _engine_dead(e: Exception, job: Job) -> APIError:
+    # The server exits (and is restarted) once requests end.
+    msg = "the engine stopped while serving this request; retry on another replica"
+    return APIError(503, msg, "engine_unavailable")
+
+
+def _adapter_invalid(e: Exception, job: Job) -> APIError:
+    if job.lora is not None and not os.path.isdir(job.lora.lora_path):
+        # Its cached copy went between lookup and load (evicted by another process sharing
+        # the cache folder): the adapter is fine, and the next try fetches it.
+        msg = f"adapter '{job.model}' was removed from the disk cache meanwhile; retry"
+        return APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "1"})
+    # The engine's reason names the cached folder: the log gets it whole; the tenant the
+    # reason with server paths cut (the upload checks made it servable, so this is rare).
+    log.warning("adapter %s cannot be served: %s", job.lora and job.lora.lora_name, e)
+    reason = str(e).replace(job.lora.lora_path, "<adapter>") if job.lora else str(e)
+    return APIError(422, f"adapter '{job.model}' cannot be served: {reason}", "invalid_adapter")
+
+
+def _bad_request(e: Exception, job: Job) -> APIError:
+    # The engine's checks that need the model; a chat request's prompt is its messages.
+    param = getattr(e, "param", None)
+    param = "messages" if param == "prompt" and job.route == "chat" else param
+    return APIError(400, str(e), "invalid_value", param)
+
+
+# The one table from the engine's error types (engine/errors.py) to what a client gets;
+# the first entry the error is an instance of answers.
+ENGINE_ERRORS: tuple[tuple[type[EngineError], Callable[[Exception, Job], APIError]], ...] = (
+    (AdapterUnavailable, _adapter_unavailable),
+    (EngineDeadError, _engine_dead),
+    (AdapterError, _adapter_invalid),
+    (BadRequestError, _bad_request),
+)
+
+
+def engine_error(e: EngineError, job: Job) -> APIError:
+    for kind, answer in ENGINE_ERRORS:
+        if isinstance(e, kind):
+            return answer(e, job)
+    return APIError(503, "the engine could not serve this request; retry", "engine_unavailable")
 
 
 class InferenceService:
@@ -275,8 +329,12 @@ class InferenceService:
                 "max_tokens",
             )
         estimate = len(prompt_ids) + max_new * params.num_samples  # n / best_of: each sample
+        line = BATCH_LINE.get()
+        request_class = RequestClass.batch if line else RequestClass.interactive
         charging = time.monotonic()
-        decision = await asyncio.to_thread(self._charge, caller.tenant.id, estimate)
+        decision = await asyncio.to_thread(
+            self._charge, caller.tenant.id, estimate, request_class
+        )
         tracing.phase(
             "quota", charging, time.monotonic(), allowed=decision.allowed, reserved=estimate
         )
@@ -286,12 +344,11 @@ class InferenceService:
             raise APIError(
                 429, decision.reason or "quota exceeded", "rate_limit_exceeded", headers=headers
             )
-        line = BATCH_LINE.get()
         return Job(
             request_id=line.request_id
             if line
             else f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-            request_class=RequestClass.batch.value if line else RequestClass.interactive.value,
+            request_class=request_class.value,
             caller=caller,
             route=route,
             model=model,
@@ -304,9 +361,11 @@ class InferenceService:
             charged_at=time.time(),
         )
 
-    def _charge(self, tenant_id: int, tokens: int):
+    def _charge(self, tenant_id: int, tokens: int, request_class: RequestClass):
         with self.state.sessions() as session:
-            return quotas.check_and_charge(session, tenant_id, tokens=tokens)
+            return quotas.check_and_charge(
+                session, tenant_id, tokens=tokens, request_class=request_class
+            )
 
     # ---------------------------------------------------------------- running
     async def outputs(self, job: Job, stream: bool = False) -> AsyncIterator[RequestOutput]:
@@ -353,39 +412,12 @@ class InferenceService:
                         continue
                     out, held, handed = _merged(held), [], made
                 yield out
-        except AdapterUnavailable as e:  # disk or store trouble: retrying may work
+        except EngineError as e:  # the engine's typed errors: ENGINE_ERRORS says the answer
             job.status = "error"
-            # The cause names cache folders: the log gets it, the tenant what to do.
-            log.warning("adapter %s could not be read: %s", job.lora and job.lora.lora_name, e)
-            msg = f"adapter '{job.model}' could not be read on this server; retry later"
-            raise APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"}) from None
-        except EngineDeadError:  # the server exits (and is restarted) once requests end
+            raise engine_error(e, job) from None
+        except ValueError as e:  # any other input the engine refused
             job.status = "error"
-            msg = "the engine stopped while serving this request; retry on another replica"
-            raise APIError(503, msg, "engine_unavailable") from None
-        except AdapterError as e:
-            job.status = "error"
-            if job.lora is not None and not os.path.isdir(job.lora.lora_path):
-                # Its cached copy went between lookup and load (evicted by another process
-                # sharing the cache folder): the adapter is fine, and the next try fetches it.
-                msg = f"adapter '{job.model}' was removed from the disk cache meanwhile; retry"
-                raise APIError(
-                    503, msg, "adapter_unavailable", headers={"Retry-After": "1"}
-                ) from None
-            # The engine's reason names the cached folder: the log gets it whole; the tenant the
-            # reason with server paths cut (the upload checks made it servable, so this is rare).
-            log.warning("adapter %s cannot be served: %s", job.lora and job.lora.lora_name, e)
-            reason = str(e).replace(job.lora.lora_path, "<adapter>") if job.lora else str(e)
-            raise APIError(
-                422, f"adapter '{job.model}' cannot be served: {reason}", "invalid_adapter"
-            ) from None
-        except ValueError as e:
-            job.status = "error"
-            # The engine's checks that need the model (vocabulary, context length) start their
-            # message with the request field they are about.
-            word = str(e).split(" ", 1)[0]
-            param = word if word in _ENGINE_CHECKED_FIELDS else None
-            raise APIError(400, str(e), "invalid_value", param) from None
+            raise APIError(400, str(e), "invalid_value") from None
         finally:
             self.state.streams.pop(job.request_id, None)
 

@@ -14,7 +14,7 @@ import time
 
 from fastapi import Request
 
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine import RequestOutput
 from loraplex.platform.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loraplex.platform.openai.protocol import ChatCompletionRequest
 from loraplex.platform.openai.responses import (

@@ -9,7 +9,7 @@ import time
 
 from fastapi import Request
 
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine import RequestOutput
 from loraplex.platform.openai.logprobs import LegacyLogprobs, joined, vllm_prompt_logprobs
 from loraplex.platform.openai.prompt_batch import JobGroup, Tagged, run_all, start_jobs
 from loraplex.platform.openai.protocol import CompletionRequest

@@ -10,8 +10,7 @@ character, or a special token left out of the text (a BOS), takes no characters.
 
 from __future__ import annotations
 
-from loraplex.engine.outputs import PromptLogprobs, RequestOutput
-from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine import PromptLogprobs, RequestOutput, Tokenizer
 from loraplex.platform.openai.responses import ChatLogprobs, TokenLogprob, TopLogprob
 
 

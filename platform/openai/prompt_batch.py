@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine import RequestOutput
 from loraplex.platform.errors import APIError
 from loraplex.platform.serving import InferenceService, Job
 

@@ -6,8 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
-from loraplex.engine.structured_output import grammar_spec
+from loraplex.engine import MAX_LOGPROBS, MAX_N, BadRequestError, SamplingParams, grammar_spec
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.openai.structured import StructuredFields
 from loraplex.platform.openai.tool_calls import (
@@ -205,9 +204,8 @@ class _Common(StructuredFields):
                 logits_processors=[grammar] if grammar else None,
                 kept_special_tokens=self.kept_special_tokens(),
             )
-        except ValueError as e:
-            param = "logit_bias" if str(e).startswith("logit_bias") else None
-            raise APIError(400, str(e), "invalid_value", param) from None
+        except BadRequestError as e:  # SamplingParams' checks name the field they are about
+            raise APIError(400, str(e), "invalid_value", e.param) from None
 
     def kept_special_tokens(self) -> list[str] | None:
         """Special tokens the answer's text keeps (skip_special_tokens drops the rest)."""

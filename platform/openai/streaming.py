@@ -18,7 +18,7 @@ from typing import Protocol
 from fastapi import Request
 from pydantic import BaseModel
 
-from loraplex.engine.outputs import RequestOutput
+from loraplex.engine import RequestOutput
 from loraplex.platform.api.errors import APIError, error_body
 from loraplex.platform.openai.responses import PromptTokensDetails, Usage
 from loraplex.platform.openai.sse import MeteredEventStream

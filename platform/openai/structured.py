@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.engine.structured_output import grammar_spec
+from loraplex.engine import grammar_spec
 from loraplex.platform.api.errors import APIError
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
