@@ -92,11 +92,14 @@ def _child_main(
     log_level: int,
     coalesce_s: float,
 ) -> None:
-    from loraplex.engine.host_malloc import keep_freed_memory
-
-    keep_freed_memory()  # before torch allocates: this process only runs the engine
     from loraplex.engine.core import EngineCore  # torch & co. load here, in the child
+    from loraplex.engine.host_malloc import keep_freed_memory
     from loraplex.engine.llm_engine import LLMEngine
+
+    # This process only runs the engine. Tuned once the engine's modules are loaded and
+    # before the model is: measured so (tests/engine/test_host_malloc.py), the heap then
+    # reaches its working size at once; tuned before those imports it grew several times.
+    keep_freed_memory()
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(message)s")
 

@@ -216,8 +216,11 @@ class LoRALinear(UsesBackend, nn.Module):
         self._bound = lin._bound
         self.weight = None  # only `base` multiplies
         # ||W_n||^2 per output row, for DoRA's norms where no float weight stays (`base_probe`)
+        # (a checkpoint already quantized leaves a placeholder, not a [out, in] weight: its
+        # subclass dequantizes for DoRA instead)
         w = lin.weight
-        self.weight_sq = None if w is None else w.detach().float().pow(2).sum(1)
+        full = w is not None and w.dim() == 2 and w.shape == (self.out_features, self.in_features)
+        self.weight_sq = w.detach().float().pow(2).sum(1) if full else None
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""

@@ -10,7 +10,8 @@ import sys
 
 PROBE = """
 import resource, sys, torch
-if sys.argv[1] == "tuned":
+if sys.argv[1] == "tuned":  # as the engine process does: its modules loaded, then the tuning
+    import loraplex.engine.llm_engine
     from loraplex.engine.host_malloc import keep_freed_memory
     assert keep_freed_memory()
 def faults():

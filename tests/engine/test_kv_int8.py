@@ -31,7 +31,7 @@ def _prompts(n: int, length: int, seed: int = 3) -> list[list[int]]:
 
 
 def test_config_refuses_unknown_kv_dtype(tiny_models):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or 'int8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'int8'"):
         EngineConfig(model=str(tiny_models["llama"]), kv_cache_dtype="fp8")
 
 
