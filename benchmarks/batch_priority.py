@@ -319,10 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     import shlex
     import sys
 
+    end = os.getloadavg()[0]
+    shared = " (other work shared the machine)" if max(load, end) > 1.5 else ""
     machine = (
         f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, engine threads {args.threads}, "
         f"{args.model} model in float32; load average {load:.1f} at the start and "
-        f"{os.getloadavg()[0]:.1f} at the end (other work shared the machine)."
+        f"{end:.1f} at the end{shared}."
     )
     write(results, args, "python -m benchmarks.batch_priority " + shlex.join(sys.argv[1:]),
           machine)  # fmt: skip
