@@ -12,8 +12,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -124,17 +122,6 @@ def adapters_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextmanager
-def _api_errors() -> Iterator[None]:
-    """The registry operations speak HTTP (APIError); here their message is the error line."""
-    from loraplex.platform.errors import APIError
-
-    try:
-        yield
-    except APIError as e:
-        raise ValueError(e.message) from None
-
-
 def _weights(weights: dict[str, int] | None) -> str:
     """{"v3": 90, "v4": 10} as "v3 90, v4 10" ("-" for none)."""
     return ", ".join(f"{v} {w}" for v, w in weights.items()) if weights else "-"
@@ -152,7 +139,7 @@ def adapters_versions(args: argparse.Namespace) -> int:
     from loraplex.platform import adapter_versions as versions
     from loraplex.platform.db import crud
 
-    with registry_session() as session, _api_errors():
+    with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id
         adapter = versions.get_public(session, tenant_id=tenant_id, name=args.name)
         aliases = [
@@ -183,7 +170,7 @@ def adapters_versions(args: argparse.Namespace) -> int:
 def _set_alias(args: argparse.Namespace, body: dict) -> int:
     from loraplex.platform import adapter_versions as versions
 
-    with registry_session() as session, _api_errors():
+    with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id
         alias = versions.set_alias(
             session, tenant_id=tenant_id, name=args.name, alias=args.alias,
@@ -210,7 +197,7 @@ def adapters_split(args: argparse.Namespace) -> int:
 def adapters_rollback(args: argparse.Namespace) -> int:
     from loraplex.platform import adapter_versions as versions
 
-    with registry_session() as session, _api_errors():
+    with registry_session() as session:
         tenant_id = resolve_tenant(session, args.tenant).id
         alias = versions.rollback_alias(
             session, tenant_id=tenant_id, name=args.name, alias=args.alias
@@ -224,7 +211,7 @@ def adapters_delete_version(args: argparse.Namespace) -> int:
     from loraplex.platform.adapter_service import store_for
     from loraplex.platform.settings import Settings
 
-    with registry_session() as session, _api_errors():
+    with registry_session() as session:
         tenant = resolve_tenant(session, args.tenant)
         # The version's stored files go with its row, as the API's delete does.
         state = SimpleNamespace(store=store_for(Settings()))

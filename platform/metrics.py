@@ -51,21 +51,17 @@ class Metrics:
         # Interactive requests only: the latency alerts and dashboards (helm/) read these, and
         # a Batch API line waits for idle capacity by design. A line's end-to-end time goes to
         # `loraplex_batch_request_latency_seconds`.
-        self.ttft = _Interactive(
-            Histogram(
-                "loraplex_time_to_first_token_seconds",
-                "TTFT of interactive requests",
-                buckets=_LATENCY,
-                registry=r,
-            )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "TTFT of interactive requests",
+            buckets=_LATENCY,
+            registry=r,
         )
-        self.tpot = _Interactive(
-            Histogram(
-                "loraplex_time_per_output_token_seconds",
-                "TPOT of interactive requests",
-                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
-                registry=r,
-            )
+        self.tpot = Histogram(
+            "loraplex_time_per_output_token_seconds",
+            "TPOT of interactive requests",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
         )
         self.batch_latency = Histogram(
             "loraplex_batch_request_latency_seconds",
@@ -73,14 +69,11 @@ class Metrics:
             buckets=_LATENCY + (300, 900, 3600),
             registry=r,
         )
-        self.latency = _Interactive(
-            Histogram(
-                "loraplex_request_latency_seconds",
-                "End-to-end latency of interactive requests",
-                buckets=_LATENCY,
-                registry=r,
-            ),
-            batch=self.batch_latency,
+        self.latency = Histogram(
+            "loraplex_request_latency_seconds",
+            "End-to-end latency of interactive requests",
+            buckets=_LATENCY,
+            registry=r,
         )
         self.uploads = Counter(
             "loraplex_adapter_uploads", "Adapter uploads", ["status"], registry=r
@@ -223,29 +216,6 @@ class Metrics:
         self.preemptions.set(stats.preemptions)
         self.kv_swaps.labels("out").set(stats.swapped_out)
         self.kv_swaps.labels("in").set(stats.swapped_in)
-
-
-def in_batch_line() -> bool:
-    """Whether the request being served is a Batch API line (the batch runner sets
-    `serving.BATCH_LINE` around each line it serves)."""
-    from loraplex.platform.serving import BATCH_LINE  # serving's imports reach this module
-
-    return BATCH_LINE.get() is not None
-
-
-class _Interactive:
-    """A latency histogram of interactive requests: an observation made while a Batch API line
-    is served goes to `batch` (None: nowhere) instead."""
-
-    def __init__(self, histogram: Histogram, batch: Histogram | None = None) -> None:
-        self.histogram = histogram
-        self.batch = batch
-
-    def observe(self, seconds: float) -> None:
-        if not in_batch_line():
-            self.histogram.observe(seconds)
-        elif self.batch is not None:
-            self.batch.observe(seconds)
 
 
 def served_names(engine_names: list[str]) -> list[str]:

@@ -449,15 +449,19 @@ class InferenceService:
             ).inc()
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.completion_tokens.inc(job.sent_tokens)
-        m.latency.observe(now - job.started)
+        # Batch lines have a latency histogram of their own (metrics.py says why).
+        interactive = job.request_class == RequestClass.interactive.value
+        (m.latency if interactive else m.batch_latency).observe(now - job.started)
         ttft_ms = tpot_ms = None
         if job.first_token is not None:
-            m.ttft.observe(job.first_token - job.started)
             ttft_ms = (job.first_token - job.started) * 1000
+            if interactive:
+                m.ttft.observe(job.first_token - job.started)
             if job.sent_tokens > 1:
                 tpot = (now - job.first_token) / (job.sent_tokens - 1)
-                m.tpot.observe(tpot)
                 tpot_ms = tpot * 1000
+                if interactive:
+                    m.tpot.observe(tpot)
         actual = len(job.prompt_ids) + job.sent_tokens
         # One record: the usage row and the structured log line say the same thing.
         record = {

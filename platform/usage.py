@@ -238,6 +238,31 @@ def _cost(tokens: int, price_per_1k: Decimal) -> Decimal:
     return (Decimal(tokens) * price_per_1k / 1000).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
 
 
+@dataclass(frozen=True)
+class Costs:
+    prompt: Decimal  # interactive prompt tokens at the tenant's price
+    completion: Decimal  # interactive completion tokens at the tenant's price
+    batch: Decimal  # Batch API tokens at the tenant's prices times its batch_price_factor
+
+    @property
+    def total(self) -> Decimal:
+        return self.prompt + self.completion + self.batch
+
+
+def costs(
+    tenant: Tenant, prompt: int, completion: int, batch_prompt: int, batch_completion: int
+) -> Costs:
+    """What tokens cost a tenant at its current prices; `prompt` and `completion` include the
+    batch tokens, which are priced apart (the billing export's and the portal's one rule)."""
+    factor = tenant.batch_price_factor
+    return Costs(
+        prompt=_cost(prompt - batch_prompt, tenant.price_prompt_per_1k),
+        completion=_cost(completion - batch_completion, tenant.price_completion_per_1k),
+        batch=_cost(batch_prompt, tenant.price_prompt_per_1k * factor)
+        + _cost(batch_completion, tenant.price_completion_per_1k * factor),
+    )
+
+
 def billing_export(
     session: Session, *, start: datetime, end: datetime, by: BillingBy = "tenant"
 ) -> list[BillingRow]:
@@ -270,12 +295,7 @@ def billing_export(
         b_requests, b_prompt, b_completion = (
             (int(b.requests), int(b.prompt_tokens), int(b.completion_tokens)) if b else (0, 0, 0)
         )
-        factor = tenant.batch_price_factor
-        prompt_cost = _cost(s.prompt_tokens - b_prompt, tenant.price_prompt_per_1k)
-        completion_cost = _cost(s.completion_tokens - b_completion, tenant.price_completion_per_1k)
-        batch_cost = _cost(b_prompt, tenant.price_prompt_per_1k * factor) + _cost(
-            b_completion, tenant.price_completion_per_1k * factor
-        )
+        c = costs(tenant, s.prompt_tokens, s.completion_tokens, b_prompt, b_completion)
         rows.append(
             BillingRow(
                 tenant_id=s.tenant_id,
@@ -288,14 +308,14 @@ def billing_export(
                 cached_tokens=s.cached_tokens,
                 price_prompt_per_1k=tenant.price_prompt_per_1k,
                 price_completion_per_1k=tenant.price_completion_per_1k,
-                prompt_cost=prompt_cost,
-                completion_cost=completion_cost,
+                prompt_cost=c.prompt,
+                completion_cost=c.completion,
                 batch_requests=b_requests,
                 batch_prompt_tokens=b_prompt,
                 batch_completion_tokens=b_completion,
-                batch_price_factor=factor,
-                batch_cost=batch_cost,
-                cost=prompt_cost + completion_cost + batch_cost,
+                batch_price_factor=tenant.batch_price_factor,
+                batch_cost=c.batch,
+                cost=c.total,
                 adapter=s.adapter if by == "version" else None,
                 adapter_version=s.version if by == "version" else None,
             )

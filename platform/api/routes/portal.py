@@ -350,29 +350,22 @@ def tenant_usage(session, tenant: Tenant, start: datetime, end: datetime) -> lis
     """`usage.tenant_usage` with each row's batch part apart and at the batch price."""
     start, end = usage._as_utc(start), usage._as_utc(end)
     batch = _batch_usage(session, tenant.id, start, end)
-    factor = tenant.batch_price_factor
     rows = []
     for r in usage.tenant_usage(session, tenant_id=tenant.id, start=start, end=end):
         b_requests, b_prompt, b_completion = batch.get((r.day, r.adapter), (0, 0, 0))
-        prompt_cost = usage._cost(r.prompt_tokens - b_prompt, tenant.price_prompt_per_1k)
-        completion_cost = usage._cost(
-            r.completion_tokens - b_completion, tenant.price_completion_per_1k
-        )
-        batch_cost = usage._cost(b_prompt, tenant.price_prompt_per_1k * factor) + usage._cost(
-            b_completion, tenant.price_completion_per_1k * factor
-        )
+        c = usage.costs(tenant, r.prompt_tokens, r.completion_tokens, b_prompt, b_completion)
         rows.append(
             PortalUsageRow(
                 **{
                     **dataclasses.asdict(r),
-                    "prompt_cost": prompt_cost,
-                    "completion_cost": completion_cost,
-                    "cost": prompt_cost + completion_cost + batch_cost,
+                    "prompt_cost": c.prompt,
+                    "completion_cost": c.completion,
+                    "cost": c.total,
                 },
                 batch_requests=b_requests,
                 batch_prompt_tokens=b_prompt,
                 batch_completion_tokens=b_completion,
-                batch_cost=batch_cost,
+                batch_cost=c.batch,
             )
         )
     return rows
