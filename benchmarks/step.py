@@ -190,6 +190,19 @@ def count_ops(events) -> dict[str, int]:
     return {"aten": total, "aten_no_view": no_view, "aten_top": top}
 
 
+def time_split(events, steps: int, top: int = 8) -> dict:
+    """Where a profiled step's time goes: the self CPU time of aten ops per step (the kernels'
+    work and their dispatch inside torch), the top ops by it, and the step's time outside
+    any aten op (Python: the engine's own host work between ops)."""
+    own: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("aten::"):
+            own[e.name] = own.get(e.name, 0.0) + e.self_cpu_time_total / 1e3  # us -> ms
+    total = sum(own.values()) / steps
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return {"aten_ms": total, "top": [(name, ms / steps) for name, ms in ranked]}
+
+
 # ---------------------------------------------------------------- the worker (one subprocess)
 
 
@@ -268,10 +281,13 @@ def worker(cfg: dict) -> dict:
         cpu_rounds.append(statistics.median(cpu))
     from torch.profiler import ProfilerActivity, profile
 
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(cfg["profile_steps"]):
             step()
+    profiled_ms = (time.perf_counter() - start) * 1e3 / cfg["profile_steps"]
     counts = count_ops(prof.events())
+    time_by_op = time_split(prof.events(), cfg["profile_steps"])
     if min(produced.values()) < steps_needed:  # every row decoded through every step
         raise RuntimeError(f"rows stopped early: {min(produced.values())} < {steps_needed}")
     return {
@@ -282,6 +298,8 @@ def worker(cfg: dict) -> dict:
         "cpu_ms_per_step": statistics.median(cpu_rounds) * 1e3,
         "cpu_ms_rounds": [r * 1e3 for r in cpu_rounds],
         "ops_per_step": {k: v / cfg["profile_steps"] for k, v in counts.items()},
+        "profiled_ms_per_step": profiled_ms,
+        "time_by_op": time_by_op,
         "dropped_options": dropped,
     }
 
@@ -458,8 +476,38 @@ Command: `{report["command"]}`
 {fig}
 On a shared machine the milliseconds move by tens of per cent between runs (the load average
 above says how busy it was); the op counts do not depend on load.
-"""
+{time_section(results, report["trees"])}"""
     path.write_text(text)
+
+
+def time_section(results: list[dict], trees: list[dict]) -> str:
+    """Per tree, at the largest configuration: the profiled step's time inside aten ops (the
+    kernels and torch's dispatch) against the rest (the engine's Python), and the top ops."""
+    if not results:
+        return ""
+    big = max(results, key=lambda r: (r["batch"], r["adapters"]))
+    lines = [
+        "",
+        f"## Where a step's time goes (batch {big['batch']}, {big['adapters']} adapters)",
+        "",
+        "One profiled step (torch.profiler adds its own cost to every op, so these are shares, "
+        "not the timings above): the self CPU time of aten ops (the kernels' arithmetic and "
+        "copies and torch's dispatch inside them) and the rest of the step, which is the "
+        "engine's Python between ops.",
+        "",
+        "| tree | profiled ms/step | in aten ops | outside (Python) | top ops by self time, ms |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for t in trees:
+        res = big.get(t["label"], {})
+        split = res.get("time_by_op")
+        if not split:
+            continue
+        step_ms, aten = res["profiled_ms_per_step"], split["aten_ms"]
+        top = ", ".join(f"{n.removeprefix('aten::')} {ms:.1f}" for n, ms in split["top"][:6])
+        lines.append(f"| {t['label']} | {step_ms:.1f} | {aten:.1f} ({aten / step_ms:.0%}) | "
+                     f"{step_ms - aten:.1f} ({1 - aten / step_ms:.0%}) | {top} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main

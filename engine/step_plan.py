@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from loraplex.engine.models.layers import (
+    Attention,
     AttentionMetadata,
     DoRARows,
     ForwardContext,
@@ -28,6 +29,7 @@ from loraplex.engine.models.layers import (
 )
 from loraplex.engine.models.moe import Experts, row_slots
 from loraplex.kernels.backend import KernelBackend
+from loraplex.kernels.fused_reference import rope_rows as rope_rows_of
 
 
 class StepPlanner:
@@ -44,6 +46,14 @@ class StepPlanner:
         self.lora_modules = [m for m in model.modules()
                              if isinstance(m, LoRALinear) and m.lora_a is not None]  # fmt: skip
         self.experts = [m for m in model.modules() if isinstance(m, Experts)]
+        # RoPE's (cos, sin) pairs serve only attention layers that cannot take the fused RoPE
+        # + KV write (an int8 cache, a rotated cache: engine/kv_cache.py, allocated before
+        # this); the others read `rope_rows`
+        self.rope_pairs = any(
+            m.k_scale is not None or m.kv_rotation is not None
+            for m in model.modules()
+            if isinstance(m, Attention)
+        )
         self.model = model  # its `lora_dora_slots`: the adapter manager's, set after this
 
     def plan(
@@ -66,21 +76,28 @@ class StepPlanner:
             block_tables, query_start_loc, seq_lens, self.block_size, spec.num_heads,
             spec.num_kv_heads, self.windows,
         )  # fmt: skip
-        rope = {r.key: r.tables(positions, self.dtype) for r in self.rotaries}
+        rope = {}
+        if self.rope_pairs:
+            rope = {r.key: r.tables(positions, self.dtype) for r in self.rotaries}
+        rope_rows = {r.key: rope_rows_of(r.cos_sin, positions, self.dtype) for r in self.rotaries}
         lora = None
         if any(slot >= 0 for *_, slot in segments):
             dev = positions.device
-            lora = LoRABatch(segments, row_slots=row_slots(segments, positions.shape[0], dev))
+            dora_slots = getattr(self.model, "lora_dora_slots", ())  # per slot: uses DoRA
+            # each row's slot: for expert LoRA and DoRA's rows only
+            rows = None
+            if self.experts or any(dora_slots):
+                rows = row_slots(segments, positions.shape[0], dev)
+            lora = LoRABatch(segments, row_slots=rows)
             for widths in {tuple(m.lora_widths) for m in self.lora_modules}:
                 lora.plans[widths] = backend.plan_lora(segments, widths, dev)
             for ex in self.experts:
                 key = tuple(ex.lora_widths)
                 if key not in lora.expert_slots:
                     lora.expert_slots[key] = torch.tensor([w > 0 for w in key], device=dev)
-            dora_slots = getattr(self.model, "lora_dora_slots", ())  # per slot: uses DoRA
             if any(dora_slots):
                 lora.dora = _dora_rows(segments, lora.row_slots, dora_slots)
-        return ForwardContext(attn=attn, lora=lora, rope=rope)
+        return ForwardContext(attn=attn, lora=lora, rope=rope, rope_rows=rope_rows)
 
 
 def _dora_rows(segments, row_slots: torch.Tensor, dora_slots) -> DoRARows | None:

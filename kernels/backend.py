@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from loraplex.kernels import cpu, reference
+from loraplex.kernels import cpu, fused_cpu, fused_reference, reference
 
 MODES = ("auto", "reference", "triton")
 
@@ -101,10 +101,13 @@ class KernelBackend:
         else:
             reference.paged_attention(*args, sinks=sinks)
 
-    def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None) -> None:
+    def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None,
+                   lora_a_t=None) -> None:  # fmt: skip
+        """y += each segment's LoRA delta. `lora_a_t`: lora_a.mT made once by the caller (the
+        CPU's batched shrink reads it)."""
         which = self.which(x)
         if which == "cpu":
-            cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan)
+            cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan, lora_a_t=lora_a_t)
         elif which == "triton":
             _triton("sgmv").lora_apply(y, x, lora_a, lora_b, segments, widths, meta=plan)
         else:
@@ -128,6 +131,29 @@ class KernelBackend:
 
     def lora_apply_static(self, y, x, lora_a, lora_b, row_slots) -> None:
         cpu.lora_apply_static(y, x, lora_a, lora_b, row_slots)
+
+    # ---------------------------------------------- fused per-layer ops (fused_reference.py)
+    def _fused(self, t: torch.Tensor) -> ModuleType:
+        which = self.which(t)
+        if which == "triton":
+            return _triton("fused")
+        return fused_cpu if which == "cpu" else fused_reference
+
+    def add_rms_norm(self, x, residual, weight, eps: float, gemma: bool, eps_tensor=None):
+        """residual += x, then RMSNorm of it: (normed, residual); residual None: (norm(x), x).
+        `eps_tensor`: eps as a float32 [1, 1] tensor, the CPU form's fewer-op path."""
+        mod = self._fused(x)
+        if mod is fused_cpu and eps_tensor is not None:
+            return mod.add_rms_norm(x, residual, weight, eps_tensor, gemma)
+        return mod.add_rms_norm(x, residual, weight, eps, gemma)
+
+    def rope_and_write_kv(self, q, k, v, rows, rotary_dim: int, k_cache, v_cache, slot_mapping):
+        """RoPE of q and k in place from the step's `rope_rows`, then k, v into the caches."""
+        return self._fused(q).rope_and_write_kv(q, k, v, rows, None, rotary_dim, k_cache,
+                                                v_cache, slot_mapping)  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor, limit: float | None = None, alpha: float = 1.702):
+        return self._fused(gate_up).silu_mul(gate_up, limit, alpha)
 
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         which = self.which(x)

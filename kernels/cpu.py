@@ -104,6 +104,8 @@ class _DecodePlan:
     (those the model uses, built with the plan). Group 1..1 is the decode rows;
     2..`SHORT_QUERY_ROWS` holds, e.g., a row and its speculative proposals."""
 
+    whole = False  # see __init__
+
     def __init__(self, block_tables, query_start_loc, seq_lens, block_size: int, device,
                  lo: int = 1, hi: int = 1):  # fmt: skip
         self.device = torch.device(device)
@@ -129,6 +131,16 @@ class _DecodePlan:
         self.k_pos = torch.arange(self.max_len, device=device)
         self._masks: dict[int | None, torch.Tensor] = {}
         self._rows: dict[int, torch.Tensor] = {}  # kv heads -> row indices for gather()
+        # Every sequence decodes one token, in row order: q and out are used as they are
+        # (no gather of q's rows, no scatter of the result), and float32 decode runs
+        # `_decode_lean` from what `prepare` builds for it.
+        self.whole = self.n == 1 and len(self.decode) == len(seq_lens)
+        self.flat_tables = self.tables.reshape(-1) if self.whole else None
+        # (window, kv heads) -> [B * KVH, 1, L] float32: 0 where visible, -inf elsewhere
+        self._bias: dict[tuple[int | None, int], torch.Tensor] = {}
+        # window -> [B, 1, 1, L] additive mask (0 / -inf, float32) in sdpa's layout: sdpa
+        # turns a boolean mask into this itself, on every call
+        self._masks4: dict[int | None, torch.Tensor] = {}
 
     def gather(
         self, cache: torch.Tensor, scale: torch.Tensor | None = None, dtype=None
@@ -167,6 +179,12 @@ class _DecodePlan:
             return
         for w in windows:
             self._masks[w] = visible(self.q_pos, self.k_pos, w)
+            if self.whole:
+                bias = torch.zeros(self._masks[w].shape, device=self.device)  # [B, 1, L]
+                bias.masked_fill_(~self._masks[w], float("-inf"))
+                self._masks4[w] = bias.unsqueeze(1)
+                for kvh in kv_heads:
+                    self._bias[(w, kvh)] = bias.repeat_interleave(kvh, dim=0)
         for kvh in kv_heads:
             if kvh > 1:
                 self._rows[kvh] = self.gather_rows(kvh, block_size)
@@ -250,6 +268,13 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
     plan, short = plan
+    if plan.whole and k_scale is None and not softcap and sinks is None:
+        lean = impl == "sdpa" or (
+            q.dtype == torch.float32 and (sliding_window, k_cache.shape[2]) in plan._bias
+        )
+        if lean:
+            _decode_lean(out, q, k_cache, v_cache, plan, scale, sliding_window, impl)
+            return
     decode = plan.decode + short.decode
     if plan.decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
@@ -295,6 +320,44 @@ def paged_attention(
         k_pos = torch.arange(length, device=dev)
         o = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, impl, sinks=sinks)
         out[s:e] = o.to(out.dtype)
+
+
+def _decode_lean(out, q, k_cache, v_cache, plan: _DecodePlan, scale: float,
+                 sliding_window: int | None, impl: str) -> None:  # fmt: skip
+    """A step in which every sequence decodes one token (row b is sequence b), float cache,
+    no softcap or sinks: `paged_attention`'s decode branch in the fewest ops, from what the
+    step's plan built once for every layer (flat block tables, masks per window, additive
+    masks per window and kv-head count). Same arithmetic as the general branch: "matmul"
+    scores q k^T scaled and masked in float32 (the mask added as 0 / -inf), softmax, times v;
+    "sdpa" torch's fused kernel with the boolean mask."""
+    nblocks, bs, kvh, d = k_cache.shape
+    b, h = q.shape[0], q.shape[1]
+    length = plan.max_len
+    if impl == "matmul":
+        bias = plan._bias[(sliding_window, kvh)]
+        if kvh == 1:
+            k = torch.index_select(k_cache, 0, plan.flat_tables).view(b, length, d)
+            v = torch.index_select(v_cache, 0, plan.flat_tables).view(b, length, d)
+        else:
+            rows = plan._rows[kvh]
+            k = torch.index_select(k_cache.view(-1, d), 0, rows).view(b * kvh, length, d)
+            v = torch.index_select(v_cache.view(-1, d), 0, rows).view(b * kvh, length, d)
+        qg = q.reshape(b * kvh, h // kvh, d)
+        scores = torch.baddbmm(bias, qg, k.mT, alpha=scale)  # [B * KVH, G, L]
+        torch.bmm(scores.softmax(-1), v, out=out.view(b * kvh, h // kvh, d))
+        return
+    mask = plan._masks4.get(sliding_window)
+    if mask is None or mask.dtype != q.dtype:
+        mask = plan.mask(sliding_window).unsqueeze(1)
+    # The gathered blocks [B * nb, bs, KVH, d] seen as [B, KVH, L, d] and q as [B, H, 1, d]:
+    # one strided view each, where view + transpose take three ops
+    kv_shape, kv_strides = (b, kvh, length, d), (length * kvh * d, d, kvh * d, 1)
+    k = torch.index_select(k_cache, 0, plan.flat_tables).as_strided(kv_shape, kv_strides)
+    v = torch.index_select(v_cache, 0, plan.flat_tables).as_strided(kv_shape, kv_strides)
+    q4 = q.as_strided((b, h, 1, d), (q.stride(0), q.stride(1), d, q.stride(2)),
+                      q.storage_offset())  # fmt: skip
+    o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out.copy_(o.view(b, h, d))
 
 
 def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:
@@ -349,10 +412,9 @@ def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -
 
 def plan_lora(
     segments: Sequence[tuple[int, int, int]], widths: Sequence[int], device: torch.device
-) -> list[tuple[int, list[tuple[int, int, int]], tuple[torch.Tensor, ...] | _Dense | None]]:
+) -> list[tuple[int, list[tuple[int, int, int]], _Batched | _Dense | None]]:
     """`lora_apply`'s plan: per width, a dense run (few adapters: `_Dense`), or the segments
-    run one by one (index None) and those run batched, with their index tensors (rows [S, L],
-    the valid rows flattened, valid, slots)."""
+    run one by one (index None) and those run batched (`_Batched`)."""
     groups: dict[int, list[tuple[int, int, int]]] = {}
     for s, e, slot in segments:
         if slot >= 0 and widths[slot]:
@@ -368,15 +430,60 @@ def plan_lora(
             plan.append((width, alone, None))
         if not segs:
             continue
-        lens = [e - s for s, e, _ in segs]
+        segs = sorted(segs)  # row order: consecutive slots read as one view of the stacks
+        plan.append((width, segs, _batched(segs, device)))
+    return plan
+
+
+@dataclass(frozen=True)
+class _Batched:
+    """Segments of similar length run as two batched matmuls over their slots' weights.
+
+    `slots` (lo, hi): the segments' slots are lo, lo + 1, .., hi - 1 in row order, so their
+    weights are a view of the stacks (no gather); None: gathered by `slot_index` [S].
+    `rows` (r0, length): the segments are `length` rows each, one after another from row
+    r0, so x and y are viewed as [S, length, features] (no gather, no scatter); None:
+    padded by `index` (rows [S, L], the valid rows flattened, valid [S, L])."""
+
+    slots: tuple[int, int] | None
+    slot_index: torch.Tensor | None
+    rows: tuple[int, int] | None
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def _batched(segs: list[tuple[int, int, int]], device: torch.device) -> _Batched:
+    slot_list = [slot for _, _, slot in segs]
+    lo = slot_list[0]
+    slots = (lo, lo + len(segs)) if slot_list == list(range(lo, lo + len(segs))) else None
+    lens = {e - s for s, e, _ in segs}
+    r0, length = segs[0][0], segs[0][1] - segs[0][0]
+    contiguous = len(lens) == 1 and all(s == r0 + i * length for i, (s, _, _) in enumerate(segs))
+    if contiguous:
+        index = None
+    else:
+        lens_l = [e - s for s, e, _ in segs]
         starts = torch.tensor([s for s, _, _ in segs], device=device)
-        steps = torch.arange(max(lens), device=device)
-        valid = steps < torch.tensor(lens, device=device).unsqueeze(1)  # [S, L]
+        steps = torch.arange(max(lens_l), device=device)
+        valid = steps < torch.tensor(lens_l, device=device).unsqueeze(1)  # [S, L]
         # Padding repeats the segment's first row; its results are dropped by `valid`.
         rows = torch.where(valid, starts.unsqueeze(1) + steps, starts.unsqueeze(1))  # [S, L]
-        slots = torch.tensor([slot for _, _, slot in segs], device=device)
-        plan.append((width, segs, (rows, rows[valid], valid, slots)))
-    return plan
+        index = (rows, rows[valid], valid)
+    return _Batched(
+        slots=slots,
+        slot_index=None if slots else torch.tensor(slot_list, device=device),
+        rows=(r0, length) if contiguous else None,
+        index=index,
+    )
+
+
+def _slot_weights(w: torch.Tensor, batched: _Batched, width: int) -> torch.Tensor:
+    """The segments' slots' first `width` rows of a [slots, W, features] stack: a view where
+    the slots are consecutive, else a gathered copy."""
+    if batched.slots is not None:
+        lo, hi = batched.slots
+        w = w if (lo, hi) == (0, w.shape[0]) else w[lo:hi]
+        return w if width == w.shape[1] else w[:, :width]
+    return w[:, :width].index_select(0, batched.slot_index)
 
 
 def _stacked(w: torch.Tensor, dense: _Dense, width: int) -> torch.Tensor:
@@ -395,8 +502,10 @@ def lora_apply(
     widths: Sequence[int],
     *,
     plan: list | None = None,
+    lora_a_t: torch.Tensor | None = None,
 ) -> None:
-    """`reference.lora_apply`: y += per-segment LoRA delta (shrink then expand).
+    """`reference.lora_apply`: y += per-segment LoRA delta (shrink then expand). `lora_a_t`:
+    lora_a.mT, if the caller keeps it (one view fewer per call).
 
     Segments are taken in groups of one width. A group of few adapters runs dense
     (`DENSE_MAX_COLUMNS`). Otherwise the short segments of similar length (the decode rows
@@ -419,10 +528,18 @@ def lora_apply(
             t = torch.where(index.mask, t, t.new_zeros(()))
             y[index.lo : index.hi].addmm_(t, _stacked(lora_b, index, width))
             continue
-        rows, flat_rows, valid, slots = index
-        a = lora_a[:, :width].index_select(0, slots)  # [S, w, in]
-        b = lora_b[:, :width].index_select(0, slots)  # [S, w, out]
-        delta = torch.bmm(torch.bmm(x[rows], a.transpose(1, 2)), b)  # [S, L, out]
+        whole = index.slots == (0, lora_a.shape[0]) and width == lora_a.shape[1]
+        a_t = lora_a_t if whole and lora_a_t is not None else _slot_weights(lora_a, index, width).mT
+        b = _slot_weights(lora_b, index, width)  # [S, w, out]
+        if index.rows is not None:  # equal segments back to back: views, no gather
+            r0, length = index.rows
+            n = a_t.shape[0] * length
+            xs = (x if n == x.shape[0] else x[r0 : r0 + n]).view(-1, length, x.shape[1])
+            ys = (y if n == y.shape[0] else y[r0 : r0 + n]).view(-1, length, y.shape[1])
+            ys.baddbmm_(torch.bmm(xs, a_t), b)
+            continue
+        rows, flat_rows, valid = index.index
+        delta = torch.bmm(torch.bmm(x[rows], a_t), b)  # [S, L, out]
         y.index_add_(0, flat_rows, delta[valid])
 
 

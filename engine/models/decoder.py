@@ -12,9 +12,10 @@ from torch import nn
 from loraplex.engine.models.layers import MLP, Attention, ForwardContext, RMSNorm
 from loraplex.engine.models.moe import SparseMoE
 from loraplex.engine.models.spec import ModelSpec
+from loraplex.kernels.dispatch import UsesBackend
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(UsesBackend, nn.Module):
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         eps, g = spec.rms_norm_eps, spec.gemma
@@ -28,15 +29,33 @@ class DecoderLayer(nn.Module):
         self.gemma = g
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """The layer's output hidden states (x is not changed)."""
+        out, residual = self.forward_residual(x.clone(), None, positions, ctx, first=True)
+        return residual.add_(out)
+
+    def forward_residual(self, out: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, ctx: ForwardContext,
+                         first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The pre-norm layer on a residual stream: the previous sublayer's `out` is added to
+        `residual` (in place) as this layer's first norm reads it (`add_rms_norm`: one fused
+        op per seam); returns this layer's last sublayer output and the residual, which the
+        next layer (or the final norm) adds. `first`: residual is None and out the
+        embeddings, which become the residual."""
+        attn_norm = self.input_layernorm
+        mlp_norm = self.pre_feedforward_layernorm if self.gemma else self.post_attention_layernorm
+        h, residual = self._norm(out, None if first else residual, attn_norm)
+        a = self.self_attn(h, positions, ctx)
         if self.gemma:
-            x = x + self.post_attention_layernorm(
-                self.self_attn(self.input_layernorm(x), positions, ctx)
-            )
-            return x + self.post_feedforward_layernorm(
-                self.mlp(self.pre_feedforward_layernorm(x), ctx.lora)
-            )
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx.lora)
+            a = self.post_attention_layernorm(a)
+        h, residual = self._norm(a, residual, mlp_norm)
+        m = self.mlp(h, ctx.lora)
+        if self.gemma:
+            m = self.post_feedforward_layernorm(m)
+        return m, residual
+
+    def _norm(self, x, residual, norm: RMSNorm):
+        return self.backend.add_rms_norm(x, residual, norm.weight, norm.eps, norm.gemma,
+                                         norm.eps_tensor)  # fmt: skip
 
 
 class Backbone(nn.Module):
@@ -47,7 +66,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(UsesBackend, nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
@@ -72,9 +91,14 @@ class DecoderLM(nn.Module):
         if self.spec.embed_scale is not None:
             # Gemma scales in the weights' dtype, rounding included.
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
+        out, residual = x, None
+        for i, layer in enumerate(self.model.layers):
+            out, residual = layer.forward_residual(out, residual, positions, ctx, first=i == 0)
+        norm = self.model.norm
+        if residual is None:  # no layers
+            return norm(out)
+        return self.backend.add_rms_norm(out, residual, norm.weight, norm.eps, norm.gemma,
+                                         norm.eps_tensor)[0]  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden] -> logits [rows, vocab]; only rows that sample.
@@ -94,3 +118,6 @@ class DecoderLM(nn.Module):
         shared: dict = {}
         for layer in self.model.layers:
             layer.self_attn.rotary.build(device, max_len, shared)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.eps_tensor = torch.full((1, 1), m.eps, dtype=torch.float32, device=device)

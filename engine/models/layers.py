@@ -75,6 +75,9 @@ class ForwardContext:
     # step's positions: each distinct table's rows, looked up once for every layer using it
     rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     static: StaticDecode | None = None  # set: a graph-ready decode step
+    # Rotary.key -> [num_tokens, 3 * rotary_dim / 2] rows cos | -sin | sin in the activations'
+    # dtype (fused_reference.rope_rows), for the fused RoPE + KV write; empty: Rotary's path
+    rope_rows: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -85,6 +88,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.gemma = gemma
+        # eps as a float32 [1, 1] tensor (DecoderLM.build_buffers), for the CPU's fused norm
+        self.eps_tensor: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -194,7 +199,7 @@ class LoRALinear(UsesBackend, nn.Module):
         self.in_features, self.out_features = in_features, sum(out_sizes)
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
-        self.lora_a: torch.Tensor | None = None  # [num_slots, max_width, in]
+        self.lora_a: torch.Tensor | None = None  # [num_slots, max_width, in] (see below)
         self.lora_b: torch.Tensor | None = None  # [num_slots, max_width, out]
         self.lora_widths: list[int] = []  # per slot; 0 = this module not targeted
         # DoRA: [num_slots + 1, out] factor per output row (ones: no DoRA; the last row is
@@ -202,6 +207,18 @@ class LoRALinear(UsesBackend, nn.Module):
         self.lora_dora: torch.Tensor | None = None
         self.lora_dora_shift: torch.Tensor | None = None
         self.lora_dora_on: set[int] = set()
+        self._weight_t: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its W^T)
+
+    @property
+    def lora_a(self) -> torch.Tensor | None:
+        return self._lora_a
+
+    @lora_a.setter
+    def lora_a(self, stack: torch.Tensor | None) -> None:
+        """The A stack, and beside it its [num_slots, in, max_width] transposed view, which
+        the CPU's batched shrink multiplies by (made once here, not per call)."""
+        self._lora_a = stack
+        self.lora_a_t = None if stack is None else stack.mT
 
     def _take_over(self, lin: LoRALinear) -> None:
         """For subclasses that replace a loaded `lin` and keep its base weight their own way
@@ -214,6 +231,7 @@ class LoRALinear(UsesBackend, nn.Module):
         self.lora_dora, self.lora_dora_shift = lin.lora_dora, lin.lora_dora_shift
         self.lora_dora_on = lin.lora_dora_on
         self._bound = lin._bound
+        self._weight_t = None
         self.weight = None  # only `base` multiplies
         # ||W_n||^2 per output row, for DoRA's norms where no float weight stays (`base_probe`)
         # (a checkpoint already quantized leaves a placeholder, not a [out, in] weight: its
@@ -224,7 +242,16 @@ class LoRALinear(UsesBackend, nn.Module):
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if x.dim() != 2:
+            return F.linear(x, w, self.bias)
+        # x W^T as one mm against a transposed view kept beside the weight (the same BLAS
+        # call F.linear makes, without its per-call transpose and matmul dispatch); the view
+        # is remade when the weight is replaced (loading, quantization)
+        if self._weight_t is None or self._weight_t[0] is not w:
+            self._weight_t = (w, w.detach().t())
+        wt = self._weight_t[1]
+        return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
 
     def base_weight(self) -> torch.Tensor | None:
         """The float32 [out, in] weight `base` multiplies by (DoRA's norms are taken of it);
@@ -246,7 +273,8 @@ class LoRALinear(UsesBackend, nn.Module):
         elif lora is not None and self.lora_a is not None:
             plan = lora.plans.get(tuple(self.lora_widths))
             self.backend.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments,
-                                    self.lora_widths, plan=plan)  # fmt: skip
+                                    self.lora_widths, plan=plan,
+                                    lora_a_t=self.lora_a_t)  # fmt: skip
         d = None if lora is None else lora.dora
         if (
             d is not None
@@ -280,10 +308,15 @@ class Attention(UsesBackend, nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kv_rotation: torch.Tensor | None = None
+        # (k_cache, its flat view, v_cache's flat view): remade when the caches are replaced
+        self._flat_caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         s = self.spec
         qkv = self.qkv_proj(x, ctx.lora)
+        rows = ctx.rope_rows.get(self.rotary.key)
+        if rows is not None and self.kv_rotation is None and self.k_scale is None:
+            return self._forward_fused(qkv, rows, ctx)
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.unflatten(-1, (s.num_heads, s.head_dim))  # [num_tokens, heads, head_dim]
         k = k.unflatten(-1, (s.num_kv_heads, s.head_dim))
@@ -326,17 +359,51 @@ class Attention(UsesBackend, nn.Module):
             out = (out.float() @ rot.T).to(x.dtype)
         return self.o_proj(out.flatten(-2), ctx.lora)
 
+    def _forward_fused(self, qkv: torch.Tensor, rows: torch.Tensor, ctx: ForwardContext):
+        """A float KV cache and no rotation: q, k and v stay views of the projection, RoPE
+        turns q and k in place and writes k and v to the cache in one fused op."""
+        s = self.spec
+        q, k, v = _heads(qkv, s.head_dim, (s.num_heads, s.num_kv_heads, s.num_kv_heads))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        a = ctx.attn
+        if self._flat_caches is None or self._flat_caches[0] is not self.k_cache:
+            flat = (-1, *self.k_cache.shape[2:])  # [slots, kv_heads, head_dim] views, kept
+            self._flat_caches = (self.k_cache, self.k_cache.view(flat), self.v_cache.view(flat))
+        _, k_flat, v_flat = self._flat_caches
+        self.backend.rope_and_write_kv(q, k, v, rows, self.rotary.rotary_dim, k_flat, v_flat,
+                                       a.slot_mapping)  # fmt: skip
+        out = q.new_empty(q.shape)
+        self.backend.paged_attention(
+            out, q, self.k_cache, self.v_cache, a.block_tables, a.query_start_loc, a.seq_lens,
+            s.query_scale, self.window, s.attn_softcap, plan=a.plan,
+            sinks=None if self.sinks is None else self.sinks.float(),
+        )  # fmt: skip
+        return self.o_proj(out.view(out.shape[0], -1), ctx.lora)
 
-class MLP(nn.Module):
+
+def _heads(qkv: torch.Tensor, head_dim: int, heads: tuple[int, ...]) -> list[torch.Tensor]:
+    """q, k, v as [tokens, heads, head_dim] strided views of a [tokens, sum * head_dim]
+    projection (one op each, where view + split take five)."""
+    t, stride, off = qkv.shape[0], qkv.stride(0), qkv.storage_offset()
+    out = []
+    for n in heads:
+        out.append(qkv.as_strided((t, n, head_dim), (stride, head_dim, 1), off))
+        off += n * head_dim
+    return out
+
+
+class MLP(UsesBackend, nn.Module):
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         i = intermediate_size or spec.intermediate_size
         self.gate_up_proj = LoRALinear(spec.hidden_size, [i, i], spec.mlp_bias)
         self.down_proj = LoRALinear(i, [spec.hidden_size], spec.mlp_bias)
-        self.act = (
-            F.silu if spec.activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
-        )
+        self.silu = spec.activation == "silu"
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up, lora)
+        gate_up = self.gate_up_proj(x, lora)
+        if self.silu:
+            return self.down_proj(self.backend.silu_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up, lora)

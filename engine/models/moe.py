@@ -57,10 +57,10 @@ def _rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def row_slots(segments: list[tuple[int, int, int]], rows: int, device) -> torch.Tensor:
     """The adapter slot of every row [rows] int64 (-1: none)."""
-    slots = torch.full((rows,), -1, dtype=torch.int64)
+    slots = [-1] * rows
     for start, end, slot in segments:
-        slots[start:end] = slot
-    return slots.to(device)
+        slots[start:end] = [slot] * (end - start)
+    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 class Experts(UsesBackend, nn.Module):

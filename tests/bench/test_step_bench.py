@@ -29,9 +29,23 @@ def test_view_ops_are_told_from_ops_that_compute():
 
 
 @dataclass
-class Event:  # the two fields of torch.profiler's FunctionEvent that count_ops reads
+class Event:  # the fields of torch.profiler's FunctionEvent that count_ops and time_split read
     name: str
     cpu_parent: Event | None = None
+    self_cpu_time_total: float = 0.0  # us
+
+
+def test_time_split_sums_aten_self_time_per_step_and_ranks_ops():
+    events = [
+        Event("ProfilerStep#1", self_cpu_time_total=900.0),  # not an aten op
+        Event("aten::bmm", self_cpu_time_total=3000.0),
+        Event("aten::bmm", self_cpu_time_total=1000.0),
+        Event("aten::view", self_cpu_time_total=200.0),
+        Event("aten::mm", self_cpu_time_total=2000.0),
+    ]
+    split = step.time_split(events, steps=2, top=2)
+    assert split["aten_ms"] == pytest.approx(3.1)  # 6,200 us over two steps
+    assert split["top"] == [("aten::bmm", pytest.approx(2.0)), ("aten::mm", pytest.approx(1.0))]
 
 
 def test_count_ops_counts_nested_views_and_top_level():

@@ -283,3 +283,62 @@ def test_dense_run_keeps_rows_apart_when_another_adapter_overflows():
     cpu.lora_apply(dense, x, a, b, segments, widths)
     assert dense.isfinite().all()
     torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
+
+
+@pytest.mark.parametrize("impl", cpu.ATTENTION_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("window", [None, 8])
+def test_whole_decode_step_takes_the_lean_path(gen, monkeypatch, impl, dtype, heads, window):
+    """A step in which every sequence decodes one token, planned as the engine plans it
+    (windows and kv heads): the lean form (q and out used in place, the plan's additive masks)
+    equals the reference; float32 takes it in both forms, bf16 in sdpa's."""
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, *STEPS["decode"])
+    plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]])
+    assert plan[0].whole
+    lean = []
+    real = cpu._decode_lean
+    monkeypatch.setattr(cpu, "_decode_lean", lambda *a, **k: lean.append(1) or real(*a, **k))
+    scale = heads[2] ** -0.5
+    # q as the engine passes it: a strided view of a wider projection row
+    wide = torch.randn(q.shape[0], q.shape[1] + 3, q.shape[2], generator=gen).to(dtype)
+    wide[:, : q.shape[1]] = q
+    view = wide[:, : q.shape[1]]
+    got = torch.full_like(q, float("nan"))
+    cpu.paged_attention(got, view, *clean, tables, qsl, lens, scale, window, plan=plan,
+                        impl=impl)  # fmt: skip
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
+    assert lean == ([1] if impl == "sdpa" or dtype == torch.float32 else [])
+
+
+@pytest.mark.parametrize("slots", [(0, 12), (3, 9)], ids=["all-slots", "a-run-of-slots"])
+@pytest.mark.parametrize("uniform", [True, False], ids=["equal-segments", "ragged"])
+def test_consecutive_slots_are_read_in_place(slots, uniform, monkeypatch):
+    """Segments over consecutive slots (the decode rows of many adapters, in slot order) read
+    the slot stacks as views, and equal segments back to back view x and y too: no gather of
+    weights or rows, no scatter; the result is the per-segment one."""
+    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)  # the batched form, not the dense one
+    gen = torch.Generator().manual_seed(5)
+    lo, hi = slots
+    num_slots, rank, in_features = 12, 8, 64
+    a, b, widths = slot_weights([rank] * num_slots, in_features, QKV, num_slots, rank,
+                                torch.float32, "cpu", gen)  # fmt: skip
+    lengths = [2] * (hi - lo) if uniform else [1 + i % 3 for i in range(hi - lo)]
+    segments, rows = make_segments(list(range(lo, hi)), lengths)
+    _, x = guarded((rows, in_features), torch.float32, "cpu", gen)
+    _, y = guarded((rows, sum(QKV)), torch.float32, "cpu", gen)
+    plan = cpu.plan_lora(segments, widths, x.device)
+    (width, _, index), *more = plan
+    assert not more and isinstance(index, cpu._Batched) and index.slots == (lo, hi)
+    assert (index.rows is not None) == uniform
+    got, want = y.clone(), y.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cpu.lora_apply(got, x, a, b, segments, widths, plan=plan, lora_a_t=a.mT)
+    names = {e.name for e in prof.events()}
+    assert "aten::index_select" not in names
+    assert uniform == ("aten::index_add_" not in names and "aten::index" not in names)
+    reference.sgmv_expand(want, reference.sgmv_shrink(x, a, segments, widths), b, segments,
+                          widths)  # fmt: skip
+    torch.testing.assert_close(got, want)

@@ -11,7 +11,8 @@ engine/models/layers.py runs today, its RoPE tables already looked up once per s
     rope_and_write_kv   q, k views of one qkv row, the step's `rope_rows` and flat caches
                         given: 9 vs 16 (partial rotary: 9 vs 20); from the table with 4-D
                         caches 16; q, k in separate tensors (after a q/k norm) 14
-    silu_mul            3 vs 3 (one tensor fewer); gpt-oss clamped 8 vs 8 (three fewer)
+    silu_mul            all ops, nested included: 4 vs 10 (the halves as strided views, one
+                        tensor fewer); gpt-oss clamped 25 vs 25 (three tensors fewer)
 
 (`test_cpu_forms_take_fewer_ops` asserts these.)
 """
@@ -95,6 +96,47 @@ def test_add_rms_norm_cpu_equals_engine_rmsnorm(rows, hidden, dtype, gemma, firs
             assert normed.dtype == want.dtype and torch.equal(normed, want), op
             assert torch.equal(new_res, total)
             assert first or new_res is r  # updated in place
+
+
+@SETTINGS
+@given(
+    rows=st.integers(1, 9),
+    hidden=st.sampled_from([8, 64, 200, 2880]),
+    gemma=st.booleans(),
+    first=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_eps_tensor_form(rows, hidden, gemma, first, scale, seed):
+    """eps as a tensor (what the engine's norms pass on the CPU): Llama float32 takes the
+    five-op form, within float32 rounding of the engine's RMSNorm (the sum of squares as the
+    square of ||x||: a few ulps), the residual exact; Gemma keeps the exact form."""
+    x, res, w = _norm_case(rows, hidden, torch.float32, seed)
+    x, res = x * scale, res * scale
+    eps = 1e-6 if seed % 2 else 1e-5
+    module = _rmsnorm_module(w, eps, gemma)
+    with torch.no_grad():
+        total = x if first else res + x
+        want = module(total)
+        r = None if first else res.clone()
+        normed, new_res = fused_cpu.add_rms_norm(x, r, w, torch.full((1, 1), eps), gemma)
+    assert torch.equal(new_res, total) and (first or new_res is r)
+    if gemma:
+        assert torch.equal(normed, want)
+    else:
+        torch.testing.assert_close(normed, want, rtol=4e-6, atol=0)
+    with torch.no_grad():  # five ops, against torch.rms_norm's composite
+        ops = count_all_ops(fused_cpu.add_rms_norm, x, total.clone(), w,
+                            torch.full((1, 1), eps), gemma)  # fmt: skip
+        exact = count_all_ops(fused_cpu.add_rms_norm, x, total.clone(), w, eps, gemma)
+    assert gemma or (ops == 6 and exact > 20), (ops, exact)
+
+
+def count_all_ops(fn, *args) -> int:
+    """Every aten op one call dispatches, nested ones included (what a step's profile counts)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
 def test_add_rms_norm_float32_weight_on_bf16_activations():
@@ -337,10 +379,12 @@ def test_cpu_forms_take_fewer_ops():
         assert (fused, unfused) == (9, want_unfused)
 
     gate_up = torch.randn(4, 2 * 32).to(torch.bfloat16)
-    for limit, want in ((None, 3), (7.0, 8)):
-        unfused = count_ops(_act, gate_up, limit, 1.702)
-        fused = count_ops(fused_cpu.silu_mul, gate_up, limit, 1.702)
-        assert fused == want and unfused == want, (limit, fused, unfused)
+    # all ops, nested included (chunk is one top-level op holding seven): the halves as two
+    # strided views take 4 where the unfused chunk takes 10; the clamped form keeps chunk
+    for limit, want, want_unfused in ((None, 4, 10), (7.0, 25, 25)):
+        unfused = count_all_ops(_act, gate_up, limit, 1.702)
+        fused = count_all_ops(fused_cpu.silu_mul, gate_up, limit, 1.702)
+        assert (fused, unfused) == (want, want_unfused), (limit, fused, unfused)
 
 
 # --- GPU ------------------------------------------------------------------------------------
