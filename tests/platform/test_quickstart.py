@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -186,8 +187,11 @@ def test_readme_quickstart_works_as_printed(demo_model_dir, demo_adapters_dir, t
         models = httpx.get(f"{serve.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert {"pirate", "shout"} <= {m["id"] for m in models.json()["data"]}
         # Questions held out of training: the style carries over, the base model has none.
-        base = " ".join(_chat(serve, key, demo_model_dir.name, q) for q in HELD_OUT)
-        shout = " ".join(_chat(serve, key, "shout", q) for q in HELD_OUT)
+        # Each model's questions at once (the server batches them), one model after the other
+        # (the usage rows' order below).
+        with ThreadPoolExecutor(len(HELD_OUT)) as pool:
+            base = " ".join(pool.map(lambda q: _chat(serve, key, demo_model_dir.name, q), HELD_OUT))
+            shout = " ".join(pool.map(lambda q: _chat(serve, key, "shout", q), HELD_OUT))
         assert not _pirate(base), base
         assert _upper_share(shout) >= 0.8 > 0.3 > _upper_share(base), (shout, base)
 
