@@ -357,15 +357,15 @@ def _perplexity(llm: LLM, texts: list[str]) -> tuple[float, torch.Tensor]:
 
 
 def _quality(demo_model_dir, method: str | None) -> dict:
-    """Perplexity and argmax on the held-out prose and on TEXT, and the resident weight bytes
-    (float32 compute)."""
+    """Perplexity and argmax on the held-out prose and (but for int4, whose bound is not held
+    there) on TEXT, and the resident weight bytes (float32 compute)."""
     llm = LLM(
         str(demo_model_dir), dtype="float32", quantization=method, max_model_len=512,
         kv_cache_bytes=128 << 20, max_lora_rank=8, max_loras=1,
     )  # fmt: skip
+    texts = {"heldout": list(HELDOUT_TEXTS), **({} if method == "int4" else {"dickens": [TEXT]})}
     return {
-        "heldout": _perplexity(llm, list(HELDOUT_TEXTS)),
-        "dickens": _perplexity(llm, [TEXT]),
+        **{name: _perplexity(llm, part) for name, part in texts.items()},
         "bytes": resident_weight_bytes(llm.engine.model),
     }
 
@@ -399,14 +399,15 @@ def demo_float(demo_model_dir):
 def test_demo_perplexity_close_to_float(method, bound, demo_model_dir, demo_float, reference_mode):
     """Quantization error alone: float32 activations on the dequantized weights (reference).
 
-    The bound applies to held-out prose (heldout_texts.py); the memorized Dickens passage is
-    reported beside it (and int8 must hold its bound there too).
+    The bound applies to held-out prose (heldout_texts.py); int8 must hold its bound on the
+    memorized Dickens passage too (reported beside it). int4 is not run on Dickens: nothing is
+    asserted there (memorization is what 4-bit rounding loses first, heldout_texts.py).
     """
     if bound is None:
         bound = _peer_int4_bound() - 1
     quant = _quality(demo_model_dir, method)
     ratios = {}
-    for name in ("heldout", "dickens"):
+    for name in [n for n in ("heldout", "dickens") if n in quant]:
         (ppl, argmax), (base_ppl, base_argmax) = quant[name], demo_float[name]
         ratios[name] = ppl / base_ppl
         agreement = (argmax == base_argmax).float().mean().item()
