@@ -190,6 +190,32 @@ def count_ops(events) -> dict[str, int]:
     return {"aten": total, "aten_no_view": no_view, "aten_top": top}
 
 
+def lora_stack_bytes(model) -> int:
+    """Bytes of every LoRA module's A and B slot stacks: what a step whose rows use every
+    slot reads at least once (fused projections keep each slice's B rows in the columns of
+    the whole output, zeros elsewhere, and those zeros are read too)."""
+    total = 0
+    for m in model.modules():
+        for name in ("lora_a", "lora_b"):
+            t = getattr(m, name, None)
+            if t is not None and hasattr(t, "nbytes"):
+                total += t.nbytes
+    return total
+
+
+def read_bandwidth(mbytes: int = 256, repeats: int = 3) -> float:
+    """GB/s one thread reads a float32 tensor far larger than the caches at (torch.sum)."""
+    import torch
+
+    x = torch.ones(mbytes * (1 << 20) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best / 1e9
+
+
 def time_split(events, steps: int, top: int = 8) -> dict:
     """Where a profiled step's time goes: the self CPU time of aten ops per step (the kernels'
     work and their dispatch inside torch), the top ops by it, and the step's time outside
@@ -301,6 +327,8 @@ def worker(cfg: dict) -> dict:
         "profiled_ms_per_step": profiled_ms,
         "time_by_op": time_by_op,
         "dropped_options": dropped,
+        "lora_stack_bytes": lora_stack_bytes(engine.model) if cfg["adapter_paths"] else 0,
+        "read_gbps": read_bandwidth(),
     }
 
 
@@ -498,6 +526,18 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
         "| tree | profiled ms/step | in aten ops | outside (Python) | top ops by self time, ms |",
         "|---|---:|---:|---:|---|",
     ]
+    floor = ""
+    for t in trees:
+        res = big.get(t["label"], {})
+        if res.get("lora_stack_bytes") and res.get("read_gbps") and not floor:
+            mb, gbps = res["lora_stack_bytes"] / 1e6, res["read_gbps"]
+            floor = (
+                f"\nA floor under any tree's time at this configuration: the adapter slots' "
+                f"A and B stacks are {mb:.0f} MB, which a step whose rows use every slot reads "
+                f"at least once; this core reads {gbps:.1f} GB/s (torch.sum over 256 MB, one "
+                f"thread), so that alone takes {mb / gbps:.1f} ms per step, before attention, "
+                "the KV gathers and the base weights.\n"
+            )
     for t in trees:
         res = big.get(t["label"], {})
         split = res.get("time_by_op")
@@ -507,7 +547,7 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
         top = ", ".join(f"{n.removeprefix('aten::')} {ms:.1f}" for n, ms in split["top"][:6])
         lines.append(f"| {t['label']} | {step_ms:.1f} | {aten:.1f} ({aten / step_ms:.0%}) | "
                      f"{step_ms - aten:.1f} ({1 - aten / step_ms:.0%}) | {top} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + floor
 
 
 # ---------------------------------------------------------------- main

@@ -215,28 +215,32 @@ def pick_attention_impl(
     batch: int = 32,
     context: int = 256,
     repeats: int = 5,
+    block_size: int = 16,
 ) -> dict[str, float]:
-    """Milliseconds of one decode batch (`batch` queries over `context` keys each) with each
-    impl on this CPU, fastest first (the engine keeps the winner in its KernelBackend)."""
+    """Milliseconds of one decode step (`batch` sequences, one new token each, over `context`
+    keys in a paged cache) through `paged_attention` with each impl on this CPU, fastest first
+    (the engine keeps the winner in its KernelBackend). Each form is timed as a step runs it,
+    its gathers from the cache included: the two gather differently (whole blocks for sdpa,
+    rows in head order for matmul), which weighs as much as the attention itself."""
     g = torch.Generator().manual_seed(0)
+    nb = -(-context // block_size)
+    shape = (batch * nb, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    tables = torch.randperm(batch * nb, generator=g).view(batch, nb)
     q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, context, num_kv_heads, head_dim, generator=g).to(dtype)
-    q_pos = torch.randint(context // 2, context, (batch, 1), generator=g)
-    k_pos = torch.arange(context)
-    allowed = visible(q_pos, k_pos, None)  # [B, 1, L]
+    out = torch.empty_like(q)
+    qsl = list(range(batch + 1))
+    lens = torch.randint(context // 2, context + 1, (batch,), generator=g).tolist()
+    plan = plan_attention(tables, qsl, lens, block_size, (None,), (num_kv_heads,))
     scale = head_dim**-0.5
-    k_rows, v_rows = (t.transpose(1, 2).reshape(-1, context, head_dim) for t in (k, v))
-    forms = {  # as paged_attention runs a decode batch with each impl
-        "sdpa": lambda: _attend(q.unsqueeze(1), k, v, q_pos, k_pos, scale, None, None, "sdpa"),
-        "matmul": lambda: _decode_matmul(q, k_rows, v_rows, allowed, scale, None),
-    }
     times = {}
     for impl in ATTENTION_IMPLS:
         runs = []
         for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
-            forms[impl]()
+            paged_attention(out, q, k_cache, v_cache, tables, qsl, lens, scale, plan=plan,
+                            impl=impl)  # fmt: skip
             runs.append(time.perf_counter() - start)
         times[impl] = sorted(runs[1:])[len(runs[1:]) // 2] * 1e3
     return dict(sorted(times.items(), key=lambda kv: kv[1]))
