@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -404,10 +405,17 @@ def test_auto_call_cut_by_max_tokens_streams_as_the_whole_answer(server, client)
     r = _auto(client, server, answer, stream=False)
     full = r.usage.completion_tokens
     assert r.choices[0].finish_reason == "tool_calls"
-    seen = set()
-    for max_tokens in range(2, full, 3):  # same seed: the same tokens, cut anywhere
+    cuts = range(2, full, 3)  # same seed: the same tokens, cut anywhere
+
+    def whole_and_streamed(max_tokens):
         whole = _auto(client, server, answer, False, max_tokens).choices[0]
-        content, calls, reason, _ = _collect(_auto(client, server, answer, True, max_tokens))
+        return whole, _collect(_auto(client, server, answer, True, max_tokens))
+
+    # The cuts at once (the server batches them); each cut's two answers are checked below.
+    with ThreadPoolExecutor(len(cuts)) as pool:
+        answers = list(pool.map(whole_and_streamed, cuts))
+    seen = set()
+    for max_tokens, (whole, (content, calls, reason, _)) in zip(cuts, answers, strict=True):
         assert whole.finish_reason == reason == "length"
         assert content == (whole.message.content or "")
         want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
