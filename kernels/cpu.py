@@ -398,6 +398,8 @@ class _Dense:
     slots: torch.Tensor
     mask: torch.Tensor
     from_zero: bool  # slots are 0, 1, .., S - 1
+    run: tuple[int, int] | None = None  # slots are run[0], .., run[1] - 1: a view of the stacks
+    zero: torch.Tensor | None = None  # a 0-dim zero for the select (none made per call)
 
 
 def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -> _Dense | None:
@@ -411,7 +413,10 @@ def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -
         owner[s - lo : e - lo] = col[slot]
     mask = owner.unsqueeze(1) == torch.arange(len(slots)).repeat_interleave(width)
     from_zero = slots == list(range(len(slots)))
-    return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device), from_zero)
+    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device), from_zero,
+                  run=(slots[0], slots[0] + len(slots)) if consecutive else None,
+                  zero=torch.zeros((), device=device))  # fmt: skip
 
 
 def plan_lora(
@@ -494,6 +499,8 @@ def _stacked(w: torch.Tensor, dense: _Dense, width: int) -> torch.Tensor:
     """w[slots, :width] as [S * width, features]: a view when that is all of w, else a copy."""
     if dense.from_zero and width == w.shape[1] and dense.slots.numel() == w.shape[0]:
         return w.reshape(-1, w.shape[2])
+    if dense.run is not None and width == w.shape[1]:  # consecutive slots: still a view
+        return w[dense.run[0] : dense.run[1]].view(-1, w.shape[2])
     return w[:, :width].index_select(0, dense.slots).reshape(-1, w.shape[2])
 
 
@@ -528,9 +535,11 @@ def lora_apply(
             sgmv_expand(y, sgmv_shrink(x, lora_a, segs, widths), lora_b, segs, widths)
             continue
         if isinstance(index, _Dense):
-            t = F.linear(x[index.lo : index.hi], _stacked(lora_a, index, width))
-            t = torch.where(index.mask, t, t.new_zeros(()))
-            y[index.lo : index.hi].addmm_(t, _stacked(lora_b, index, width))
+            whole = index.lo == 0 and index.hi == x.shape[0]
+            xs, ys = (x, y) if whole else (x[index.lo : index.hi], y[index.lo : index.hi])
+            t = F.linear(xs, _stacked(lora_a, index, width))
+            zero = t.new_zeros(()) if index.zero is None else index.zero
+            ys.addmm_(torch.where(index.mask, t, zero), _stacked(lora_b, index, width))
             continue
         whole = index.slots == (0, lora_a.shape[0]) and width == lora_a.shape[1]
         a_t = lora_a_t if whole and lora_a_t is not None else _slot_weights(lora_a, index, width).mT
