@@ -157,6 +157,23 @@ class QuantizedLoRALinear(LoRALinear):
     def _cpu_fast(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and self.backend.mode == "auto"
 
+    def _planned(self, qweight: torch.Tensor, zeros: torch.Tensor | None, group: int):
+        """On CUDA: this weight's planned launcher (KernelBackend.dequant_weight), made at the
+        first call and again only when the weight is replaced; None elsewhere, or where it
+        could not be made (the per-call wrapper then serves, and the reason is logged once)."""
+        kept = getattr(self, "_dequant", None)
+        if kept is not None and kept[0] is qweight:
+            return kept[1]
+        try:
+            w = self.backend.dequant_weight(qweight, self.scales, zeros, group)
+        except Exception as e:  # noqa: BLE001 - fall back to the per-call wrapper
+            logging.getLogger("loraplex.engine").warning(
+                "planned int%d launcher unavailable (%s): per-call wrapper", 4 if zeros is not None
+                else 8, e)  # fmt: skip
+            w = None
+        self._dequant = (qweight, w)
+        return w
+
 
 class WeightOnlyInt8Linear(QuantizedLoRALinear):
     method = "int8"
@@ -175,6 +192,9 @@ class WeightOnlyInt8Linear(QuantizedLoRALinear):
             xb = x.to(torch.bfloat16).contiguous()
             y = torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16))
             return y.to(x.dtype)
+        planned = self._planned(self.qweight, None, 128) if x.is_cuda else None
+        if planned is not None and x.stride(-1) == 1:
+            return planned(x)
         return self.backend.int8_matmul(x, self.qweight, self.scales)
 
     def dequantize(self) -> torch.Tensor:
@@ -265,6 +285,10 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
             )
             return y.to(x.dtype)
         x = self._rotated(x, x.dtype)
+        if x.is_cuda and not self.cpu_layout:
+            planned = self._planned(self.qweight, self.zeros, self.group_size)
+            if planned is not None and x.stride(-1) == 1:
+                return planned(x)
         q = self.canonical_qweight()  # a conversion per call: reference / test path only
         return self.backend.int4_matmul(x, q, self.scales, self.zeros, self.group_size)
 

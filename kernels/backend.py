@@ -160,6 +160,14 @@ class KernelBackend:
         mod = _triton("moe_triton") if which == "triton" else (cpu if which == "cpu" else reference)
         return mod.grouped_mm(x, w, offs)
 
+    def dequant_weight(self, qweight, scales, zeros=None, group_size: int = 128):
+        """A weight-only int4 / int8 weight with its Triton launches planned once per batch
+        size (dequant_matmul.DequantWeight: a few µs of Python per call where int4_matmul
+        takes tens), for a module to keep beside its weight; None off CUDA."""
+        if self.which(qweight) != "triton" or qweight.device.type != "cuda":
+            return None
+        return _triton("dequant_matmul").DequantWeight(qweight, scales, zeros, group_size)
+
     def int8_matmul(self, *args, **kwargs):
         return self._matmul("int8_matmul", args, kwargs)
 

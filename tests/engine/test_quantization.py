@@ -308,6 +308,16 @@ def test_cuda_dequant_kernels_match_the_dequantized_matmul(cls):
     got = qlin.base(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
+    # the planned launcher (DequantWeight) served, kept for this weight, and equals the
+    # per-call wrapper bit for bit
+    assert qlin._dequant[0] is qlin.qweight and qlin._dequant[1] is not None
+    xr = qlin._rotated(x, x.dtype) if cls is WeightOnlyInt4Linear else x
+    if cls is WeightOnlyInt4Linear:
+        wrapper = qlin.backend.int4_matmul(xr, qlin.canonical_qweight(), qlin.scales, qlin.zeros,
+                                           qlin.group_size)  # fmt: skip
+    else:
+        wrapper = qlin.backend.int8_matmul(xr, qlin.qweight, qlin.scales)
+    assert torch.equal(qlin.matmul(x), wrapper)
 
 
 # --------------------------------------------------------------------------- demo-model quality
