@@ -12,11 +12,18 @@
 #   dist    sdist, then the wheel from it (`python -m build`, installed in a venv of its own),
 #           from a copy of the checkout's files; both hold every module, admin_ui/ and
 #           migrations/ (scripts/smoke_checks.py dist).
-#   wheel   the wheel in a fresh venv, run from outside the checkout: the same checks, then
-#           `loraplex generate` on the demo model that part readme converted (same data dir),
-#           and `loraplex db upgrade` on a fresh SQLite file.
+#   wheel   the wheel in a fresh venv, run from outside the checkout: the same checks,
+#           `loraplex db upgrade` on a fresh SQLite file, then `loraplex generate` on the demo
+#           model that part readme converted (same data dir).
 #   docker  the Dockerfile's COPY steps and its pip RUN steps (requirements from pyproject,
 #           then `pip install --no-deps .`) in a fresh venv: the same checks.
+#
+# The parts run at once where nothing orders them (it saves CI minutes): dist and docker start
+# with readme, each in a background job with its output in its own log (part-*.log, printed
+# when the job ends); wheel follows dist in dist's job and waits for part readme only before
+# `generate`, which needs readme's converted model and its server gone. A part that fails
+# fails the smoke, named, with its output's last lines (at once if it ends during readme's
+# wait for /readyz); each part's time and start are printed.
 #
 # LORAPLEX_SMOKE_KEEP=1 keeps the work folder; LORAPLEX_SMOKE_READY_S (default 900) bounds the
 # wait for the first /readyz (install, demo conversion, two demo adapters trained).
@@ -36,9 +43,10 @@ part=""
 part_t0=$SECONDS
 timings=()
 shell_pid=""
+declare -A bg_pid=()  # background job (its parts' names) -> its pid, until reaped
 
 say() { echo "-- smoke [$((SECONDS - T0))s] $*"; }
-fail() {
+fail() {  # in a background part this ends that part's job; the main shell reports it
   echo "smoke: FAIL: $*" >&2
   exit 1
 }
@@ -49,10 +57,18 @@ begin() {  # name: close the running part's clock, start this one's
   echo "== smoke [$((SECONDS - T0))s] part $part"
 }
 
+tree_of() {  # pid: it and its descendants
+  local c
+  echo "$1"
+  for c in $(pgrep -P "$1" || true); do tree_of "$c"; done
+}
 cleanup() {
-  local rc=$? pids
-  pids=$(pgrep -f "$WORK/" || true)  # only processes this script started use the work folder
-  if [[ -n $pids ]]; then
+  local rc=$? pids name
+  # The background parts' jobs first (a job's bash shows no work-folder path), then whatever
+  # still uses the work folder: only processes this script started do.
+  pids=$(for name in "${!bg_pid[@]}"; do tree_of "${bg_pid[$name]}"; done)
+  pids+=" $(pgrep -f "$WORK/" || true)"
+  if [[ -n ${pids// /} ]]; then
     kill -TERM $pids 2>/dev/null || true
     sleep 2
     kill -KILL $pids 2>/dev/null || true
@@ -95,7 +111,113 @@ serve_pid_of() {  # shell pid: the `loraplex serve` process it runs (itself, or 
   fail "no \`loraplex serve\` process under pid $1"
 }
 
+start_parts() {  # name function [name function ...]: one background job runs them in turn
+  local job="" i
+  for ((i = 1; i <= $#; i += 2)); do job+=${job:++}${!i}; done
+  local log=$WORK/part-$job.log
+  echo "== smoke [$((SECONDS - T0))s] part ${job//+/, then } in the background" \
+    "(output in part-$job.log)"
+  (
+    trap - EXIT
+    while (($#)); do
+      part=$1
+      part_t0=$SECONDS
+      echo "== smoke [$((SECONDS - T0))s] part $part"
+      "$2"
+      echo "$part $((SECONDS - part_t0))s (from $((part_t0 - T0))s)" >> "$WORK/part-$job.times"
+      shift 2
+    done
+  ) > "$log" 2>&1 < /dev/null &
+  bg_pid[$job]=$!
+}
+reap() {  # job: wait for it, print its output; a failed part fails the smoke, named
+  local job=$1 rc=0 failed
+  wait "${bg_pid[$job]}" || rc=$?
+  unset "bg_pid[$job]"
+  echo "== smoke [$((SECONDS - T0))s] the background job $job ended (status $rc); its output:"
+  sed 's/^/   | /' "$WORK/part-$job.log"
+  [[ ! -f $WORK/part-$job.times ]] \
+    || mapfile -t -O "${#timings[@]}" timings < "$WORK/part-$job.times"
+  if ((rc != 0)); then
+    failed=$(grep -o '^== smoke \[[0-9]*s\] part [a-z]*' "$WORK/part-$job.log" | tail -n 1)
+    part=${failed##* }
+    echo "--- the last lines of part $part's output (part-$job.log):" >&2
+    tail -n 30 "$WORK/part-$job.log" >&2
+    fail "part $part failed (status $rc)"
+  fi
+}
+reap_ended() {  # every background job that has ended
+  local job
+  for job in "${!bg_pid[@]}"; do
+    kill -0 "${bg_pid[$job]}" 2>/dev/null || reap "$job"
+  done
+}
+
 command -v curl > /dev/null || fail "curl is needed (the printed curl line uses it)"
+
+say "a copy of the checkout's files (tracked, and untracked ones git does not ignore)"
+mkdir "$WORK/src"
+git -C "$REPO" ls-files -z --cached --others --exclude-standard \
+  | (cd "$REPO" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) \
+  | tar -xf - -C "$WORK/src"
+
+# ---------------------------------------------------------------------------------------------
+part_dist() {
+  fresh_venv "$WORK/tools-venv"
+  pipq "$WORK/tools-venv/bin/pip" install -q build
+  say "python -m build (the sdist, then the wheel from the sdist)"
+  "$WORK/tools-venv/bin/python" -m build --outdir "$WORK/dist" "$WORK/src" > "$WORK/build.log" 2>&1 \
+    || { tail -n 30 "$WORK/build.log" >&2; fail "python -m build failed"; }
+  tail -n 1 "$WORK/build.log"
+  "${CHECKS[@]}" dist "$WORK/src" "$WORK/dist"
+}
+
+# ---------------------------------------------------------------------------------------------
+part_wheel() {
+  local venv=$WORK/wheel-venv marker converted text
+  fresh_venv "$venv"
+  pipq "$venv/bin/pip" install -q "$WORK"/dist/*.whl
+  check_venv "$venv"
+  cd "$OUTSIDE"
+  "$venv/bin/python" -c 'import sys, loraplex.platform.cli as m; assert m.__file__.startswith(sys.prefix), m.__file__'
+  say "loraplex db upgrade on a fresh SQLite file"
+  LORAPLEX_DATA_DIR=$WORK/fresh LORAPLEX_DATABASE_URL=sqlite:///$WORK/fresh/fresh.db \
+    "$venv/bin/loraplex" db upgrade
+  "${CHECKS[@]}" db-head "$WORK/fresh/fresh.db" "$REPO/migrations"
+  say "waiting for part readme (generate reads its converted demo model, its server gone)"
+  until [[ -e $WORK/readme.done ]]; do
+    kill -0 $$ 2>/dev/null || fail "the smoke ended before part readme did"
+    sleep 1
+  done
+  marker=$DATA/models/gemma-3-270m/.complete
+  [[ -f $marker ]] || fail "part readme left no converted demo model in $DATA"
+  converted=$(stat -c %Y "$marker")
+  say "loraplex generate on the demo model (the data dir of part readme)"
+  LORAPLEX_DATA_DIR=$DATA "$venv/bin/loraplex" generate "The capital of France is" \
+    > "$WORK/generate.out" 2> "$WORK/generate.err" \
+    || { tail -n 20 "$WORK/generate.err" >&2; fail "loraplex generate failed"; }
+  cat "$WORK/generate.out"
+  tail -n 1 "$WORK/generate.err"
+  text=$(cat "$WORK/generate.out")
+  [[ $text == "The capital of France is"?* ]] || fail "generate printed no continuation of the prompt"
+  [[ $(stat -c %Y "$marker") == "$converted" ]] || fail "generate converted the demo model again"
+}
+
+# ---------------------------------------------------------------------------------------------
+part_docker() {
+  local venv=$WORK/docker-venv
+  fresh_venv "$venv"
+  "${CHECKS[@]}" docker "$REPO/Dockerfile" "$WORK/src" "$WORK/docker" > "$WORK/docker.sh"
+  say "the Dockerfile's steps in $venv (pip output in docker.log)"
+  PATH="$venv/bin:$PATH" bash "$WORK/docker.sh" > "$WORK/docker.log" 2>&1 \
+    || { tail -n 30 "$WORK/docker.log" >&2; fail "the Dockerfile's pip steps failed"; }
+  grep -E '^(\+ |  \(not run\)|\(/src)' "$WORK/docker.log"
+  [[ ! -e $WORK/docker/src ]] || fail "the Dockerfile's clean-up step did not run"
+  check_venv "$venv"
+}
+
+start_parts dist part_dist wheel part_wheel
+start_parts docker part_docker
 
 # ---------------------------------------------------------------------------------------------
 begin readme
@@ -115,11 +237,12 @@ until curl -sf "http://127.0.0.1:$port/readyz" > /dev/null 2>&1; do
     fail "the README's command ended (status $rc) before /readyz answered"
   fi
   ((SECONDS < deadline)) || fail "no /readyz within ${READY_S}s"
+  reap_ended  # a background part that failed meanwhile fails the smoke now
   if ((SECONDS >= next_note)); then
     say "waiting for /readyz: $(tail -c 300 "$WORK/serve.log" | tr '\r' '\n' | grep -a . | tail -n 1)"
     next_note=$((SECONDS + 60))
   fi
-  sleep 2
+  sleep 1
 done
 serve_pid=$(serve_pid_of "$shell_pid")
 say "/readyz answers (server pid $serve_pid)"
@@ -155,59 +278,10 @@ sleep 1
 left=$(pgrep -f "$venv/" || true)
 [[ -z $left ]] || fail "processes of the server outlived it: $(ps -o pid=,args= -p "${left//$'\n'/,}")"
 say "clean exit (status $rc, shutdown complete, no traceback, no process left)"
+touch "$WORK/readme.done"  # part wheel's generate may run now
 check_venv "$venv"
-
-# ---------------------------------------------------------------------------------------------
-begin dist
-say "a copy of the checkout's files (tracked, and untracked ones git does not ignore)"
-mkdir "$WORK/src"
-git -C "$REPO" ls-files -z --cached --others --exclude-standard \
-  | (cd "$REPO" && tar --null -T - --ignore-failed-read -cf - 2>/dev/null) \
-  | tar -xf - -C "$WORK/src"
-fresh_venv "$WORK/tools-venv"
-pipq "$WORK/tools-venv/bin/pip" install -q build
-say "python -m build (the sdist, then the wheel from the sdist)"
-"$WORK/tools-venv/bin/python" -m build --outdir "$WORK/dist" "$WORK/src" > "$WORK/build.log" 2>&1 \
-  || { tail -n 30 "$WORK/build.log" >&2; fail "python -m build failed"; }
-tail -n 1 "$WORK/build.log"
-"${CHECKS[@]}" dist "$WORK/src" "$WORK/dist"
-
-# ---------------------------------------------------------------------------------------------
-begin wheel
-venv=$WORK/wheel-venv
-fresh_venv "$venv"
-pipq "$venv/bin/pip" install -q "$WORK"/dist/*.whl
-check_venv "$venv"
-cd "$OUTSIDE"
-"$venv/bin/python" -c 'import sys, loraplex.platform.cli as m; assert m.__file__.startswith(sys.prefix), m.__file__'
-marker=$DATA/models/gemma-3-270m/.complete
-[[ -f $marker ]] || fail "part readme left no converted demo model in $DATA"
-converted=$(stat -c %Y "$marker")
-say "loraplex generate on the demo model (the data dir of part readme)"
-LORAPLEX_DATA_DIR=$DATA "$venv/bin/loraplex" generate "The capital of France is" \
-  > "$WORK/generate.out" 2> "$WORK/generate.err" \
-  || { tail -n 20 "$WORK/generate.err" >&2; fail "loraplex generate failed"; }
-cat "$WORK/generate.out"
-tail -n 1 "$WORK/generate.err"
-text=$(cat "$WORK/generate.out")
-[[ $text == "The capital of France is"?* ]] || fail "generate printed no continuation of the prompt"
-[[ $(stat -c %Y "$marker") == "$converted" ]] || fail "generate converted the demo model again"
-say "loraplex db upgrade on a fresh SQLite file"
-LORAPLEX_DATA_DIR=$WORK/fresh LORAPLEX_DATABASE_URL=sqlite:///$WORK/fresh/fresh.db \
-  "$venv/bin/loraplex" db upgrade
-"${CHECKS[@]}" db-head "$WORK/fresh/fresh.db" "$REPO/migrations"
-
-# ---------------------------------------------------------------------------------------------
-begin docker
-venv=$WORK/docker-venv
-fresh_venv "$venv"
-"${CHECKS[@]}" docker "$REPO/Dockerfile" "$WORK/src" "$WORK/docker" > "$WORK/docker.sh"
-say "the Dockerfile's steps in $venv (pip output in docker.log)"
-PATH="$venv/bin:$PATH" bash "$WORK/docker.sh" > "$WORK/docker.log" 2>&1 \
-  || { tail -n 30 "$WORK/docker.log" >&2; fail "the Dockerfile's pip steps failed"; }
-grep -E '^(\+ |  \(not run\)|\(/src)' "$WORK/docker.log"
-[[ ! -e $WORK/docker/src ]] || fail "the Dockerfile's clean-up step did not run"
-check_venv "$venv"
-
 timings+=("$part $((SECONDS - part_t0))s")
+
+part="dist, wheel or docker (background)"
+for job in "${!bg_pid[@]}"; do reap "$job"; done
 echo "smoke: passed in $((SECONDS - T0))s (${timings[*]})"
