@@ -406,8 +406,8 @@ def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch)
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("wa, width", [(16, 8), (8, 8), (12, 8), (4, 2), (6, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wa, width", [(16, 8), (8, 8), (12, 8), (4, 2), (6, 4), (32, 16)])
 def test_grouped_lora_rows(dtype, wa, width):
     """kernels/cpu.grouped_lora_rows against each row's own matmuls: A^T read in place or
     copied per row (narrow), split at the width or whole (a width that does not divide it)."""
