@@ -194,13 +194,10 @@ def lora_stack_bytes(model) -> int:
     """Bytes of every LoRA module's A and B slot stacks: what a step whose rows use every
     slot reads at least once (fused projections keep each slice's B rows in the columns of
     the whole output, zeros elsewhere, and those zeros are read too)."""
-    total = 0
-    for m in model.modules():
-        for name in ("lora_a", "lora_b"):
-            t = getattr(m, name, None)
-            if t is not None and hasattr(t, "nbytes"):
-                total += t.nbytes
-    return total
+    import torch
+
+    stacks = (getattr(m, name, None) for m in model.modules() for name in ("lora_a", "lora_b"))
+    return sum(t.nbytes for t in stacks if isinstance(t, torch.Tensor))
 
 
 def read_bandwidth(mbytes: int = 256, repeats: int = 3) -> float:

@@ -403,8 +403,8 @@ class _Dense:
     slots: torch.Tensor
     mask: torch.Tensor
     from_zero: bool  # slots are 0, 1, .., S - 1
-    run: tuple[int, int] | None = None  # slots are run[0], .., run[1] - 1: a view of the stacks
-    zero: torch.Tensor | None = None  # a 0-dim zero for the select (none made per call)
+    run: tuple[int, int] | None  # slots are run[0], .., run[1] - 1: a view of the stacks
+    zero: torch.Tensor  # a 0-dim zero for the select (none made per call)
 
 
 def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -> _Dense | None:
@@ -543,8 +543,7 @@ def lora_apply(
             whole = index.lo == 0 and index.hi == x.shape[0]
             xs, ys = (x, y) if whole else (x[index.lo : index.hi], y[index.lo : index.hi])
             t = F.linear(xs, _stacked(lora_a, index, width))
-            zero = t.new_zeros(()) if index.zero is None else index.zero
-            ys.addmm_(torch.where(index.mask, t, zero), _stacked(lora_b, index, width))
+            ys.addmm_(torch.where(index.mask, t, index.zero), _stacked(lora_b, index, width))
             continue
         whole = index.slots == (0, lora_a.shape[0]) and width == lora_a.shape[1]
         a_t = lora_a_t if whole and lora_a_t is not None else _slot_weights(lora_a, index, width).mT

@@ -57,10 +57,6 @@ def _generate(llm: LLM, prompts, loras, params=GREEDY) -> list[list[tuple[list[i
     return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
 
 
-def _logprob(entry) -> float:
-    return entry.logprob if hasattr(entry, "logprob") else float(entry)
-
-
 def _same(got, want) -> None:
     """The same greedy tokens with log-probabilities within 1e-4, except that a sample may
     part from the reference at an exact tie of the reference's top two tokens (and is not
@@ -72,9 +68,9 @@ def _same(got, want) -> None:
             pairs = enumerate(zip(tokens, ref, strict=True))
             j = next((i for i, (a, b) in pairs if a != b), len(ref))
             for i in range(j):
-                assert abs(_logprob(lps[i][ref[i]]) - _logprob(ref_lps[i][ref[i]])) < 1e-4, i
+                assert abs(lps[i][ref[i]] - ref_lps[i][ref[i]]) < 1e-4, i
             if j < len(ref):
-                top = sorted((_logprob(v) for v in ref_lps[j].values()), reverse=True)
+                top = sorted(ref_lps[j].values(), reverse=True)
                 assert top[0] - top[1] < TIE, (j, ref_lps[j], lps[j])
 
 
