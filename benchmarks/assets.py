@@ -134,6 +134,7 @@ def make_adapters(
     A ~ N(0, init_std / sqrt(rank)) and B ~ N(0, init_std): the delta stays a small fraction
     of the base projection, so outputs change but the model does not fall apart.
     """
+    import_installed_kernels()  # peft imports transformers, which imports HF's `kernels`
     from peft import LoraConfig
 
     config = json.loads((model_dir / "config.json").read_text())
