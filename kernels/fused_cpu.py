@@ -83,9 +83,9 @@ def _rotate_(x4: torch.Tensor, cos: torch.Tensor, sin_pm: torch.Tensor) -> None:
     and the sum round to the dtype as the reference's x * cos + cat(-x2, x1) * sin does (the
     sign moves from x2 to sin, exactly)."""
     a = x4 * cos
-    # roll by one along a dimension of two swaps the halves: one copy, where flip's general
-    # reversal costs about four times as much at a decode step's sizes
-    b = x4.roll(1, 2).mul_(sin_pm)
+    # flip is one aten op; roll(1, 2) swaps the halves about four times faster here but as
+    # eleven ops (narrows and a cat): each op is host work per layer (docs/step-overhead.md)
+    b = x4.flip(2).mul_(sin_pm)
     torch.add(a, b, out=x4)
 
 
