@@ -434,6 +434,8 @@ OWN_PAGES = "\n".join(
         "| --- | --- | --- |",
         "| Mixture of experts: decode with 0 / 4 / 32 expert adapters against the base alone, our "
         "MoE forward against transformers' | `python -m benchmarks.moe` | [moe.md](moe.md) |",
+        "| The same at Qwen3-30B-A3B's own widths (2 routed layers) | `python -m benchmarks.moe "
+        "--widths a3b --doc docs/moe-a3b.md` | [moe-a3b.md](moe-a3b.md) |",
         "| Host time and ops per decode step, this tree against a baseline commit | "
         "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) |",
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "

@@ -16,6 +16,10 @@ draw their own A and B. Rank 16 is the issue's; rank 2 keeps Qwen3-30B-A3B's ran
 (16 / 2048 = 2 / 256): a rank does not shrink with the model, so at tiny widths rank 16 weighs
 8 times more against the experts than on the real model.
 
+`--widths a3b` builds the same model at Qwen3-30B-A3B's own widths (hidden 2048, expert
+width 768, 32 query / 4 KV heads of 128) in 2 routed layers: every ratio of the real model,
+rank / hidden included (about 2.5 GB of bf16 experts; with `--doc docs/moe-a3b.md`).
+
 Decode: 32 requests of 16 random prompt tokens and `--tokens` greedy tokens each (ignore_eos),
 all submitted at once to one engine with 32 adapter slots (one engine per rank, one torch
 thread by default: the machine may be shared); decode tokens/s counts from the
@@ -78,21 +82,38 @@ TINY_A3B = dict(
     max_position_embeddings=2048,
     initializer_range=0.02,
 )
+# Qwen3-30B-A3B's own widths (its attention, 128 experts of 768 at hidden 2048, top 8) in 2
+# routed layers: every ratio of the real model, rank / hidden included, which the tiny widths
+# keep for everything but a rank (about 1.2 GB of experts per layer in bf16)
+A3B_WIDTHS = dict(TINY_A3B, num_layers=2, hidden_size=2048, moe_intermediate_size=768,
+                  intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+                  head_dim=128)  # fmt: skip
+SHAPES = {"tiny": TINY_A3B, "a3b": A3B_WIDTHS}
+FOLDERS = {"tiny": "moe-a3b-tiny", "a3b": "moe-a3b-widths"}
+KV_CACHE_GIB = {"tiny": 3.0, "a3b": 6.0}  # KV cache + 32 slots' expert stacks (2.5 GiB at a3b)
 _DONE = ".complete"
 
 
-def build_model(cache: Path) -> Path:
-    """The tiny Qwen3-30B-A3B-shaped model, built once (float32 by the factory, stored bf16)."""
-    out = cache / "moe-a3b-tiny"
+def build_model(cache: Path, widths: str = "tiny") -> Path:
+    """The Qwen3-30B-A3B-shaped model of `widths` (SHAPES), built once (float32 by the
+    factory, stored bf16)."""
+    out = cache / FOLDERS[widths]
     if (out / _DONE).is_file():
         return out
     import transformers
 
-    tmp = out.with_name(out.name + ".tmp")
+    tmp, f32 = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".f32")
     shutil.rmtree(tmp, ignore_errors=True)
-    factories().make_tiny_model("qwen3_moe", tmp, seed=0, **TINY_A3B)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)
+    shutil.rmtree(f32, ignore_errors=True)
+    factories().make_tiny_model("qwen3_moe", f32, seed=0, **SHAPES[widths])
+    model = transformers.AutoModelForCausalLM.from_pretrained(f32, dtype=torch.bfloat16)
+    # into a folder of its own: saved over the float32 files, a sharded float32 index would
+    # stay beside bf16 files it does not name
     model.save_pretrained(tmp, safe_serialization=True)
+    for file in f32.iterdir():  # the tokenizer's files
+        if "safetensors" not in file.name and not (tmp / file.name).exists():
+            shutil.copy(file, tmp / file.name)
+    shutil.rmtree(f32)
     (tmp / _DONE).write_text("random weights, seed 0\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -103,7 +124,7 @@ def build_adapters(base: Path, count: int, rank: int, cache: Path) -> list[Path]
     """`count` expert adapters (see the module doc), cached beside the model."""
     from safetensors.torch import load_file, save_file
 
-    root = cache / f"moe-a3b-tiny-experts-r{rank}"
+    root = cache / f"{base.name}-experts-r{rank}"
     first = root / "e00"
     if not (first / _DONE).is_file():
         shutil.rmtree(first, ignore_errors=True)
@@ -240,13 +261,13 @@ def layer_times(llm, loras: list, repeats: int) -> dict:
     return {"count": len(captured), **{k: 1e3 * statistics.median(v) for k, v in times.items()}}
 
 
-def layer_bytes(rank: int, elsize: int) -> dict:
+def layer_bytes(rank: int, elsize: int, shape: dict) -> dict:
     """Bytes one routed layer reads in a decode step of batch 32 (shapes only): the experts'
     weights (each expert some row picked, on average) and, with a distinct adapter on every
     row, each (row, expert) pair's own A and B as the engine stacks them (gate|up 2 x rank
     wide, down rank wide)."""
-    e, k = TINY_A3B["num_experts"], TINY_A3B["num_experts_per_tok"]
-    h, i = TINY_A3B["hidden_size"], TINY_A3B["moe_intermediate_size"]
+    e, k = shape["num_experts"], shape["num_experts_per_tok"]
+    h, i = shape["hidden_size"], shape["moe_intermediate_size"]
     picked = e * (1 - (1 - k / e) ** BATCH)
     experts = picked * 3 * h * i * elsize
     lora = BATCH * k * (2 * rank * (h + 2 * i) + rank * (i + h)) * elsize
@@ -298,7 +319,7 @@ def forward_figures(args, base: Path, compute_dtype: torch.dtype) -> list[dict]:
 
     rows = []
     for tokens in (BATCH, BATCH * PROMPT):
-        x = torch.randn(tokens, TINY_A3B["hidden_size"], generator=gen)
+        x = torch.randn(tokens, args.shape["hidden_size"], generator=gen)
         xo, xh = x.to(ours_dtype), x.to(compute_dtype).unsqueeze(0)
         fns = {"ours": (ours_side, lambda xo=xo: ours_layer(xo, None))}
         for name, impl in (("default", default), ("eager", "eager")):
@@ -377,7 +398,9 @@ def plot(result: dict, path: Path) -> None:
     right.set_ylabel("tokens/s of a forward")
     right.set_title("MoE forward: loraplex vs transformers")
     right.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"Tiny Qwen3-30B-A3B-shaped MoE (128 experts, top 8) on {result['cpu']}",
+    shape = result.get("shape", TINY_A3B)
+    widths = f"hidden {shape['hidden_size']}, expert width {shape['moe_intermediate_size']}"
+    fig.suptitle(f"Qwen3-30B-A3B-shaped MoE (128 experts, top 8; {widths}) on {result['cpu']}",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -391,6 +414,15 @@ def _impl_name(row: dict, impl: str) -> str:
 def markdown(result: dict, png: str | None) -> str:
     decodes = result["decode"]
     first = decodes[0]
+    shape = result.get("shape", TINY_A3B)  # runs before --widths measured the tiny model
+    h, i = shape["hidden_size"], shape["moe_intermediate_size"]
+    tiny = shape["hidden_size"] == TINY_A3B["hidden_size"]
+    model = (
+        "a tiny random Qwen3-MoE with Qwen3-30B-A3B's ratios"
+        if tiny
+        else "a random Qwen3-MoE with Qwen3-30B-A3B's own widths (and so every ratio of it, "
+        "rank / hidden included) in fewer layers"
+    )
     lines = [
         "# Mixture of experts: expert LoRA and the MoE forward",
         "",
@@ -403,9 +435,10 @@ def markdown(result: dict, png: str | None) -> str:
         f"cores busy during the base runs), torch {result['torch']}, transformers "
         f"{result['transformers']}.",
         "",
-        "The model: a tiny random Qwen3-MoE with Qwen3-30B-A3B's ratios (128 experts, top 8, "
-        "expert width / hidden = 96 / 256 = 0.375, 8 query heads per KV head, every layer "
-        f"routed, {TINY_A3B['num_layers']} layers, vocab {TINY_A3B['vocab_size']}), bf16 on "
+        f"The model: {model} (128 experts, top 8, expert width / hidden = {i} / {h} = "
+        f"{i / h:.3f}, {shape['num_attention_heads'] // shape['num_key_value_heads']} query "
+        f"heads per KV head, every layer routed, {shape['num_layers']} layers, vocab "
+        f"{shape['vocab_size']}), bf16 on "
         f"disk, computed in {first['compute_dtype']}. Expert adapters: PEFT `target_parameters` "
         "on both expert projections. benchmarks/moe.py's docstring has the method.",
         "",
@@ -436,22 +469,28 @@ def markdown(result: dict, png: str | None) -> str:
         "",
         f"What a routed layer reads in one decode step of batch {BATCH} (from the shapes, in "
         f"{first['compute_dtype']}), with a distinct adapter on every row, so that each of the "
-        f"{BATCH * TINY_A3B['num_experts_per_tok']} (row, expert) pairs has its own A and B:",
+        f"{BATCH * shape['num_experts_per_tok']} (row, expert) pairs has its own A and B:",
         "",
         "| rank | experts' weights | expert LoRA | LoRA / experts | at Qwen3-30B-A3B's widths |",
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for d in decodes:
-        b = layer_bytes(d["rank"], elsize)
+        b = layer_bytes(d["rank"], elsize, shape)
         real = a3b_lora_share(d["rank"])
         lines.append(f"| {d['rank']} | {b['experts_mib']:.1f} MiB | {b['lora_mib']:.1f} MiB | "
                      f"{b['lora_mib'] / b['experts_mib']:.2f} | {real:.3f} |")  # fmt: skip
     lines += [
         "",
-        "A rank does not shrink with the model, so at these tiny widths distinct rank-16 "
-        "adapters read well over half the experts' own bytes again; at Qwen3-30B-A3B's own "
-        "widths the same adapters add under a tenth (last column), and rank 2 is about that "
-        "proportion here. The engine reads only each slot's used width of the gate|up stacks "
+        (
+            "A rank does not shrink with the model, so at these tiny widths distinct rank-16 "
+            "adapters read well over half the experts' own bytes again; at Qwen3-30B-A3B's own "
+            "widths the same adapters add under a tenth (last column), and rank 2 is about that "
+            "proportion here (`--widths a3b` measures those widths themselves). "
+            if tiny
+            else "At these widths, Qwen3-30B-A3B's own, the LoRA / experts column is the real "
+            "model's proportion. "
+        )
+        + "The engine reads only each slot's used width of the gate|up stacks "
         "(twice the rank wide, for gate and up with an A each): PEFT's fused adapters share "
         "one A, so the columns read are about half the gate|up figures above.",
         "",
@@ -480,10 +519,10 @@ def markdown(result: dict, png: str | None) -> str:
         "A and B where they lie (embedding_bag; a narrow rank copies each row's A: "
         "kernels/cpu.py's grouped_lora_rows); the bytes each side reads (from the shapes, the "
         "adapters' used width) over its time: "
-        + "; ".join(_rates(d, elsize) for d in decodes)
+        + "; ".join(_rates(d, elsize, shape) for d in decodes)
         + f". To keep {GOAL} of the base, the adapters' part may take {1 / GOAL - 1:.2f} of "
         "the base step, which asks of their bytes the rate named last."
-        + "".join(_short(d, elsize) for d in decodes),
+        + "".join(_short(d, elsize, shape) for d in decodes),
         "",
         "## Forward: loraplex against transformers on the same weights",
         "",
@@ -533,13 +572,13 @@ def _compare_lines(result: dict) -> list[str]:
     return lines
 
 
-def _short(d: dict, elsize: int) -> str:
+def _short(d: dict, elsize: int, shape: dict) -> str:
     """A sentence for a rank whose adapters' bytes are read slower than the goal needs."""
-    b, lay = layer_bytes(d["rank"], elsize), d["layers"]
+    b, lay = layer_bytes(d["rank"], elsize, shape), d["layers"]
     base_step = 1e3 * BATCH / d["rows"][0]["decode_tok_s"]
     need = b["lora_read_mib"] / ((1 / GOAL - 1) * base_step)
     have = b["lora_read_mib"] / (lay["lora"] - lay["base"])
-    experts, k = b["experts_mib"] / lay["base"], TINY_A3B["num_experts_per_tok"]
+    experts, k = b["experts_mib"] / lay["base"], shape["num_experts_per_tok"]
     if have >= need:
         return ""
     return (f" Rank {d['rank']} would need its adapters' bytes read {need / have:.1f} times as "
@@ -547,20 +586,21 @@ def _short(d: dict, elsize: int) -> str:
             "while each row's A and B are already read once, in place: its bytes, not a fixed "
             "cost per layer, keep it under the goal. Fewer adapters save little of them: the "
             f"{BATCH * k} (row, expert) pairs of 4 adapters (8 rows each) still touch about "
-            f"{_distinct(4):.0f} distinct A and B on average, against {_distinct(32):.0f} "
+            f"{_distinct(4, shape):.0f} distinct A and B on average, against "
+            f"{_distinct(32, shape):.0f} "
             "for 32.")  # fmt: skip
 
 
-def _distinct(adapters: int) -> float:
+def _distinct(adapters: int, shape: dict) -> float:
     """Expected distinct (adapter, expert) pairs of a decode step of batch 32 whose rows are
     spread evenly over `adapters` adapters, each row routed to top-k of the experts."""
-    e, k = TINY_A3B["num_experts"], TINY_A3B["num_experts_per_tok"]
+    e, k = shape["num_experts"], shape["num_experts_per_tok"]
     return adapters * e * (1 - (1 - k / e) ** (BATCH / adapters))
 
 
-def _rates(d: dict, elsize: int) -> str:
+def _rates(d: dict, elsize: int, shape: dict) -> str:
     """Rank d's read rates (GB/s) of the experts' weights and of the adapters' A and B."""
-    b, lay = layer_bytes(d["rank"], elsize), d["layers"]
+    b, lay = layer_bytes(d["rank"], elsize, shape), d["layers"]
     n, extra = lay["count"], lay["lora"] - lay["base"]
     scale = 2**20 * n / 1e9 * 1e3  # MiB per layer / ms -> GB/s over all layers
     lora_mib, base_step = b["lora_read_mib"], 1e3 * BATCH / d["rows"][0]["decode_tok_s"]
@@ -587,8 +627,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forward-repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--kv-cache-gib", type=float, default=3.0,
-                   help="KV cache + adapter slots budget")  # fmt: skip
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache + adapter slots budget (default: 3 tiny, 6 a3b)")  # fmt: skip
+    p.add_argument("--widths", choices=list(SHAPES), default="tiny",
+                   help="tiny: the ratios at tiny widths; a3b: Qwen3-30B-A3B's own widths in 2 "
+                   "layers (about 2.5 GB of experts in bf16, 2.5 GB of slots)")  # fmt: skip
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "moe.md")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--no-plot", action="store_true")
@@ -613,7 +656,10 @@ def main(argv: list[str] | None = None) -> None:
     import_installed_kernels()  # before transformers / peft, from a checkout's root
     import transformers
 
-    base = build_model(args.cache)
+    args.shape = SHAPES[args.widths]
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = KV_CACHE_GIB[args.widths]
+    base = build_model(args.cache, args.widths)
     decode = []
     for rank in args.ranks:
         adapters = build_adapters(base, max(args.adapters), rank, args.cache)
@@ -639,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
         "max_loras": max(args.adapters),
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "widths": args.widths,
+        "shape": args.shape,
         "decode": decode,
         "forward": forward,
     }
