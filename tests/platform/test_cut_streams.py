@@ -19,6 +19,7 @@ from tests.utils.server import ADMIN_KEY, run_server
 from tests.utils.sse_client import stream_completion
 
 LONG, SHORT = 200, 24
+PACE = 0.02  # seconds a long stream's reader waits per token: 200 tokens take 4 s or more
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -68,9 +69,16 @@ def test_end_streams_cuts_the_named_key_or_tenant_only(server):
 
     async def main():
         return await asyncio.gather(
-            stream_completion(server.url, acme_key, _body(LONG), on_tokens=counter("acme")),
+            # The long streams read slowly, so that their requests are still running (paused
+            # by the stream window, not finished ahead of their readers) when the cut comes,
+            # however fast the engine is next to the operator's calls.
+            stream_completion(
+                server.url, acme_key, _body(LONG), on_tokens=counter("acme"), pace=PACE
+            ),
             stream_completion(server.url, other_key, _body(SHORT), on_tokens=counter("acme-other")),
-            stream_completion(server.url, beta_key, _body(LONG), on_tokens=counter("beta")),
+            stream_completion(
+                server.url, beta_key, _body(LONG), on_tokens=counter("beta"), pace=PACE
+            ),
             stream_completion(server.url, gamma_key, _body(SHORT), on_tokens=counter("gamma")),
             operator(),
         )

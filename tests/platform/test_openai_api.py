@@ -107,9 +107,11 @@ def test_rate_limit_answers_429_with_retry_after(server):
 def test_usage_ledger_matches_what_clients_received(server):
     """24 concurrent streams (more than the database pool's 15 connections: a stream must not
     hold one), a third hung up mid-stream: each usage record bills exactly the tokens its
-    client received, and every KV block comes back."""
+    client received, and every KV block comes back. The streams that hang up ask for far
+    more tokens than they take (LEFT), so that they leave before the end however fast the
+    engine runs next to their hang-up."""
     tenant_id, key = server.new_tenant("ledger")
-    N = 24
+    N, LEFT = 24, 200
     body = {
         "model": server.state.model_name,
         "max_tokens": 24,
@@ -124,7 +126,11 @@ def test_usage_ledger_matches_what_clients_received(server):
                 stream_completion(
                     server.url,
                     key,
-                    {**body, "prompt": f"request {i}"},
+                    {
+                        **body,
+                        "prompt": f"request {i}",
+                        **({"max_tokens": LEFT} if i % 3 == 0 else {}),
+                    },
                     hang_up_after=2 + i // 2 if i % 3 == 0 else None,
                 )
                 for i in range(N)
@@ -141,7 +147,7 @@ def test_usage_ledger_matches_what_clients_received(server):
         rows = {r.request_id: r for r in session.query(UsageRecord).filter_by(tenant_id=tenant_id)}
     assert len(rows) == N and all(r.request_id in rows for r in results)
     hung_up = [r for i, r in enumerate(results) if i % 3 == 0]
-    assert all(not r.finished and r.tokens < 24 for r in hung_up)  # they really left early
+    assert all(not r.finished and r.tokens < LEFT for r in hung_up)  # they really left early
     assert {rows[r.request_id].status for r in hung_up} == {"aborted"}
     for r in results:
         assert rows[r.request_id].completion_tokens == r.tokens, r
