@@ -612,9 +612,8 @@ def _rates(d: dict, elsize: int, shape: dict) -> str:
 def a3b_lora_share(rank: int) -> float:
     """LoRA / experts bytes of a decode step of batch 32 at Qwen3-30B-A3B's own widths
     (hidden 2048, expert width 768), the same dtype on both sides."""
-    e, k, h, i = 128, 8, 2048, 768
-    experts = e * (1 - (1 - k / e) ** BATCH) * 3 * h * i
-    return BATCH * k * (2 * rank * (h + 2 * i) + rank * (i + h)) / experts
+    b = layer_bytes(rank, 1, A3B_WIDTHS)
+    return b["lora_mib"] / b["experts_mib"]
 
 
 def _args(p: argparse.ArgumentParser) -> None:
