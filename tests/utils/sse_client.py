@@ -32,11 +32,8 @@ async def stream_completion(
     body: dict,
     hang_up_after: int | None = None,
     on_tokens: Callable[[int], None] | None = None,
-    pace: float = 0.0,
 ) -> StreamResult:
-    """`on_tokens(total)` runs after each event that carried tokens; `pace`: seconds this
-    client waits after each such event (a slow reader, whose request the server's stream
-    window pauses in the engine instead of running it to the end ahead of the client)."""
+    """`on_tokens(total)` runs after each event that carried tokens."""
     u = urlsplit(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
     conn = h11.Connection(h11.CLIENT)
@@ -80,8 +77,6 @@ async def stream_completion(
                         result.tokens += len((choice.get("logprobs") or {}).get("tokens", []))
                     if on_tokens is not None and result.tokens > before:
                         on_tokens(result.tokens)
-                    if pace and result.tokens > before:
-                        await asyncio.sleep(pace)
                 if hang_up_after is not None and result.tokens >= hang_up_after and not hung_up:
                     writer.write_eof()
                     hung_up = True
