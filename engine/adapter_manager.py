@@ -127,7 +127,9 @@ class AdapterManager:
         ]
         for layer in model.model.layers:
             found = layer_modules(layer)
-            mods = {name: mod for name, (mod, _) in found.items()}
+            # no slots (LoRA off: enable_lora=False): the modules keep no stacks, so that no
+            # step runs LoRA on them
+            mods = {name: mod for name, (mod, _) in found.items()} if max_loras else {}
             self.slices.append({name: targets for name, (_, targets) in found.items()})
             for name, mod in mods.items():
                 width = len(found[name][1]) * max_rank
@@ -151,7 +153,9 @@ class AdapterManager:
         model.lora_dora_slots = self.dora_slots  # read by the step planner and graph runner
         # Expert LoRA stacks for every slot, allocated now so that they come out of the
         # start's memory budget (engine/llm_engine.py) and never move (CUDA graphs).
-        self.expert_lora = expert_lora and any(ex is not None for ex in self.experts)
+        self.expert_lora = bool(expert_lora and max_loras) and any(
+            ex is not None for ex in self.experts
+        )
         if self.expert_lora:
             self._expert_stacks()
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot

@@ -84,8 +84,9 @@ class LLMEngine:
         spec = self.model.spec
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # Adapter slots first: they come out of the same device budget as the KV pool.
+        slots = config.max_loras if config.enable_lora else 0
         self.adapters = AdapterManager(
-            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+            self.model, slots, config.max_lora_rank, config.max_cpu_loras,
             expert_lora=config.expert_lora,
         )  # fmt: skip
         slot_bytes = self.adapters.slot_bytes
@@ -111,7 +112,7 @@ class LLMEngine:
             quantization=getattr(self.model, "quantization", None),
             dtype=str(self.model.dtype).removeprefix("torch."),
             block_size=config.block_size,
-            adapter_slots=config.max_loras,
+            adapter_slots=slots,
             max_lora_rank=config.max_lora_rank,
             host_adapters=config.max_cpu_loras,
         )
@@ -218,6 +219,12 @@ class LLMEngine:
         processors = []
         if params.has_processors:
             processors = build_processors(params, self.processor_context)
+        if lora_request is not None and not self.config.enable_lora:
+            raise BadRequestError(
+                f"this engine serves the base model alone (enable_lora=False): no adapter "
+                f"({lora_request.lora_name!r}) can be named",
+                param="model",
+            )
         if lora_request is not None:
             self._adapter_asked(request_id, lora_request)
             self.adapters.acquire(lora_request)

@@ -92,6 +92,12 @@ class EngineOptions:
     max_cpu_loras: int | None = option(
         None, "adapters kept in host memory (LRU); default 4 x max_loras", server=True, ge=1
     )
+    enable_lora: bool = option(
+        True,
+        "serve adapters; false: the base model alone, as vLLM without --enable-lora: no adapter "
+        "slots (their memory goes to the KV cache), no LoRA in any step, and a request naming "
+        "an adapter is refused",
+    )
     expert_lora: bool = option(
         True,
         "mixture-of-experts bases: room in every adapter slot for LoRA on the experts (counted "
