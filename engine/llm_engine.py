@@ -216,15 +216,15 @@ class LLMEngine:
                 f"({self.config.max_num_seqs})",
                 param="best_of" if params.best_of else "n",
             )
-        processors = []
-        if params.has_processors:
-            processors = build_processors(params, self.processor_context)
         if lora_request is not None and not self.config.enable_lora:
             raise BadRequestError(
                 f"this engine serves the base model alone (enable_lora=False): no adapter "
                 f"({lora_request.lora_name!r}) can be named",
                 param="model",
             )
+        processors = []
+        if params.has_processors:
+            processors = build_processors(params, self.processor_context)
         if lora_request is not None:
             self._adapter_asked(request_id, lora_request)
             self.adapters.acquire(lora_request)

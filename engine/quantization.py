@@ -167,7 +167,7 @@ class QuantizedLoRALinear(LoRALinear):
         try:
             w = self.backend.dequant_weight(qweight, self.scales, zeros, group)
         except Exception as e:  # noqa: BLE001 - fall back to the per-call wrapper
-            logging.getLogger("loraplex.engine").warning(
+            log.warning(
                 "planned int%d launcher unavailable (%s): per-call wrapper", 4 if zeros is not None
                 else 8, e)  # fmt: skip
             w = None

@@ -402,9 +402,13 @@ class _Dense:
     hi: int
     slots: torch.Tensor
     mask: torch.Tensor
-    from_zero: bool  # slots are 0, 1, .., S - 1
     run: tuple[int, int] | None  # slots are run[0], .., run[1] - 1: a view of the stacks
     zero: torch.Tensor  # a 0-dim zero for the select (none made per call)
+
+    @property
+    def from_zero(self) -> bool:
+        """The slots are 0, 1, .., S - 1."""
+        return self.run is not None and self.run[0] == 0
 
 
 def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -> _Dense | None:
@@ -417,9 +421,8 @@ def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -
     for s, e, slot in segs:
         owner[s - lo : e - lo] = col[slot]
     mask = owner.unsqueeze(1) == torch.arange(len(slots)).repeat_interleave(width)
-    from_zero = slots == list(range(len(slots)))
     consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-    return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device), from_zero,
+    return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device),
                   run=(slots[0], slots[0] + len(slots)) if consecutive else None,
                   zero=torch.zeros((), device=device))  # fmt: skip
 
@@ -501,10 +504,9 @@ def _slot_weights(w: torch.Tensor, batched: _Batched, width: int) -> torch.Tenso
 
 
 def _stacked(w: torch.Tensor, dense: _Dense, width: int) -> torch.Tensor:
-    """w[slots, :width] as [S * width, features]: a view when that is all of w, else a copy."""
-    if dense.from_zero and width == w.shape[1] and dense.slots.numel() == w.shape[0]:
-        return w.reshape(-1, w.shape[2])
-    if dense.run is not None and width == w.shape[1]:  # consecutive slots: still a view
+    """w[slots, :width] as [S * width, features]: a view where the slots are consecutive and
+    the width all of w's, else a copy."""
+    if dense.run is not None and width == w.shape[1]:
         return w[dense.run[0] : dense.run[1]].view(-1, w.shape[2])
     return w[:, :width].index_select(0, dense.slots).reshape(-1, w.shape[2])
 
