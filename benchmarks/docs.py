@@ -437,7 +437,8 @@ OWN_PAGES = "\n".join(
         "| The same at Qwen3-30B-A3B's own widths (2 routed layers) | `python -m benchmarks.moe "
         "--widths a3b --doc docs/moe-a3b.md` | [moe-a3b.md](moe-a3b.md) |",
         "| Host time and ops per decode step, this tree against a baseline commit | "
-        "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) |",
+        "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) (AMD EPYC, "
+        "Zen 4), [step-overhead-xeon.md](step-overhead-xeon.md) (Intel Xeon with AMX) |",
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
         "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
         "| Interactive TTFT and machine throughput beside a Batch API job | "
