@@ -28,6 +28,30 @@ def cpu_has_native_half(dtype: str) -> bool:
     return bool(flags & wanted.get(dtype, set()))
 
 
+def resolve_device(device: str) -> str:
+    """The torch device an engine runs on: "auto" is the first GPU torch sees, else the CPU;
+    any other name must be a device this torch can use (ValueError says what to pass)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise ValueError(
+                f"device {device!r}: torch {torch.__version__} ({build}) sees no GPU here; "
+                "pass device cpu or auto"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: torch sees {count} GPU(s), cuda:0..{count - 1}")
+    return device
+
+
 @dataclass
 class EngineConfig(EngineOptions):
     """The engine's options (engine/options.py, each defined there once) for one model."""
@@ -43,6 +67,7 @@ class EngineConfig(EngineOptions):
             declared = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype")
             self.dtype = declared if declared in _DTYPES else "float32"
         self.check_options()
+        self.device = resolve_device(self.device)
         if self.cpu_float32_compute is None:
             self.cpu_float32_compute = (
                 self.device == "cpu"

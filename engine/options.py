@@ -57,7 +57,11 @@ class EngineOptions:
         "auto", "weights' and activations' dtype; 'auto': what config.json declares",
         flag=True,
     )  # fmt: skip
-    device: str = option("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    device: str = option(
+        "cpu",
+        "torch device: cpu, cuda, cuda:N, or auto (the first GPU torch sees, else the CPU)",
+        server_default="auto", flag=True,
+    )  # fmt: skip
     block_size: int = option(16, "tokens per KV cache block (a power of two, 8-128)")
     num_kv_blocks: int | None = option(
         None, "KV pool size in blocks; default: what the memory budget holds", server=True, ge=1
@@ -129,9 +133,10 @@ class EngineOptions:
     )
     enforce_eager: bool | None = option(
         None,
-        "decode from persistent buffers captured per batch bucket as CUDA graphs "
-        "(engine/graph_runner.py). None: graphs on CUDA, plain steps on the CPU; True: never; "
-        "False: always (on the CPU the buffered forward runs uncaptured, as a check)",
+        "never capture decode as CUDA graphs (persistent buffers captured per batch bucket, "
+        "engine/graph_runner.py). Unset: graphs on CUDA, plain steps on the CPU; false: the "
+        "buffered forward always (uncaptured on the CPU, as a check)",
+        flag=True,
     )
     num_threads: int | None = option(
         None,

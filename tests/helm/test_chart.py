@@ -168,6 +168,8 @@ def test_values_validate_against_the_schema():
     [
         ({"secrets": {"adminKey": "too-short"}}, "secrets.adminKey"),
         ({"config": {"dtype": "int3"}}, "config.dtype"),
+        ({"config": {"device": "mps"}}, "config.device"),
+        ({"config": {"enforceEager": "yes"}}, "config.enforceEager"),
         ({"config": {"storeUrl": "https://bucket"}}, "config.storeUrl"),
         ({"replicaCount": 0}, "replicaCount"),
         ({"resources": {"limit": {}}}, "limit"),  # a typo is refused, not ignored
@@ -328,3 +330,20 @@ def test_the_server_accepts_the_chart_settings(monkeypatch, tmp_path):
     assert settings.aws_access_key_id == CREDS["awsAccessKeyId"]
     # Numbers keep their digits (helm reads values' numbers as floats).
     assert settings.max_upload_bytes == _values()["config"]["maxUploadBytes"] == 536870912
+
+
+def test_replicas_serve_on_their_gpu(monkeypatch):
+    """Each replica asks for a GPU and its server runs the engine there ("auto"); the values
+    name another device or turn CUDA graphs off, and the server reads what the chart wrote."""
+    def env_of(config: dict) -> dict:
+        kinds_ = kinds(render({"secrets": SECRETS, "config": config}))
+        return dict(kinds_["ConfigMap"][0]["data"])
+
+    env = env_of({})
+    assert env["LORAPLEX_DEVICE"] == "auto" and "LORAPLEX_ENFORCE_EAGER" not in env
+    assert _values()["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = env_of({"device": "cuda:1", "enforceEager": True})
+    for k in ("LORAPLEX_DEVICE", "LORAPLEX_ENFORCE_EAGER"):
+        monkeypatch.setenv(k, env[k])
+    settings = Settings(dev_mode=True)
+    assert (settings.device, settings.enforce_eager) == ("cuda:1", True)

@@ -161,3 +161,48 @@ def test_the_operations_page_lists_every_engine_setting():
     for o in server_options():
         row = f"| `{o.setting.upper()}` | {f'`{o.flag}`' if o.flag else ''} | `{o.default}` |"
         assert row in page, f"docs/operations.md: the row of {o.setting} is missing or stale"
+
+
+def test_the_server_picks_its_device(tiny_models, monkeypatch):
+    """`serve` runs its engine on the GPU torch sees (`--device auto`, the server's default;
+    the library's stays cpu), on the one named, or refuses at start a device this torch cannot
+    use, saying what to pass; `--enforce-eager` reaches the engine as vLLM's flag does."""
+    import torch
+
+    from loraplex.engine import LLMEngine
+    from loraplex.engine.options import EngineOptions
+    from loraplex.platform import cli
+    from loraplex.platform.main import engine_config
+
+    model = str(tiny_models["llama"])
+
+    def config(*argv: str):
+        argv = ["serve", "--max-model-len", "64", *argv]  # the tiny model's context is 512
+        return engine_config(cli._settings(cli.build_parser().parse_args(argv)), model)
+
+    assert Settings().device == "auto" and EngineOptions().device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert config().device == "cpu"  # auto, no GPU
+    with pytest.raises(ValueError, match=r"device 'cuda': .* sees no GPU here; pass device cpu"):
+        config("--device", "cuda")
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N, got 'mps'"):
+        config("--device", "mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert config().device == "cuda"  # auto, with GPUs
+    assert config("--device", "cuda:1").device == "cuda:1"
+    assert config("--device", "cpu").device == "cpu"
+    monkeypatch.setenv("LORAPLEX_DEVICE", "cuda:2")  # the environment, as the Helm chart sets it
+    with pytest.raises(ValueError, match=r"torch sees 2 GPU\(s\), cuda:0\.\.1"):
+        config()
+    monkeypatch.delenv("LORAPLEX_DEVICE")
+    assert config().enforce_eager is None  # graphs where the engine is on CUDA
+    assert config("--enforce-eager").enforce_eager is True
+    assert config("--no-enforce-eager").enforce_eager is False
+    monkeypatch.setenv("LORAPLEX_ENFORCE_EAGER", "true")
+    assert config().enforce_eager is True
+    # With no GPU, a server left on auto builds a working engine on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LORAPLEX_ENFORCE_EAGER")
+    engine = LLMEngine(config())
+    assert engine.model.device.type == "cpu" and engine.runner.graphs is None
