@@ -26,7 +26,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import BadRequestError
 from loraplex.engine.loader import load_model
 from loraplex.engine.logits_processors import ProcessorContext, build_processors
-from loraplex.engine.memory import MemoryReport
+from loraplex.engine.memory import MemoryReport, gpu_pool_bytes, step_working_bytes
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
 from loraplex.engine.outputs import PromptLogprobs, RequestOutput
@@ -91,20 +91,25 @@ class LLMEngine:
         )  # fmt: skip
         slot_bytes = self.adapters.slot_bytes
         runner_config = config
+        budget, budget_name = config.kv_cache_bytes, "kv_cache_bytes"
+        on_gpu = self.model.device.type == "cuda" and config.gpu_memory_utilization is not None
+        if config.num_kv_blocks is None and on_gpu:
+            budget = slot_bytes + self._gpu_pool_bytes(config, spec)
+            budget_name = f"gpu_memory_utilization {config.gpu_memory_utilization}"
         if config.num_kv_blocks is None:
-            if slot_bytes >= config.kv_cache_bytes:
+            if slot_bytes >= budget:
                 experts = " (or expert_lora=False)" if self.adapters.expert_lora else ""
                 raise ValueError(
-                    f"the adapter slots need {slot_bytes} bytes, all of kv_cache_bytes "
-                    f"({config.kv_cache_bytes}); raise kv_cache_bytes or lower max_loras / "
-                    f"max_lora_rank{experts}"
+                    f"the adapter slots need {slot_bytes} bytes, all of what {budget_name} "
+                    f"leaves them ({budget}); raise {budget_name.split()[0]} or lower "
+                    f"max_loras / max_lora_rank{experts}"
                 )
             runner_config = copy.copy(config)  # the runner sizes its pool from what is left
-            runner_config.kv_cache_bytes = config.kv_cache_bytes - slot_bytes
+            runner_config.kv_cache_bytes = budget - slot_bytes
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(runner_config, self.model, sampler)
         self.memory = MemoryReport(
-            budget_bytes=max(config.kv_cache_bytes, slot_bytes + self.runner.kv_cache_bytes),
+            budget_bytes=max(budget, slot_bytes + self.runner.kv_cache_bytes),
             adapter_slot_bytes=slot_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_kv_blocks=self.runner.num_blocks,
@@ -147,6 +152,29 @@ class LLMEngine:
         self._adapter_load: dict[str, _AdapterLoad] = {}  # request id -> its adapter's load
         self._unplaced: dict[str, _AdapterLoad] = {}  # of those, not yet in a slot
         self._reading: dict[int, list[_AdapterLoad]] = {}  # lora id -> loads waiting on disk
+
+    def _gpu_pool_bytes(self, config: EngineConfig, spec) -> int:
+        """The KV pool's bytes on this engine's GPU under gpu_memory_utilization, with the
+        weights and adapter slots already allocated (memory.gpu_pool_bytes)."""
+        device = self.model.device
+        free, total = torch.cuda.mem_get_info(device)
+        working = step_working_bytes(
+            spec.hidden_size, spec.q_size + 2 * spec.kv_size,
+            max(spec.intermediate_size, spec.top_k * spec.moe_intermediate_size),
+            spec.vocab_size, self.model.dtype.itemsize, config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )  # fmt: skip
+        in_use = torch.cuda.memory_allocated(device)
+        pool = gpu_pool_bytes(total, free, in_use, config.gpu_memory_utilization, working)
+        mib = 2**20
+        log.info(
+            "GPU memory: %.0f MiB in all, %.0f free; weights and adapter slots %.0f MiB, a "
+            "step's working memory up to %.0f MiB: %.0f MiB for the KV pool "
+            "(gpu_memory_utilization %s)",
+            total / mib, free / mib, in_use / mib, working / mib, pool / mib,
+            config.gpu_memory_utilization,
+        )  # fmt: skip
+        return pool
 
     def _make_swap_space(self, config: EngineConfig):
         """The host KV pool for preemption by swap and its measured copy costs (or none)."""

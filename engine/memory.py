@@ -3,14 +3,34 @@ what fits in them: logged once at start, read by /metrics (no torch here: the se
 of process mode reads it too).
 
     device memory = base weights (after quantization; no KV cache, no adapters)
-                  + kv_cache_bytes budget = adapter slots (max_loras x max_lora_rank, every
-                                            layer) + KV pool (whole blocks) + unused remainder
+                  + budget = adapter slots (max_loras x max_lora_rank, every layer)
+                             + KV pool (whole blocks) + unused remainder
+    budget: kv_cache_bytes, or on a GPU what gpu_memory_utilization leaves after the weights
+            and a step's working memory (`gpu_pool_bytes`)
     host memory   = up to max_cpu_loras adapters (LRU), each as its checkpoint's tensors
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def gpu_pool_bytes(total: int, free: int, in_use: int, utilization: float, working: int) -> int:
+    """Bytes the KV pool may take on a GPU (`gpu_memory_utilization`): the engine's share of
+    the device (utilization x total) less what it holds already (`in_use`: the weights and
+    the adapter slots) and a step's working memory (`working`), and never more than is free
+    now less that working memory (another process may hold part of the device)."""
+    return max(0, min(int(utilization * total) - in_use, free) - working)
+
+
+def step_working_bytes(hidden: int, qkv: int, intermediate: int, vocab: int, dtype_bytes: int,
+                       max_tokens: int, max_seqs: int) -> int:  # fmt: skip
+    """A generous bound on what one step allocates besides weights, slots and KV: the widest
+    activations of max_tokens rows (q|k|v, gate|up twice, a few hidden-wide buffers) twice
+    over, float32 logits of max_seqs rows twice (a copy for sampling), and 1 GiB for what is
+    not sized by the batch (CUDA graph pools, cuBLAS workspace, Triton, fragmentation)."""
+    activations = 2 * max_tokens * (qkv + 4 * intermediate + 4 * hidden) * dtype_bytes
+    return activations + 2 * max_seqs * vocab * 4 + (1 << 30)
 
 
 @dataclass(frozen=True)

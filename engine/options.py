@@ -67,6 +67,13 @@ class EngineOptions:
         None, "KV pool size in blocks; default: what the memory budget holds", server=True, ge=1
     )
     kv_cache_bytes: int = option(1 << 30, "the KV pool's budget when num_kv_blocks is unset")
+    gpu_memory_utilization: float | None = option(
+        None,
+        "on a GPU: the share of its memory this engine takes (weights, adapter slots, KV pool "
+        "and a step's working memory), as vLLM's flag: the KV pool gets what is left of it "
+        "instead of kv_cache_bytes; unset: kv_cache_bytes; ignored on the CPU",
+        server_default=0.9, flag=True, ge=0.05, le=1.0,
+    )  # fmt: skip
     max_model_len: int | None = option(
         None,
         "longest prompt + output; default: the model's max_position_embeddings (capped at 8192)",

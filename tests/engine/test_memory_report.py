@@ -68,3 +68,23 @@ def test_a_gptq_folder_is_named_by_its_checkpoint_format(wide_llama, tmp_path, c
     llm, line = _start(folder, caplog)
     assert "quantization=gptq)" in line
     assert llm.engine.memory.quantization == "gptq"
+
+
+def test_the_gpu_pool_is_the_share_left_after_weights_and_working_memory():
+    """gpu_memory_utilization's arithmetic (what a GPU engine gives its KV pool)."""
+    from loraplex.engine.memory import gpu_pool_bytes, step_working_bytes
+
+    gib = 1 << 30
+    # 0.9 of 80 GiB, less 16 held (weights, slots) and 2 of working memory
+    assert gpu_pool_bytes(80 * gib, 79 * gib, 16 * gib, 0.9, 2 * gib) == 54 * gib
+    # another process holds most of the device: no more than is free, less working memory
+    assert gpu_pool_bytes(80 * gib, 30 * gib, 16 * gib, 0.9, 2 * gib) == 28 * gib
+    assert gpu_pool_bytes(80 * gib, 79 * gib, 16 * gib, 0.2, 2 * gib) == 0  # nothing left
+    working = step_working_bytes(4096, 6144, 14336, 128256, 2, 2048, 64)
+    assert gib < working < 2 * gib  # an 8B at 2,048 batched tokens: ~1.5 GiB, 1 of it fixed
+
+
+def test_gpu_memory_utilization_changes_nothing_on_the_cpu(wide_llama, caplog):
+    _, plain = _start(wide_llama, caplog)
+    _, share = _start(wide_llama, caplog, gpu_memory_utilization=0.5)
+    assert share == plain  # the CPU's pool is kv_cache_bytes either way

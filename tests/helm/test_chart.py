@@ -170,6 +170,7 @@ def test_values_validate_against_the_schema():
         ({"config": {"dtype": "int3"}}, "config.dtype"),
         ({"config": {"device": "mps"}}, "config.device"),
         ({"config": {"enforceEager": "yes"}}, "config.enforceEager"),
+        ({"config": {"gpuMemoryUtilization": 1.5}}, "config.gpuMemoryUtilization"),
         ({"config": {"storeUrl": "https://bucket"}}, "config.storeUrl"),
         ({"replicaCount": 0}, "replicaCount"),
         ({"resources": {"limit": {}}}, "limit"),  # a typo is refused, not ignored
@@ -342,8 +343,10 @@ def test_replicas_serve_on_their_gpu(monkeypatch):
     env = env_of({})
     assert env["LORAPLEX_DEVICE"] == "auto" and "LORAPLEX_ENFORCE_EAGER" not in env
     assert _values()["resources"]["limits"]["nvidia.com/gpu"] == 1
-    env = env_of({"device": "cuda:1", "enforceEager": True})
-    for k in ("LORAPLEX_DEVICE", "LORAPLEX_ENFORCE_EAGER"):
+    assert env["LORAPLEX_GPU_MEMORY_UTILIZATION"] == "0.9"
+    env = env_of({"device": "cuda:1", "enforceEager": True, "gpuMemoryUtilization": 0.5})
+    for k in ("LORAPLEX_DEVICE", "LORAPLEX_ENFORCE_EAGER", "LORAPLEX_GPU_MEMORY_UTILIZATION"):
         monkeypatch.setenv(k, env[k])
     settings = Settings(dev_mode=True)
     assert (settings.device, settings.enforce_eager) == ("cuda:1", True)
+    assert settings.gpu_memory_utilization == 0.5

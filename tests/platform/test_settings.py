@@ -201,6 +201,12 @@ def test_the_server_picks_its_device(tiny_models, monkeypatch):
     assert config("--no-enforce-eager").enforce_eager is False
     monkeypatch.setenv("LORAPLEX_ENFORCE_EAGER", "true")
     assert config().enforce_eager is True
+    # the GPU's share for the KV pool, as vLLM's flag (the library leaves kv_cache_bytes)
+    assert EngineOptions().gpu_memory_utilization is None
+    assert config().gpu_memory_utilization == 0.9
+    assert config("--gpu-memory-utilization", "0.5").gpu_memory_utilization == 0.5
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        config("--gpu-memory-utilization", "1.5")
     # With no GPU, a server left on auto builds a working engine on the CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LORAPLEX_ENFORCE_EAGER")

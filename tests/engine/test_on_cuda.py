@@ -1,7 +1,8 @@
-"""On CUDA (`pytest -m gpu`, run by scripts/gpu_check.sh): an engine left on device "auto"
-lands on the GPU and decodes through CUDA graphs captured per batch bucket, with adapters
-mixed in the batch and four adapters taking turns in two slots (a slot's new contents need
-no recapture), token for token and within float32 rounding of the same engine run eagerly.
+"""On CUDA (`pytest -m gpu`, run by scripts/gpu_check.sh), what `loraplex serve` relies on
+there: an engine left on device "auto" lands on the GPU and decodes through CUDA graphs
+captured per batch bucket, with adapters mixed in the batch and four adapters taking turns in
+two slots (a slot's new contents need no recapture), token for token and within float32
+rounding of the same engine run eagerly; its KV pool is sized by gpu_memory_utilization.
 No hypothesis here: the device image may lack it (tests/engine/test_graph_decode.py draws
 the CPU emulation's runs)."""
 
@@ -48,3 +49,18 @@ def test_cuda_graph_decode_equals_eager_with_mixed_adapters(tiny_models, tiny_ad
             torch.testing.assert_close(got_lp, want_lp, rtol=1e-4, atol=1e-4)
     assert runner.graphs.replays > 0
     assert any(lora for _, lora, _ in runner.graphs.graphs)  # a graph with LoRA active ran
+
+
+def test_the_kv_pool_takes_the_share_of_the_gpu_it_is_given(tiny_models):
+    _, total = torch.cuda.mem_get_info()
+    share = 0.3
+    llm = LLM(str(tiny_models["llama"]), device="cuda", dtype="bfloat16", max_lora_rank=8,
+              max_loras=2, max_model_len=256, max_num_seqs=64,
+              gpu_memory_utilization=share)  # fmt: skip
+    report = llm.engine.memory
+    # the budget is the GPU's share less weights and working memory, not kv_cache_bytes (1 GiB)
+    assert 2 << 30 < report.budget_bytes <= share * total
+    # a pool that large holds every sequence's whole context (the pool is not the limit)
+    assert report.num_kv_blocks == -(-256 // llm.engine.config.block_size) * 64
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
