@@ -244,6 +244,26 @@ def replica_settings(settings: Settings) -> dict[str, Any]:
     return values
 
 
+def replica_resources(device: str, cluster_gpus: float) -> dict[str, Any]:
+    """A replica's Ray actor options for the engine's `device` setting: a GPU each where the
+    engine is to run on one ("cuda", "cuda:N", or "auto" on a cluster that has GPUs; Ray
+    shows an actor only the GPUs it asked for, so without one "auto" would find none and run
+    on the CPU), none for "cpu". Asking for a GPU the cluster lacks would leave replicas
+    pending for ever: refused instead."""
+    wants_gpu = device.startswith("cuda") or (device == "auto" and cluster_gpus > 0)
+    if wants_gpu and cluster_gpus <= 0:
+        raise ValueError(
+            f"device {device!r}: the Ray cluster has no GPU; pass --device cpu or auto"
+        )
+    return {"num_cpus": 0, "num_gpus": 1} if wants_gpu else {"num_cpus": 0}
+
+
+def _cluster_gpus() -> float:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+
+
 def application(
     settings: Settings | dict[str, Any],
     *,
@@ -251,14 +271,17 @@ def application(
     max_adapters: int | None = None,
     ray_actor_options: dict[str, Any] | None = None,
 ):
-    """The Ray Serve application: `num_replicas` replicas of `LoraplexReplica`."""
+    """The Ray Serve application: `num_replicas` replicas of `LoraplexReplica`, each on a
+    GPU of its own where the engine runs on one (`replica_resources`)."""
     serve = _serve()
     kwargs = replica_settings(settings) if isinstance(settings, Settings) else dict(settings)
+    if ray_actor_options is None:
+        ray_actor_options = replica_resources(kwargs.get("device", "auto"), _cluster_gpus())
     deployment = serve.deployment(
         serve.ingress()(LoraplexReplica),
         name=DEPLOYMENT_NAME,
         num_replicas=num_replicas,
-        ray_actor_options=ray_actor_options or {"num_cpus": 0},
+        ray_actor_options=ray_actor_options,
         # A replica must not be torn down while its engine still loads the model.
         health_check_timeout_s=60,
     )

@@ -175,3 +175,17 @@ def test_a_replica_killed_under_load_fails_or_finishes_its_requests_cleanly(flee
     after = complete(url, key, "a")
     assert after.status_code == 200, after.text
     assert after.headers[REPLICA_HEADER] != holder
+
+
+def test_replicas_ask_ray_for_a_gpu_where_their_engine_runs_on_one():
+    """Ray shows an actor only the GPUs it asked for: a replica whose engine is to run on a
+    GPU asks for one, a CPU replica for none, and a GPU the cluster lacks is refused rather
+    than left pending."""
+    from loraplex.platform.ray_serve import replica_resources
+
+    cpu, gpu = {"num_cpus": 0}, {"num_cpus": 0, "num_gpus": 1}
+    assert replica_resources("auto", 0) == cpu and replica_resources("auto", 4) == gpu
+    assert replica_resources("cpu", 4) == cpu
+    assert replica_resources("cuda", 2) == gpu and replica_resources("cuda:1", 2) == gpu
+    with pytest.raises(ValueError, match="the Ray cluster has no GPU; pass --device cpu or auto"):
+        replica_resources("cuda", 0)
