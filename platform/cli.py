@@ -14,6 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     options = {o.name: getattr(args, o.setting) for o in _engine_flags()}
+    options["device"] = options["device"] or "auto"  # as `serve`: the GPU torch sees, if any
     llm = LLM(
         args.model,
         progress=True,
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="demo", help="model folder, or 'demo' (Gemma 3 270M)")
     g.add_argument("--adapter", help="PEFT adapter folder to apply")
     for option in _engine_flags():
-        option.add_flag(g, default_note="default: the engine's")
+        note = "default: auto" if option.name == "device" else "default: the engine's"
+        option.add_flag(g, default_note=note)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -30,3 +30,16 @@ def test_generate_with_int8_kv_cache(tiny_models, capsys):
             "--kv-admission"]  # fmt: skip
     assert cli.main(argv) == 0
     assert "4 tokens" in capsys.readouterr().err
+
+
+def test_generate_takes_its_device_as_serve_does(tiny_models, capsys, monkeypatch):
+    """`generate` runs where `serve` would (`--device auto`: the GPU torch sees, else the CPU)
+    and refuses a device this torch cannot use before loading anything."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["generate", "hello", "--model", str(tiny_models["llama"]), "--dtype", "float32",
+            "--max-tokens", "2", "--max-model-len", "64"]  # fmt: skip
+    assert cli.main(argv) == 0 and "2 tokens" in capsys.readouterr().err
+    assert cli.main([*argv, "--device", "cuda"]) == 2  # one line, no traceback
+    assert "loraplex: error: device 'cuda': " in capsys.readouterr().err
