@@ -48,6 +48,14 @@ from loraplex.engine.tokenizer import Tokenizer
 log = logging.getLogger("loraplex.engine")
 
 
+def describe_device(device: torch.device) -> str:
+    """The device as the start log names it: "cpu", or "cuda:0 (<the GPU's name>)"."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
 @dataclass
 class _AdapterLoad:
     """One request's adapter on its way into a device slot (RequestMetrics.adapter_*),
@@ -120,6 +128,7 @@ class LLMEngine:
             adapter_slots=slots,
             max_lora_rank=config.max_lora_rank,
             host_adapters=config.max_cpu_loras,
+            device=describe_device(self.model.device),
         )
         log.info("memory: %s", self.memory.summary())
         self.block_manager = BlockManager(

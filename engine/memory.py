@@ -46,6 +46,7 @@ class MemoryReport:
     adapter_slots: int = 0  # max_loras: adapters on the device at once
     max_lora_rank: int = 0
     host_adapters: int = 0  # max_cpu_loras: adapters kept in host memory
+    device: str = ""  # where the engine runs: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)", ...
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -55,7 +56,8 @@ class MemoryReport:
         """The start log's one line."""
         mib = 2**20
         return (
-            f"weights {self.weight_bytes / mib:.1f} MiB ({self.dtype}, quantization="
+            (f"on {self.device}: " if self.device else "")
+            + f"weights {self.weight_bytes / mib:.1f} MiB ({self.dtype}, quantization="
             f"{self.quantization or 'none'}); KV cache {self.kv_cache_tokens} tokens "
             f"({self.num_kv_blocks} blocks of {self.block_size}, "
             f"{self.kv_cache_bytes / mib:.1f} MiB); adapter slots {self.adapter_slots} of rank "

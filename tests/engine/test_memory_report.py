@@ -36,6 +36,7 @@ def test_start_line_reports_weights_kv_tokens_and_adapter_slots(wide_llama, capl
     llm, line = _start(wide_llama, caplog, quantization=quantization)
     engine = llm.engine
     weights = resident_weight_bytes(engine.model)
+    assert line.startswith("memory: on cpu: weights ")  # where the engine runs
     assert (
         f"weights {weights / 2**20:.1f} MiB (float32, quantization={quantization or 'none'})"
         in line
