@@ -21,6 +21,7 @@ from loraplex.engine.models.packing import (
 )
 from loraplex.engine.quantization import resident_weight_bytes
 from tests.utils.factories import make_tiny_model
+from tests.utils.outputs import assert_same_outputs
 
 needs_packing = pytest.mark.skipif(
     not cpu_can_prepack_bf16(),
@@ -140,12 +141,7 @@ def _count_packed(model) -> int:
 
 
 def _assert_same_within_rounding(packed, plain) -> None:
-    for p, q in zip(packed, plain, strict=True):
-        assert p.outputs[0].token_ids == q.outputs[0].token_ids
-        for lp, lq in zip(p.outputs[0].logprobs, q.outputs[0].logprobs, strict=True):
-            assert lp.keys() == lq.keys()
-            for token in lp:
-                assert lp[token] == pytest.approx(lq[token], abs=1e-4)
+    assert_same_outputs(packed, plain, atol=1e-4)
 
 
 @needs_packing
