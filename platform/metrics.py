@@ -121,6 +121,12 @@ class Metrics:
             "loraplex_kv_cache_capacity_tokens", "Tokens the KV pool holds", registry=r
         )
         self.kv_bytes = Gauge("loraplex_kv_cache_bytes", "Bytes of the KV pool", registry=r)
+        self.device = Gauge(
+            "loraplex_engine_device_info",
+            "1, labelled with where the engine runs (cpu, or cuda:N with the GPU's name)",
+            ["device"],
+            registry=r,
+        )
         self.adapter_capacity = Gauge(
             "loraplex_adapter_slots",
             "Adapters that fit per tier (device: slots of max_lora_rank; host: the LRU's size)",
@@ -180,6 +186,8 @@ class Metrics:
         self.weight_bytes.labels(memory.quantization or "none").set(memory.weight_bytes)
         self.kv_capacity.set(memory.kv_cache_tokens)
         self.kv_bytes.set(memory.kv_cache_bytes)
+        self.device.clear()
+        self.device.labels(memory.device or "unknown").set(1)
         self.adapter_capacity.labels("device").set(memory.adapter_slots)
         self.adapter_capacity.labels("host").set(memory.host_adapters)
 

@@ -32,3 +32,5 @@ def test_metrics_report_weight_bytes_kv_capacity_and_adapter_slots(tiny_models, 
     assert fams["loraplex_kv_cache_bytes"][0].value == want.kv_cache_bytes
     slots = {s.labels["tier"]: s.value for s in fams["loraplex_adapter_slots"]}
     assert slots == {"device": 2, "host": 5}
+    (device,) = fams["loraplex_engine_device_info"]  # the server's device auto, no GPU here
+    assert device.labels == {"device": "cpu"} and device.value == 1
