@@ -9,6 +9,8 @@
 #   no_lora_b64  the same model at batch 64 with LoRA disabled in the engine (where the engine
 #                can: EngineConfig.enable_lora=False or max_loras=0), against engine_b64's
 #                base rows: what enabling LoRA costs when no adapter is active
+#   serve        `loraplex serve` on its defaults (device auto, graphs, gpu_memory_utilization):
+#                a tiny Llama, one completion through the API, /metrics' device and KV bytes
 #   kernels_compiled  the interpreter-sized kernel tests compiled for this GPU (if time is left)
 # Everything lands in $OUT (default ./gpu-check-out): gpu_check.json (every part's exit code,
 # seconds, limit and command; the engine figures; a summary: roofline share, LoRA overhead,
@@ -194,6 +196,66 @@ open(out, "w").write(json.dumps(report))
 EOF
 }
 
+# `loraplex serve` as an operator runs it, on the server's defaults (device auto, CUDA graphs,
+# gpu_memory_utilization 0.9): a tiny Llama served, one completion through the API, and what
+# /metrics says of the device and the KV pool. Needs the control plane's packages; where the
+# device image lacks them the part records why and passes. A file, not stdin: the engine's
+# process is spawned, and spawn imports the parent's main module again.
+serve_check() {
+    local res=$WORK/serve.json device=cuda script=$WORK/serve_check.py
+    [ "$DRY" = cpu ] && device=cpu
+    cat >"$script" <<'EOF'
+import json, os, sys, tempfile, time
+from pathlib import Path
+
+
+def main(out: str, device: str) -> int:
+    report = {}
+    try:  # Hugging Face's `kernels` first: the checkout, put on the path next, has a kernels/
+        import kernels  # noqa: F401
+    except ImportError:
+        pass
+    sys.path.insert(0, os.getcwd())  # the checkout's root: tests.utils
+    try:
+        import alembic, fastapi, httpx, pydantic_settings, sqlalchemy, uvicorn  # noqa: F401
+    except ImportError as e:
+        report["skipped"] = f"the control plane's packages are not installed here ({e.name})"
+    else:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from tests.utils.factories import make_tiny_model
+        from tests.utils.server import run_server
+
+        root = Path(tempfile.mkdtemp(prefix="gpu-check-serve-"))
+        model = make_tiny_model("llama", root / "model", seed=0)
+        start = time.monotonic()
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        with run_server(model, root / "data", dtype=dtype, max_model_len=256) as srv:
+            report["ready_s"] = round(time.monotonic() - start, 1)
+            _, key = srv.new_tenant("gpu-check")
+            body = {"model": srv.state.model_name, "prompt": "Hello", "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120,
+                           headers={"Authorization": f"Bearer {key}"})
+            report["completion_status"] = r.status_code
+            report["completion_tokens"] = (r.json().get("usage") or {}).get("completion_tokens")
+            text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+            fams = {f.name: f.samples for f in text_string_to_metric_families(text)}
+            report["device"] = fams["loraplex_engine_device_info"][0].labels["device"]
+            report["kv_cache_bytes"] = fams["loraplex_kv_cache_bytes"][0].value
+        report["ok"] = (report["completion_status"] == 200 and report["completion_tokens"] == 8
+                        and report["device"].startswith(device))
+    print(json.dumps(report))
+    open(out, "w").write(json.dumps(report))
+    return 0 if report.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
+EOF
+    part serve 90 "$res" "$PY" "$script" "$res" "$device"
+}
+
 # What the engine benchmark offers, read from its source (no Python start needed)
 ENGINE_SRC=benchmarks/gpu_engine.py
 ENGINE_MOD=benchmarks.gpu_engine
@@ -240,6 +302,7 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
         part gpu_tests 120 - "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
             tests/engine --continue-on-collection-errors --junitxml="$OUT/gpu-tests.xml"
     fi
+    serve_check
     # Most telling first: batch 64 in each mode, then LoRA off, then the smaller batches.
     BATCHES=(64 32 1)
     [ "$DRY" = cpu ] && BATCHES=(2)
