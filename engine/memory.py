@@ -35,7 +35,7 @@ def step_working_bytes(hidden: int, qkv: int, intermediate: int, vocab: int, dty
 
 @dataclass(frozen=True)
 class MemoryReport:
-    budget_bytes: int  # kv_cache_bytes: slots + KV pool
+    budget_bytes: int  # slots + KV pool: kv_cache_bytes, or the share a GPU leaves them
     adapter_slot_bytes: int
     kv_cache_bytes: int
     num_kv_blocks: int
