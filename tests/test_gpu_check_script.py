@@ -41,6 +41,9 @@ elif args[0] == "-":  # a heredoc: the JSON merge runs for real, the LoRA-off en
         exec(compile(code, "merge", "exec"), {"__name__": "__main__"})
     else:
         Path(args[1]).write_text(json.dumps({"decode_step_ms": 20.0, "batch": 64}))
+elif args[0].endswith("serve_check.py"):  # the serve part: its script file, then its JSON
+    assert "def main" in Path(args[0]).read_text()
+    Path(args[1]).write_text(json.dumps({"ok": True, "device": f"{args[2]}:0 (fake)"}))
 elif args[:2] == ["-m", "pytest"]:
     for a in args:
         if a.startswith("--junitxml="):
@@ -131,7 +134,7 @@ def test_a_failing_or_hanging_part_is_recorded_and_the_rest_still_runs(scratch, 
     report = json.loads((out / "gpu_check.json").read_text())
     parts = {p["name"]: p for p in report["parts"]}
     assert list(parts) == ["env", "gpu_tests", "engine_b64_graphs", "engine_b64_eager",
-                           "no_lora_b64", "engine_b32_graphs", "engine_b32_eager",
+                           "no_lora_b64", "serve", "engine_b32_graphs", "engine_b32_eager",
                            "engine_b1_graphs", "engine_b1_eager", "kernels_compiled"]  # fmt: skip
     status = {n: (p["rc"], p["status"]) for n, p in parts.items()}
     assert status["env"] == (0, "ok")
@@ -139,6 +142,7 @@ def test_a_failing_or_hanging_part_is_recorded_and_the_rest_still_runs(scratch, 
     assert status["engine_b64_eager"] == (124, "timed out")
     assert parts["engine_b64_eager"]["limit_s"] == 2 and parts["engine_b64_eager"]["seconds"] < 8
     assert status["engine_b32_graphs"] == (3, "failed")
+    assert status["serve"] == (0, "ok") and parts["serve"]["result"]["device"] == "cuda:0 (fake)"
     assert status["engine_b1_eager"] == (0, "ok") and status["kernels_compiled"] == (1, "failed")
     assert "--enforce-eager" in parts["engine_b1_eager"]["command"]
     assert "--enforce-eager" not in parts["engine_b1_graphs"]["command"]
