@@ -11,7 +11,8 @@ row's adapter uses DoRA takes a third forward, in which every LoRA module applie
 DoRA factors to its rows (ones for rows and modules without DoRA: exact).
 
 On CUDA each (bucket, LoRA or not, DoRA or not) forward is captured once as a CUDA graph and
-replayed. On the CPU the same forward runs eagerly from the same buffers
+replayed; the engine captures every bucket with and without LoRA at start (`capture_all`),
+DoRA's on first use. On the CPU the same forward runs eagerly from the same buffers
 (`enforce_eager=False`): the emulation that tests/engine/test_graph_decode.py compares with the
 ordinary step, so the bugs graphs cause (stale metadata, shapes that follow the batch, lists
 read inside the forward) show without a GPU.
@@ -20,6 +21,7 @@ read inside the forward) show without a GPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -67,6 +69,20 @@ class DecodeGraphs:
     def supports(model) -> bool:
         """Routed experts pick their rows per token (data-dependent shapes): not captured."""
         return not any(isinstance(m, SparseMoE) for m in model.modules())
+
+    def capture_all(self, lora: bool) -> float:
+        """Make every bucket's forward now, without LoRA and (`lora`: the engine serves
+        adapters) with it, instead of at a bucket's first decode step: on CUDA a capture's
+        warm-up runs and the capture itself would stall every running stream mid-serving.
+        The buffers hold padding rows meanwhile (no adapter, KV to the scratch slot, a context
+        of one), so the warm-up runs write nothing a sequence reads. DoRA forwards stay made
+        on first use (a DoRA adapter in the batch). Returns the seconds taken."""
+        start = time.perf_counter()
+        for b in self.buckets:
+            for with_lora in (False, True) if lora else (False,):
+                if (b, with_lora, False) not in self.graphs:
+                    self.graphs[(b, with_lora, False)] = self._forward(b, with_lora)
+        return time.perf_counter() - start
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)

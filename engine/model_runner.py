@@ -106,6 +106,11 @@ class ModelRunner:
                 model, self.planner.rotaries, config.max_num_seqs, max_blocks,
                 scratch_slot=self.num_blocks * bs, capture=self.device.type == "cuda",
             )  # fmt: skip
+            if self.graphs.capture:  # at start, as vLLM does, not at each bucket's first step
+                with torch.inference_mode():
+                    secs = self.graphs.capture_all(lora=config.enable_lora)
+                log.info("decode graphs made for batch sizes %s in %.1f s",
+                         self.graphs.buckets, secs)  # fmt: skip
 
     @property
     def kv_cache_bytes(self) -> int:

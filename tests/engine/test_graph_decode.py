@@ -59,3 +59,25 @@ def test_buckets_and_what_is_not_captured(tiny_models):
     assert buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     llm = LLM(str(tiny_models["llama"]), dtype="float32", max_lora_rank=8)
     assert llm.engine.runner.graphs is None  # the CPU runs its steps as they come by default
+
+
+def test_forwards_made_up_front_serve_the_steps_that_follow(engines, tiny_adapters):
+    """What a CUDA engine does at start (`DecodeGraphs.capture_all`): every bucket's forward
+    made from the buffers' padding contents, with and without LoRA, then reused as rows,
+    adapters and block tables arrive (on the CPU the same forwards, uncaptured)."""
+    eager, graphs = engines
+    runner = graphs.engine.runner.graphs
+    assert runner.capture_all(lora=True) >= 0
+    made = {(b, lora, False) for b in runner.buckets for lora in (False, True)}
+    assert made <= set(runner.graphs)
+    forwards = dict(runner.graphs)
+    folders = tiny_adapters["llama"]
+    loras = [None, LoRARequest("qv4", 1, str(folders["qv4"])), None,
+             LoRARequest("mlp16", 3, str(folders["mlp16"]))]  # fmt: skip
+    prompts = [[5, 9, 13], [7, 8], [100, 200, 300, 400], [42]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    before = runner.replays
+    got = graphs.generate(prompts, params, loras)
+    assert_same_outputs(got, eager.generate(prompts, params, loras), atol=1e-5, rtol=1e-5)
+    assert runner.replays > before
+    assert all(runner.graphs[k] is forwards[k] for k in made)  # none made again

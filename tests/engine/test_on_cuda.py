@@ -1,8 +1,9 @@
 """On CUDA (`pytest -m gpu`, run by scripts/gpu_check.sh), what `loraplex serve` relies on
 there: an engine left on device "auto" lands on the GPU and decodes through CUDA graphs
 captured per batch bucket, with adapters mixed in the batch and four adapters taking turns in
-two slots (a slot's new contents need no recapture), token for token and within float32
-rounding of the same engine run eagerly; its KV pool is sized by gpu_memory_utilization.
+two slots (a slot's new contents need no recapture; every bucket is captured at start),
+token for token and within float32 rounding of the same engine run eagerly; its KV pool is
+sized by gpu_memory_utilization.
 No hypothesis here: the device image may lack it (tests/engine/test_graph_decode.py draws
 the CPU emulation's runs)."""
 
@@ -32,6 +33,10 @@ def test_cuda_graph_decode_equals_eager_with_mixed_adapters(tiny_models, tiny_ad
     assert graphs.engine.model.device.type == "cuda"
     assert runner.graphs is not None and runner.graphs.capture
     assert eager.engine.runner.graphs is None
+    # captured at start, every bucket with and without LoRA: none waits for its first step
+    made = {(b, lora, False) for b in runner.graphs.buckets for lora in (False, True)}
+    assert set(runner.graphs.graphs) == made
+    captured = dict(runner.graphs.graphs)
     folders = tiny_adapters["llama"]
     names = [None, "qv4", "attn8", None, "mlp16", "all2", "qv4"]
     loras = [None if a is None else LoRARequest(a, ADAPTERS.index(a) + 1, str(folders[a]))
@@ -44,7 +49,7 @@ def test_cuda_graph_decode_equals_eager_with_mixed_adapters(tiny_models, tiny_ad
     got = graphs.generate(prompts, params, loras)
     assert_same_outputs(got, want, atol=1e-4, rtol=1e-4)
     assert runner.graphs.replays > 0
-    assert any(lora for _, lora, _ in runner.graphs.graphs)  # a graph with LoRA active ran
+    assert all(runner.graphs.graphs[k] is captured[k] for k in made)  # no capture mid-serving
 
 
 def test_the_kv_pool_takes_the_share_of_the_gpu_it_is_given(tiny_models):
