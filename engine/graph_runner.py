@@ -64,6 +64,11 @@ class DecodeGraphs:
         self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=dev)
         self.graphs: dict[tuple[int, bool, bool], Callable[[], None]] = {}
         self.replays = 0
+        # One memory pool for every captured graph, as vLLM keeps: graphs never run at once
+        # and each writes its result into `hidden` (outside the pool), so one graph's
+        # intermediates may reuse another's memory. Captured largest batch first, the pool
+        # is as large as the largest forward needs instead of the sum over every graph.
+        self.pool = None
 
     @staticmethod
     def supports(model) -> bool:
@@ -78,7 +83,7 @@ class DecodeGraphs:
         of one), so the warm-up runs write nothing a sequence reads. DoRA forwards stay made
         on first use (a DoRA adapter in the batch). Returns the seconds taken."""
         start = time.perf_counter()
-        for b in self.buckets:
+        for b in reversed(self.buckets):  # largest first: the shared pool's size is set once
             for with_lora in (False, True) if lora else (False,):
                 if (b, with_lora, False) not in self.graphs:
                     self.graphs[(b, with_lora, False)] = self._forward(b, with_lora)
@@ -112,8 +117,7 @@ class DecodeGraphs:
             log.warning("decode graph for batch %d not captured (%s): running it eagerly", b, e)
             return run
 
-    @staticmethod
-    def _capture(run: Callable[[], None], b: int, lora: bool, dora: bool) -> Callable[[], None]:
+    def _capture(self, run: Callable[[], None], b: int, lora: bool, dora: bool):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -121,10 +125,11 @@ class DecodeGraphs:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             run()
+        self.pool = graph.pool()
         kind = "DoRA" if dora else ("LoRA" if lora else "no LoRA")
-        log.info("decode graph captured: batch %d, %s", b, kind)
+        log.debug("decode graph captured: batch %d, %s", b, kind)  # capture_all logs the sum
         return graph.replay
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
