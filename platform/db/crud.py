@@ -478,8 +478,12 @@ def delete_adapter(session: Session, *, tenant_id: int, name: str) -> list[Adapt
     the caller can clean up the store.
 
     Two deletes racing: one removes the rows, the other gets NotFound (not a stale-row error
-    from the ORM), on SQLite and PostgreSQL alike.
+    from the ORM), on SQLite and PostgreSQL alike. The name's version lock comes first, as an
+    upload takes it: a delete that meets an upload of a new version waits for it and removes
+    that version too (the rows are read after the lock, in a statement of their own, so they
+    include what the upload committed), where it once left the new version without an alias.
     """
+    _lock_versions(session, tenant_id, name)
     rows = list_adapters(session, tenant_id=tenant_id, name=name, include_deleted=True)
     if not rows:
         raise NotFound(f"no adapter named {name!r}")

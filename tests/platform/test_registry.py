@@ -232,3 +232,56 @@ def test_touch_adapter_used_writes_at_most_once_a_minute(session, tenant):
     session.expire_all()
     got = crud.get_adapter(session, tenant_id=tenant.id, name="pirate").last_used_at
     assert got == NOW + timedelta(minutes=2)
+
+
+def test_a_delete_waits_for_an_upload_of_the_same_name_and_removes_its_version(engine, tenant):
+    """An upload of a new version and a delete of the name, at once (found by
+    tests/platform/test_replica_races.py): the delete must come after the upload, removing
+    both versions and the alias, or before it, leaving the new upload as version 1. Before,
+    the delete read the name's rows without the version lock, waited only to delete the ones
+    it had read, and left the upload's version 2 behind without a default alias: listed, but
+    served by no name. Here the delete starts while the upload holds the lock (PostgreSQL
+    shows the delete's backend waiting) and must take the upload's version with it."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    from loraplex.platform.db.models import Adapter, AdapterAlias
+    from loraplex.platform.db.session import make_sessionmaker
+
+    sessions = make_sessionmaker(engine)
+    with sessions() as s:
+        _adapter(s, tenant.id, name="d")
+    upload = sessions()
+    crud._lock_versions(upload, tenant.id, "d")  # as create_adapter does, up to its commit
+    upload.add(Adapter(tenant_id=tenant.id, name="d", version=2, base_model="demo", rank=8,
+                       alpha=16.0, targets=["q_proj"], bytes=1000, sha256=SHA,
+                       storage_key="adapters/v2"))  # fmt: skip
+    upload.flush()
+    deleted: list = []
+
+    def delete() -> None:
+        with sessions() as s:
+            deleted.extend(r.version for r in crud.delete_adapter(s, tenant_id=tenant.id,
+                                                                  name="d"))  # fmt: skip
+
+    worker = threading.Thread(target=delete)
+    worker.start()
+    if engine.dialect.name == "postgresql":  # the delete is blocked on the upload's locks
+        deadline = time.monotonic() + 10
+        with engine.connect() as c:
+            while not c.execute(text("SELECT count(*) FROM pg_stat_activity WHERE "
+                                     "wait_event_type = 'Lock' AND datname = current_database()")
+                                ).scalar():  # fmt: skip
+                assert time.monotonic() < deadline, "the delete never waited for the upload"
+                time.sleep(0.02)
+    else:
+        time.sleep(0.5)  # SQLite: the delete waits for the database's write lock
+    upload.commit()
+    upload.close()
+    worker.join(30)
+    with sessions() as s:
+        left = s.scalars(select(Adapter).where(Adapter.name == "d")).all()
+        aliases = s.scalars(select(AdapterAlias).where(AdapterAlias.name == "d")).all()
+    assert sorted(deleted) == [1, 2] and left == [] and aliases == []
