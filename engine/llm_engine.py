@@ -99,18 +99,17 @@ class LLMEngine:
         )  # fmt: skip
         slot_bytes = self.adapters.slot_bytes
         runner_config = config
-        budget, budget_name = config.kv_cache_bytes, "kv_cache_bytes"
-        on_gpu = self.model.device.type == "cuda" and config.gpu_memory_utilization is not None
-        if config.num_kv_blocks is None and on_gpu:
-            budget = slot_bytes + self._gpu_pool_bytes(config, spec)
-            budget_name = f"gpu_memory_utilization {config.gpu_memory_utilization}"
+        budget, source = config.kv_cache_bytes, "kv_cache_bytes"  # slots + KV pool
         if config.num_kv_blocks is None:
+            if self.model.device.type == "cuda" and config.gpu_memory_utilization is not None:
+                budget = slot_bytes + self._gpu_pool_bytes(config, spec)
+                source = "gpu_memory_utilization"
             if slot_bytes >= budget:
                 experts = " (or expert_lora=False)" if self.adapters.expert_lora else ""
                 raise ValueError(
-                    f"the adapter slots need {slot_bytes} bytes, all of what {budget_name} "
-                    f"leaves them ({budget}); raise {budget_name.split()[0]} or lower "
-                    f"max_loras / max_lora_rank{experts}"
+                    f"the adapter slots need {slot_bytes} bytes, all of the {budget} that "
+                    f"{source} ({getattr(config, source)}) leaves them; raise {source} or "
+                    f"lower max_loras / max_lora_rank{experts}"
                 )
             runner_config = copy.copy(config)  # the runner sizes its pool from what is left
             runner_config.kv_cache_bytes = budget - slot_bytes

@@ -277,6 +277,8 @@ def application(
     kwargs = replica_settings(settings) if isinstance(settings, Settings) else dict(settings)
     if ray_actor_options is None:
         ray_actor_options = replica_resources(kwargs.get("device", "auto"), _cluster_gpus())
+        if ray_actor_options.get("num_gpus"):
+            kwargs["device"] = "cuda"  # the one GPU Ray shows a replica is its cuda:0
     deployment = serve.deployment(
         serve.ingress()(LoraplexReplica),
         name=DEPLOYMENT_NAME,
