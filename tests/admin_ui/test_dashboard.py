@@ -19,6 +19,7 @@ import openai
 from playwright.sync_api import expect
 
 from tests.admin_ui.conftest import DESKTOP, PHONE
+from tests.admin_ui.rows import named_row
 from tests.utils.server import ADMIN_KEY
 from tests.utils.uploads import folder_parts, upload
 
@@ -111,7 +112,7 @@ def test_operator_flow(page, ui_server, tiny_adapters, artifacts):
     _go(page, "keys")
     expect(page.locator("#new-secret")).to_have_count(0)  # the secret never shows again
     expect(
-        page.locator("tr", has_text="web").locator("td[data-label='Last used']")
+        named_row(page, "web").locator("td[data-label='Last used']")
     ).not_to_have_text("never")
 
     _go(page, "usage")
@@ -157,8 +158,8 @@ def test_operator_flow(page, ui_server, tiny_adapters, artifacts):
     expect(page.locator("tr", has_text="acme")).to_contain_text("active")
 
     _go(page, "keys")
-    page.locator("tr", has_text="web").get_by_role("button", name="Revoke").click()
-    expect(page.locator("tr", has_text="web")).to_contain_text("revoked")
+    named_row(page, "web").get_by_role("button", name="Revoke").click()
+    expect(named_row(page, "web")).to_contain_text("revoked")
 
     _go(page, "adapters")
     page.locator("tr", has_text="support-bot").get_by_role("button", name="Delete").click()

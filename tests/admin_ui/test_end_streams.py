@@ -9,6 +9,7 @@ import threading
 from playwright.sync_api import expect
 
 from loraplex.platform.db import crud
+from tests.admin_ui.rows import named_row
 from tests.admin_ui.test_dashboard import _go
 from tests.utils.server import ADMIN_KEY
 from tests.utils.sse_client import StreamResult, stream_completion
@@ -60,8 +61,8 @@ def test_revoke_and_suspend_with_end_streams_ticked(page, ui_server):
     page.goto(f"/admin#keys?tenant={tenant}")
     expect(page.locator("main[data-page=keys] h1")).to_be_visible()
     page.check("#revoke-end-streams")
-    page.locator("tr", has_text="default").get_by_role("button", name="Revoke").click()
-    expect(page.locator("tr", has_text="default")).to_contain_text("revoked")
+    named_row(page, "default").get_by_role("button", name="Revoke").click()
+    expect(named_row(page, "default")).to_contain_text("revoked")
     _cut(stream)
 
     _, key = ui_server.new_tenant("suspended-now")

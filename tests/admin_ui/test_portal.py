@@ -23,6 +23,7 @@ from playwright.sync_api import expect
 
 from loraplex.platform.db import crud
 from tests.admin_ui.conftest import DESKTOP, PHONE, Watch
+from tests.admin_ui.rows import named_row
 from tests.utils.uploads import ADAPTER_FILES
 
 
@@ -174,7 +175,7 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
 
     # --- keys: create (shown once), then revoke it ------------------------------------------
     _go(page, "keys")
-    expect(page.locator("#keys tr", has_text="laptop")).to_contain_text("this session")
+    expect(named_row(page, "laptop", "#keys tr")).to_contain_text("this session")
     page.locator("#create-key input[name=name]").fill("ci")
     page.locator("#create-key button[type=submit]").click()
     secret = page.locator("#new-secret").input_value()
@@ -182,8 +183,8 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
     ok = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert ok.status_code == 200
     _shoot(page, shots, "keys-secret")
-    page.locator("#keys tr", has_text="ci").get_by_role("button", name="Revoke").click()
-    expect(page.locator("#keys tr", has_text="ci")).to_contain_text("revoked")
+    named_row(page, "ci", "#keys tr").get_by_role("button", name="Revoke").click()
+    expect(named_row(page, "ci", "#keys tr")).to_contain_text("revoked")
     refused = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert refused.status_code == 401
     _go(page, "keys")
@@ -264,7 +265,7 @@ def test_tenant_portal_two_tenants(browser, ui_server, tiny_adapters, shots):
     # Revoking the key this session signed in with ends the session: back to the form.
     _sign_in(page, url, alpha_key)
     _go(page, "keys")
-    page.locator("#keys tr", has_text="laptop").get_by_role("button", name="Revoke").click()
+    named_row(page, "laptop", "#keys tr").get_by_role("button", name="Revoke").click()
     expect(page).to_have_url(f"{url}/portal/login")
     expect(page.locator("#api_key")).to_be_visible()
     # The cookie still carries a valid signature, but its key is revoked: the server itself
