@@ -111,9 +111,7 @@ def test_operator_flow(page, ui_server, tiny_adapters, artifacts):
 
     _go(page, "keys")
     expect(page.locator("#new-secret")).to_have_count(0)  # the secret never shows again
-    expect(
-        named_row(page, "web").locator("td[data-label='Last used']")
-    ).not_to_have_text("never")
+    expect(named_row(page, "web").locator("td[data-label='Last used']")).not_to_have_text("never")
 
     _go(page, "usage")
     expect(page.locator(".chart", has_text="Tokens by tenant")).to_contain_text(f"acme{tokens}")
