@@ -6,6 +6,7 @@ choices in the code"): the figures once written in comments, measured again on t
     python -m benchmarks.cpu_micro xgrammar        # engine/structured_output.py's lazy import
     python -m benchmarks.cpu_micro upcast          # engine/models/decoder.py compute_logits
     python -m benchmarks.cpu_micro gather          # kernels/reference.py gather_kv
+    python -m benchmarks.cpu_micro gqa             # kernels/cpu.py _sdpa_folded
     python -m benchmarks.cpu_micro rotation        # engine/quantization.py int4's rotation
     python -m benchmarks.cpu_micro int8-rows       # engine/quantization.py INT8_PACKED_MAX_ROWS
     python -m benchmarks.cpu_micro packing         # engine/models/packing.py
@@ -114,6 +115,32 @@ def gather(repeats: int) -> list[str]:
             f"advanced indexing {adv:.3f} ms (x{adv / sel:.1f})"]  # fmt: skip
 
 
+def gqa(repeats: int) -> list[str]:
+    """sdpa's own grouped-query form (enable_gqa) vs the G query heads of a kv head folded
+    into its query rows (kernels/cpu.py `_sdpa_folded`), for one-token queries (the decode
+    rows of a step that also prefills) and a prefill chunk; 8 / 2 heads of 64."""
+    import torch.nn.functional as F
+
+    from loraplex.kernels.cpu import _sdpa_folded
+
+    lines = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for b, n, length in ((63, 1, 96), (63, 1, 192), (1, 40, 40), (8, 4, 64)):
+            q = torch.randn(b, n, 8, 64).to(dtype)
+            k, v = (torch.randn(b, length, 2, 64).to(dtype) for _ in range(2))
+            allowed = torch.arange(length) <= torch.arange(length - n, length).view(n, 1)
+            allowed = allowed.expand(b, n, length)
+            native = _ms(lambda q=q, k=k, v=v, m=allowed: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=m.unsqueeze(1), enable_gqa=True), repeats)  # fmt: skip
+            folded = _ms(lambda q=q, k=k, v=v, m=allowed: _sdpa_folded(q, k, v, m, 0.125),
+                         repeats)  # fmt: skip
+            lines.append(f"{str(dtype).removeprefix('torch.'):8s} {b} seqs x {n} rows over "
+                         f"{length} keys: enable_gqa {native:.3f} ms, folded {folded:.3f} ms "
+                         f"(x{native / folded:.1f})")  # fmt: skip
+    return lines
+
+
 def rotation(repeats: int) -> list[str]:
     """int4's Hadamard rotation of one row in float32 vs bf16 (engine/quantization.py)."""
     from loraplex.engine.rotation import hadamard, rotate_groups
@@ -195,6 +222,7 @@ MEASURES = {
     "xgrammar": xgrammar,
     "upcast": upcast,
     "gather": gather,
+    "gqa": gqa,
     "rotation": rotation,
     "int8-rows": int8_rows,
     "packing": packing,

@@ -50,13 +50,17 @@ def _attend(
     """`reference.attend`'s semantics in one of two forms; both accumulate the matmuls in
     float32 and take the softmax in float32:
 
-    - "sdpa": torch's fused attention with a boolean mask and native GQA;
+    - "sdpa": torch's fused attention with a boolean mask; short queries (up to
+      `SHORT_QUERY_ROWS` rows a sequence) with their grouped-query heads folded into query
+      rows (`_sdpa_folded`), longer ones with sdpa's native GQA;
     - "matmul" (always with a softcap or sinks, which sdpa cannot take): `reference.attend`.
     Which is faster depends on the CPU, by a wide margin either way (docs/cpu-path.md).
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
     if not softcap and sinks is None and impl == "sdpa":
+        if q.shape[-3] <= SHORT_QUERY_ROWS:
+            return _sdpa_folded(q, k, v, allowed, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(-3, -2),  # [..., H, n, d]
             k.transpose(-3, -2),  # [..., KVH, L, d]
@@ -69,6 +73,30 @@ def _attend(
     return attend(
         q, k, v, q_pos, k_pos, scale, sliding_window, softcap, allowed=allowed, sinks=sinks
     )
+
+
+def _sdpa_folded(q, k, v, allowed, scale):
+    """torch's fused attention with grouped-query heads folded into query rows.
+
+    q [..., n, H, d]; k, v [..., L, KVH, d]; allowed bool [..., n, L]. Returns [..., n, H, d].
+    The G = H / KVH query heads that read one kv head (head h reads kv head h // G, as in
+    transformers' repeat_kv) go in as G * n query rows of that head: [..., KVH, G * n, d].
+    sdpa's own `enable_gqa` form is several times slower on the CPU, most of all in bfloat16
+    and for one-token queries (the decode rows of a step that also prefills: 7.4 against 0.9
+    ms a layer at 63 rows, 8 / 2 heads, bfloat16; docs/cpu-path.md). Longer queries (prefill
+    chunks) keep `enable_gqa`: there the two take about as long, and folding copies the mask
+    G times."""
+    *lead, n, h, d = q.shape
+    kvh, length = k.shape[-2], k.shape[-3]
+    g = h // kvh
+    qf = q.transpose(-3, -2).reshape(*lead, kvh, g * n, d)
+    mask = allowed.unsqueeze(-3)  # [..., 1, n, L]: one query row broadcasts over G
+    if g > 1 and n > 1:
+        mask = mask.expand(*lead, g, n, length).reshape(*lead, 1, g * n, length)
+    out = F.scaled_dot_product_attention(
+        qf, k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
+    )  # [..., KVH, G * n, d]
+    return out.view(*lead, h, n, d).transpose(-3, -2)
 
 
 # Sequences with 2 to this many new rows in a step (a token and its speculative proposals,
