@@ -117,8 +117,9 @@ def gather(repeats: int) -> list[str]:
 
 def gqa(repeats: int) -> list[str]:
     """sdpa's own grouped-query form (enable_gqa) vs the G query heads of a kv head folded
-    into its query rows (kernels/cpu.py `_sdpa_folded`), for one-token queries (the decode
-    rows of a step that also prefills) and a prefill chunk; 8 / 2 heads of 64."""
+    into its query rows (kernels/cpu.py `_sdpa_folded`), with a boolean mask and with the
+    additive one a step's plan builds, for one-token queries (the decode rows of a step that
+    also prefills) and a prefill chunk; 8 / 2 heads of 64."""
     import torch.nn.functional as F
 
     from loraplex.kernels.cpu import _sdpa_folded
@@ -135,9 +136,13 @@ def gqa(repeats: int) -> list[str]:
                 attn_mask=m.unsqueeze(1), enable_gqa=True), repeats)  # fmt: skip
             folded = _ms(lambda q=q, k=k, v=v, m=allowed: _sdpa_folded(q, k, v, m, 0.125),
                          repeats)  # fmt: skip
+            bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            additive = _ms(lambda q=q, k=k, v=v, m=bias: _sdpa_folded(q, k, v, m, 0.125),
+                           repeats)  # fmt: skip
             lines.append(f"{str(dtype).removeprefix('torch.'):8s} {b} seqs x {n} rows over "
                          f"{length} keys: enable_gqa {native:.3f} ms, folded {folded:.3f} ms "
-                         f"(x{native / folded:.1f})")  # fmt: skip
+                         f"(x{native / folded:.1f}), folded with an additive mask "
+                         f"{additive:.3f} ms")  # fmt: skip
     return lines
 
 

@@ -74,7 +74,7 @@ class StepPlanner:
         )
         attn.plan = backend.plan_attention(
             block_tables, query_start_loc, seq_lens, self.block_size, spec.num_heads,
-            spec.num_kv_heads, self.windows,
+            spec.num_kv_heads, self.windows, self.dtype,
         )  # fmt: skip
         rope = {}
         if self.rope_pairs:

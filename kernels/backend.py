@@ -57,13 +57,15 @@ class KernelBackend:
     # -------------------------------------------------------------- plans (once per step)
     def plan_attention(self, block_tables: torch.Tensor, query_start_loc: Sequence[int],
                        seq_lens: Sequence[int], block_size: int, num_heads: int,
-                       num_kv_heads: int, windows: Sequence[int | None] = (None,)):  # fmt: skip
+                       num_kv_heads: int, windows: Sequence[int | None] = (None,),
+                       dtype: torch.dtype = torch.float32):  # fmt: skip
         """What every layer's attention of one step shares (None: the reference plans
-        nothing); `windows`: the sliding windows the model's layers use."""
+        nothing); `windows`: the sliding windows the model's layers use; `dtype`: the
+        queries'."""
         which = self.which(block_tables)
         if which == "cpu":
             return cpu.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
-                                      windows, (num_kv_heads,))  # fmt: skip
+                                      windows, (num_kv_heads,), dtype)  # fmt: skip
         if which == "triton":
             return _triton("paged_attention").plan_attention(
                 query_start_loc, seq_lens, num_heads, num_kv_heads, block_tables.device

@@ -78,7 +78,8 @@ def _attend(
 def _sdpa_folded(q, k, v, allowed, scale):
     """torch's fused attention with grouped-query heads folded into query rows.
 
-    q [..., n, H, d]; k, v [..., L, KVH, d]; allowed bool [..., n, L]. Returns [..., n, H, d].
+    q [..., n, H, d]; k, v [..., L, KVH, d]; allowed [..., n, L], boolean or additive in q's
+    dtype. Returns [..., n, H, d].
     The G = H / KVH query heads that read one kv head (head h reads kv head h // G, as in
     transformers' repeat_kv) go in as G * n query rows of that head: [..., KVH, G * n, d].
     sdpa's own `enable_gqa` form is several times slower on the CPU, most of all in bfloat16
@@ -201,16 +202,23 @@ class _DecodePlan:
         heads = torch.arange(kvh, device=self.device).view(1, kvh, 1)
         return (slots.view(b, 1, length) * kvh + heads).reshape(-1)
 
-    def prepare(self, windows: Sequence[int | None], kv_heads: Sequence[int], block_size: int):
-        """Build the masks and gather rows the model's layers will ask for."""
+    def prepare(self, windows: Sequence[int | None], kv_heads: Sequence[int], block_size: int,
+                dtype: torch.dtype = torch.float32):  # fmt: skip
+        """Build the masks and gather rows the model's layers will ask for; `dtype`: the
+        queries', which sdpa's additive masks must match."""
         if not self.decode:
             return
         for w in windows:
             self._masks[w] = visible(self.q_pos, self.k_pos, w)
+            if self.n != 1:
+                continue
+            bias = torch.zeros(self._masks[w].shape, device=self.device)  # [B, 1, L]
+            bias.masked_fill_(~self._masks[w], float("-inf"))
+            # 0 and -inf are exact in every float dtype; sdpa converts a boolean mask to
+            # this on every call (up to a tenth of its time for one-token queries:
+            # `python -m benchmarks.cpu_micro gqa`)
+            self._masks4[w] = bias.to(dtype).unsqueeze(1)
             if self.whole:
-                bias = torch.zeros(self._masks[w].shape, device=self.device)  # [B, 1, L]
-                bias.masked_fill_(~self._masks[w], float("-inf"))
-                self._masks4[w] = bias.unsqueeze(1)
                 for kvh in kv_heads:
                     self._bias[(w, kvh)] = bias.repeat_interleave(kvh, dim=0)
         for kvh in kv_heads:
@@ -224,14 +232,16 @@ class _DecodePlan:
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int],
                    seq_lens: Sequence[int], block_size: int,
-                   windows: Sequence[int | None] = (None,),
-                   kv_heads: Sequence[int] = ()) -> tuple[_DecodePlan, _DecodePlan]:  # fmt: skip
+                   windows: Sequence[int | None] = (None,), kv_heads: Sequence[int] = (),
+                   dtype: torch.dtype = torch.float32,
+                   ) -> tuple[_DecodePlan, _DecodePlan]:  # fmt: skip
     """`paged_attention`'s plan for one step: its decode and short-query groups, with the
-    masks for `windows` and the gather rows for `kv_heads` built."""
+    masks for `windows` (additive ones in the queries' `dtype`) and the gather rows for
+    `kv_heads` built."""
     args = (block_tables, query_start_loc, seq_lens, block_size, block_tables.device)
     plans = (_DecodePlan(*args), _DecodePlan(*args, lo=2, hi=SHORT_QUERY_ROWS))
     for plan in plans:
-        plan.prepare(windows, kv_heads, block_size)
+        plan.prepare(windows, kv_heads, block_size, dtype)
     return plans
 
 
@@ -317,6 +327,9 @@ def paged_attention(
         else:
             k = gather_kv(k_cache, plan.tables, plan.max_len, ks, dt)  # [B, L, KVH, d]
             v = gather_kv(v_cache, plan.tables, plan.max_len, vs, dt)
+            additive = plan._masks4.get(sliding_window)
+            if additive is not None and additive.dtype == dt:
+                allowed = additive.squeeze(1)  # [B, 1, L]: 0 / -inf
             o = _attend(q[plan.rows].unsqueeze(1), k, v, plan.q_pos, plan.k_pos, scale,
                         sliding_window, softcap, impl, allowed=allowed).squeeze(1)  # fmt: skip
         # Padding keys sit beyond each sequence's length, which causality already masks.
