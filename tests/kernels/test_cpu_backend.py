@@ -313,6 +313,35 @@ def test_whole_decode_step_takes_the_lean_path(gen, monkeypatch, impl, dtype, he
     assert lean == ([1] if impl == "sdpa" or dtype == torch.float32 else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("step", ["mixed", "short"])
+def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, heads, window,
+                                                      step):  # fmt: skip
+    """Decode rows in a step that also prefills, planned as the engine plans it (the queries'
+    dtype): sdpa gets them with their grouped-query heads folded into query rows and the
+    plan's additive mask, and the step equals the reference."""
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, *STEPS[step])
+    plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]],
+                              dtype)  # fmt: skip
+    assert not plan[0].whole and plan[0].decode
+    masks = []
+    real = cpu._sdpa_folded
+    monkeypatch.setattr(cpu, "_sdpa_folded", lambda q, k, v, m, s: masks.append(
+        (q.shape[-3], m.dtype)) or real(q, k, v, m, s))  # fmt: skip
+    scale = heads[2] ** -0.5
+    got = torch.full_like(q, float("nan"))
+    cpu.paged_attention(got, q, *clean, tables, qsl, lens, scale, window, plan=plan,
+                        impl="sdpa")  # fmt: skip
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
+    assert (1, dtype) in masks  # the one-token rows, additive mask in q's dtype
+    if step == "short":  # 2..SHORT_QUERY_ROWS rows: folded too, with the boolean mask
+        assert any(n > 1 and m == torch.bool for n, m in masks)
+
+
 @pytest.mark.parametrize("slots", [(0, 12), (3, 9)], ids=["all-slots", "a-run-of-slots"])
 @pytest.mark.parametrize("uniform", [True, False], ids=["equal-segments", "ragged"])
 def test_consecutive_slots_are_read_in_place(slots, uniform, monkeypatch):
