@@ -270,7 +270,7 @@ def pick_attention_impl(
     out = torch.empty_like(q)
     qsl = list(range(batch + 1))
     lens = torch.randint(context // 2, context + 1, (batch,), generator=g).tolist()
-    plan = plan_attention(tables, qsl, lens, block_size, (None,), (num_kv_heads,))
+    plan = plan_attention(tables, qsl, lens, block_size, (None,), (num_kv_heads,), dtype)
     scale = head_dim**-0.5
     times = {}
     for impl in ATTENTION_IMPLS:
