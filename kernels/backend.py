@@ -65,7 +65,7 @@ class KernelBackend:
         which = self.which(block_tables)
         if which == "cpu":
             return cpu.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
-                                      windows, (num_kv_heads,), dtype)  # fmt: skip
+                                      windows, (num_kv_heads,), dtype, num_heads)  # fmt: skip
         if which == "triton":
             return _triton("paged_attention").plan_attention(
                 query_start_loc, seq_lens, num_heads, num_kv_heads, block_tables.device

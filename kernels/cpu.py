@@ -88,16 +88,26 @@ def _sdpa_folded(q, k, v, allowed, scale):
     chunks) keep `enable_gqa`: there the two take about as long, and folding copies the mask
     G times."""
     *lead, n, h, d = q.shape
-    kvh, length = k.shape[-2], k.shape[-3]
+    kvh = k.shape[-2]
     g = h // kvh
     qf = q.transpose(-3, -2).reshape(*lead, kvh, g * n, d)
-    mask = allowed.unsqueeze(-3)  # [..., 1, n, L]: one query row broadcasts over G
-    if g > 1 and n > 1:
-        mask = mask.expand(*lead, g, n, length).reshape(*lead, 1, g * n, length)
+    if allowed.dim() == q.dim():  # already [..., 1, G * n, L] (`fold_mask`, from the plan)
+        mask = allowed
+    elif g > 1 and n > 1:
+        mask = fold_mask(allowed, g)
+    else:
+        mask = allowed.unsqueeze(-3)  # [..., 1, n, L]: one query row broadcasts over G
     out = F.scaled_dot_product_attention(
         qf, k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
     )  # [..., KVH, G * n, d]
     return out.view(*lead, h, n, d).transpose(-3, -2)
+
+
+def fold_mask(allowed: torch.Tensor, g: int) -> torch.Tensor:
+    """[..., n, L] -> [..., 1, g * n, L]: the mask of `_sdpa_folded`'s query rows (row
+    i * n + t is query head i of the group at row t)."""
+    *lead, n, length = allowed.shape
+    return allowed.unsqueeze(-3).expand(*lead, g, n, length).reshape(*lead, 1, g * n, length)
 
 
 # Sequences with 2 to this many new rows in a step (a token and its speculative proposals,
@@ -170,6 +180,8 @@ class _DecodePlan:
         # window -> [B, 1, 1, L] additive mask (0 / -inf, float32) in sdpa's layout: sdpa
         # turns a boolean mask into this itself, on every call
         self._masks4: dict[int | None, torch.Tensor] = {}
+        # (window, query heads per kv head) -> [B, 1, G * n, L]: `fold_mask` of the mask
+        self._folded: dict[tuple[int | None, int], torch.Tensor] = {}
 
     def gather(
         self, cache: torch.Tensor, scale: torch.Tensor | None = None, dtype=None
@@ -203,14 +215,20 @@ class _DecodePlan:
         return (slots.view(b, 1, length) * kvh + heads).reshape(-1)
 
     def prepare(self, windows: Sequence[int | None], kv_heads: Sequence[int], block_size: int,
-                dtype: torch.dtype = torch.float32):  # fmt: skip
+                dtype: torch.dtype = torch.float32, num_heads: int | None = None):  # fmt: skip
         """Build the masks and gather rows the model's layers will ask for; `dtype`: the
-        queries', which sdpa's additive masks must match."""
+        queries', which sdpa's additive masks must match; `num_heads`: the query heads, for
+        the masks of several rows a sequence folded as `_sdpa_folded` takes them."""
         if not self.decode:
             return
         for w in windows:
             self._masks[w] = visible(self.q_pos, self.k_pos, w)
             if self.n != 1:
+                for kvh in kv_heads:
+                    if num_heads and num_heads // kvh > 1:
+                        self._folded[(w, num_heads // kvh)] = fold_mask(
+                            self._masks[w], num_heads // kvh
+                        )
                 continue
             bias = torch.zeros(self._masks[w].shape, device=self.device)  # [B, 1, L]
             bias.masked_fill_(~self._masks[w], float("-inf"))
@@ -229,19 +247,25 @@ class _DecodePlan:
         m = self._masks.get(sliding_window)
         return visible(self.q_pos, self.k_pos, sliding_window) if m is None else m
 
+    def folded_mask(self, sliding_window: int | None, g: int) -> torch.Tensor:
+        """The mask for `_sdpa_folded` with `g` query heads per kv head: the plan's folded
+        one where it built it (the engine's steps), else the plain one (folded per call)."""
+        m = self._folded.get((sliding_window, g))
+        return self.mask(sliding_window) if m is None else m
+
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int],
                    seq_lens: Sequence[int], block_size: int,
                    windows: Sequence[int | None] = (None,), kv_heads: Sequence[int] = (),
-                   dtype: torch.dtype = torch.float32,
+                   dtype: torch.dtype = torch.float32, num_heads: int | None = None,
                    ) -> tuple[_DecodePlan, _DecodePlan]:  # fmt: skip
     """`paged_attention`'s plan for one step: its decode and short-query groups, with the
-    masks for `windows` (additive ones in the queries' `dtype`) and the gather rows for
-    `kv_heads` built."""
+    masks for `windows` (additive ones in the queries' `dtype`, folded ones for `num_heads`
+    query heads over each of `kv_heads`) and the gather rows for `kv_heads` built."""
     args = (block_tables, query_start_loc, seq_lens, block_size, block_tables.device)
     plans = (_DecodePlan(*args), _DecodePlan(*args, lo=2, hi=SHORT_QUERY_ROWS))
     for plan in plans:
-        plan.prepare(windows, kv_heads, block_size, dtype)
+        plan.prepare(windows, kv_heads, block_size, dtype, num_heads)
     return plans
 
 
@@ -349,7 +373,9 @@ def paged_attention(
             sliding_window,
             softcap,
             impl,
-            allowed=short.mask(sliding_window),
+            allowed=short.folded_mask(sliding_window, q.shape[1] // k_cache.shape[2])
+            if impl == "sdpa" and not softcap and sinks is None
+            else short.mask(sliding_window),
             sinks=sinks,
         )  # [B, n, H, d] fmt: skip
         out[short.rows.flatten()] = o.flatten(0, 1).to(out.dtype)

@@ -74,6 +74,31 @@ def test_one_decode_plan_per_step(gen, monkeypatch):
     assert not [k for k, v in vars(cpu).items() if isinstance(v, dict) and not k.startswith("__")]
 
 
+def test_folded_masks_come_from_the_plan(gen, monkeypatch):
+    """A step mixing decodes, short queries and a prefill chunk, planned as the engine plans
+    it (the model's query heads): sdpa's layers take their folded and visibility masks from the
+    plan and build none."""
+    heads = (8, 2, 64)
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, torch.float32, heads, 8,
+                                            *STEPS["short"])  # fmt: skip
+    scale = heads[2] ** -0.5
+    plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]],
+                              torch.float32, heads[0])  # fmt: skip
+    built = []
+    real_fold, real_visible = cpu.fold_mask, cpu.visible
+    monkeypatch.setattr(cpu, "fold_mask", lambda *a: built.append("fold") or real_fold(*a))
+    monkeypatch.setattr(cpu, "visible", lambda *a: built.append("mask") or real_visible(*a))
+    for window in (None, 8, None):
+        out = torch.zeros_like(q)
+        cpu.paged_attention(out, q, *clean, tables, qsl, lens, scale, window, plan=plan,
+                            impl="sdpa")  # fmt: skip
+        want = torch.zeros_like(q)
+        reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
+        torch.testing.assert_close(out, want)
+    # only the prefill chunk's own mask (one sequence of 12 rows, not a planned group)
+    assert built == ["mask"] * 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 @pytest.mark.parametrize("window", [None, 8])
@@ -320,16 +345,17 @@ def test_whole_decode_step_takes_the_lean_path(gen, monkeypatch, impl, dtype, he
 def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, heads, window,
                                                       step):  # fmt: skip
     """Decode rows in a step that also prefills, planned as the engine plans it (the queries'
-    dtype): sdpa gets them with their grouped-query heads folded into query rows and the
-    plan's additive mask, and the step equals the reference."""
+    dtype and heads): sdpa gets them with their grouped-query heads folded into query rows and
+    the plan's masks (additive for one-token rows, folded for several rows a sequence), and
+    the step equals the reference."""
     _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, *STEPS[step])
     plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]],
-                              dtype)  # fmt: skip
+                              dtype, heads[0])  # fmt: skip
     assert not plan[0].whole and plan[0].decode
     masks = []
     real = cpu._sdpa_folded
     monkeypatch.setattr(cpu, "_sdpa_folded", lambda q, k, v, m, s: masks.append(
-        (q.shape[-3], m.dtype)) or real(q, k, v, m, s))  # fmt: skip
+        (q.shape[-3], m.dtype, m)) or real(q, k, v, m, s))  # fmt: skip
     scale = heads[2] ** -0.5
     got = torch.full_like(q, float("nan"))
     cpu.paged_attention(got, q, *clean, tables, qsl, lens, scale, window, plan=plan,
@@ -337,9 +363,11 @@ def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, h
     want = torch.zeros_like(q)
     reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
-    assert (1, dtype) in masks  # the one-token rows, additive mask in q's dtype
-    if step == "short":  # 2..SHORT_QUERY_ROWS rows: folded too, with the boolean mask
-        assert any(n > 1 and m == torch.bool for n, m in masks)
+    assert any(n == 1 and m == dtype for n, m, _ in masks)  # additive, in q's dtype
+    if step == "short":  # 2..SHORT_QUERY_ROWS rows: folded too, with the plan's mask
+        g = heads[0] // heads[1]
+        want_mask = plan[1]._folded[(window, g)] if g > 1 else plan[1].mask(window)
+        assert any(n > 1 and t is want_mask for n, _, t in masks)
 
 
 @pytest.mark.parametrize("slots", [(0, 12), (3, 9)], ids=["all-slots", "a-run-of-slots"])
