@@ -45,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--cpu-attention", default="auto", choices=["auto", "sdpa", "matmul"],
+                   help="loraplex's CPU attention form (auto: timed at start)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--hf-max-batch", type=int, default=8)
     p.add_argument(
@@ -111,6 +113,7 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
                 max_lora_rank=8,
+                cpu_attention=args.cpu_attention,
                 threads=args.threads,
                 engine_process=not inproc,
             )
@@ -215,6 +218,7 @@ def run_compare(args: argparse.Namespace) -> dict:
                 "hf_max_batch",
                 "hf_requests",
                 "threads",
+                "cpu_attention",
             )
         },
         "vllm_preload": getattr(servers.get("vllm"), "preload", None),
