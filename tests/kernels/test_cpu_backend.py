@@ -43,6 +43,16 @@ def test_paged_attention_matches_the_reference(
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
 
 
+def _layer_matches_the_reference(q, caches, tables, qsl, lens, scale, window, plan, impl):
+    """One layer's attention through the CPU backend with `plan` equals the reference's."""
+    out = torch.zeros_like(q)
+    cpu.paged_attention(out, q, *caches, tables, qsl, lens, scale, window, plan=plan,
+                        impl=impl)  # fmt: skip
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, q, *caches, tables, qsl, lens, scale, window)
+    torch.testing.assert_close(out, want)
+
+
 def test_one_decode_plan_per_step(gen, monkeypatch):
     """A step's plan (plan_attention, built before the forward) serves every layer, windows
     and kv heads included, and no layer builds anything; without a plan a call plans for
@@ -57,13 +67,8 @@ def test_one_decode_plan_per_step(gen, monkeypatch):
     monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
     monkeypatch.setattr(cpu, "visible", lambda *a, **k: masks.append(1) or real_visible(*a, **k))
 
-    def layer(plan, window=None, lengths=lens):
-        out = torch.zeros_like(q)
-        cpu.paged_attention(out, q, *clean, tables, qsl, lengths, scale, window, plan=plan,
-                            impl="matmul")  # fmt: skip
-        want = torch.zeros_like(q)
-        reference.paged_attention(want, q, *clean, tables, qsl, lengths, scale, window)
-        torch.testing.assert_close(out, want)
+    def layer(plan, window=None):
+        _layer_matches_the_reference(q, clean, tables, qsl, lens, scale, window, plan, "matmul")
 
     for window in (None, 8, None, 8):
         layer(plan, window)
@@ -89,12 +94,7 @@ def test_folded_masks_come_from_the_plan(gen, monkeypatch):
     monkeypatch.setattr(cpu, "fold_mask", lambda *a: built.append("fold") or real_fold(*a))
     monkeypatch.setattr(cpu, "visible", lambda *a: built.append("mask") or real_visible(*a))
     for window in (None, 8, None):
-        out = torch.zeros_like(q)
-        cpu.paged_attention(out, q, *clean, tables, qsl, lens, scale, window, plan=plan,
-                            impl="sdpa")  # fmt: skip
-        want = torch.zeros_like(q)
-        reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
-        torch.testing.assert_close(out, want)
+        _layer_matches_the_reference(q, clean, tables, qsl, lens, scale, window, plan, "sdpa")
     # only the prefill chunk's own mask (one sequence of 12 rows, not a planned group)
     assert built == ["mask"] * 3
 
