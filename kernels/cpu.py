@@ -83,10 +83,10 @@ def _sdpa_folded(q, k, v, allowed, scale):
     The G = H / KVH query heads that read one kv head (head h reads kv head h // G, as in
     transformers' repeat_kv) go in as G * n query rows of that head: [..., KVH, G * n, d].
     sdpa's own `enable_gqa` form is several times slower on the CPU, most of all in bfloat16
-    and for one-token queries (the decode rows of a step that also prefills: 7.4 against 0.9
-    ms a layer at 63 rows, 8 / 2 heads, bfloat16; docs/cpu-path.md). Longer queries (prefill
-    chunks) keep `enable_gqa`: there the two take about as long, and folding copies the mask
-    G times."""
+    and for one-token queries (the decode rows of a step that also prefills; figures in
+    docs/cpu-path.md, `python -m benchmarks.cpu_micro gqa`). `_attend` keeps `enable_gqa`
+    for longer queries (prefill chunks): there the two take about as long, and folding
+    copies the mask G times."""
     *lead, n, h, d = q.shape
     kvh = k.shape[-2]
     g = h // kvh
@@ -177,8 +177,9 @@ class _DecodePlan:
         self.flat_tables = self.tables.reshape(-1) if self.whole else None
         # (window, kv heads) -> [B * KVH, 1, L] float32: 0 where visible, -inf elsewhere
         self._bias: dict[tuple[int | None, int], torch.Tensor] = {}
-        # window -> [B, 1, 1, L] additive mask (0 / -inf, float32) in sdpa's layout: sdpa
-        # turns a boolean mask into this itself, on every call
+        # window -> [B, 1, 1, L] additive mask (0 / -inf, in the queries' dtype) in sdpa's
+        # layout, for a group of one-token queries: sdpa turns a boolean mask into this
+        # itself, on every call
         self._masks4: dict[int | None, torch.Tensor] = {}
         # (window, query heads per kv head) -> [B, 1, G * n, L]: `fold_mask` of the mask
         self._folded: dict[tuple[int | None, int], torch.Tensor] = {}
