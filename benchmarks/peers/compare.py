@@ -118,6 +118,8 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
                 engine_process=not inproc,
             )
             servers[name] = srv
+            # where this start's lines begin: the log is appended to across runs
+            srv.log_start = srv.log_path.stat().st_size if srv.log_path.is_file() else 0
             srv.start()
             srv.adapter_names = srv.upload_all(adapters, progress=False)
         for s in servers.values():
@@ -128,6 +130,21 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
             s.stop()
         raise
     return servers
+
+
+def cpu_attention_picked(server) -> str | None:
+    """The CPU attention form a loraplex server's engine ran (its start-up line), None when
+    it logged none (a GPU, or a log that was not kept). With `auto` the engine times both
+    forms at start and a close call can go either way, which moves served figures."""
+    import re
+
+    try:
+        with server.log_path.open() as f:
+            f.seek(getattr(server, "log_start", 0))
+            found = re.findall(r"CPU attention: (\w+)", f.read())
+    except OSError:
+        return None
+    return found[-1] if found else None
 
 
 def target_of(server, name: str):
@@ -196,6 +213,9 @@ def run_compare(args: argparse.Namespace) -> dict:
     finally:
         for s in servers.values():
             s.stop()
+    picked = {n: cpu_attention_picked(servers[n]) for n in names if n.startswith("loraplex")}
+    for name, form in picked.items():
+        print(f"{name}: CPU attention {form} ({args.cpu_attention})", file=sys.stderr)
     rows, ratios = rows_and_ratios(runs, names, args.repeats)
     compute = compute_summary(runs, rows, peak)
     doc = {
@@ -220,7 +240,8 @@ def run_compare(args: argparse.Namespace) -> dict:
                 "threads",
                 "cpu_attention",
             )
-        },
+        }
+        | {"cpu_attention_picked": picked},
         "vllm_preload": getattr(servers.get("vllm"), "preload", None),
         "machine": machine(),
         "argv": sys.argv,

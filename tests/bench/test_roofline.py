@@ -120,3 +120,23 @@ def test_compute_summary_and_docs_report_the_ceiling(tmp_path):
     assert "the fastest GEMM measured in this run, 200 GFLOP/s" in page
     assert "loraplex 105.0 (52% of peak, ceiling 286 tok/s)" in page
     assert "×10 over HF+peft needs 200 output tok/s: 70% of the compute ceiling" in page
+
+
+def test_the_cpu_attention_form_a_server_ran_is_read_from_its_own_start(tmp_path):
+    """A peers run records the form the loraplex server's engine picked at its start: the
+    last such line after where this start's lines begin (the log is appended to across runs),
+    None when the start logged none."""
+    from types import SimpleNamespace
+
+    from benchmarks.peers.compare import cpu_attention_picked
+
+    log = tmp_path / "loraplex-server.log"
+    line = "2026-12-06 22:01:08,253 INFO [engine] CPU attention: {} (decode batch: ...)\n"
+    log.write_text(line.format("sdpa"))
+    start = log.stat().st_size
+    with log.open("a") as f:
+        f.write("INFO [engine] loading\n" + line.format("matmul"))
+    assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=start)) == "matmul"
+    assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=0)) == "matmul"
+    assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=log.stat().st_size)) is None
+    assert cpu_attention_picked(SimpleNamespace(log_path=tmp_path / "none.log")) is None
