@@ -39,6 +39,8 @@ from loraplex.platform.state import AppState, Caller
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
+
+
 def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
     """The documented plain chat format for base models without a chat template."""
     parts = []
@@ -332,9 +334,7 @@ class InferenceService:
         line = BATCH_LINE.get()
         request_class = RequestClass.batch if line else RequestClass.interactive
         charging = time.monotonic()
-        decision = await asyncio.to_thread(
-            self._charge, caller.tenant.id, estimate, request_class
-        )
+        decision = await asyncio.to_thread(self._charge, caller.tenant.id, estimate, request_class)
         tracing.phase(
             "quota", charging, time.monotonic(), allowed=decision.allowed, reserved=estimate
         )

@@ -63,7 +63,6 @@ def wide(tmp_path_factory):
     return out
 
 
-
 def _folders(wide, kind: str, case: str, tmp_path):
     base, adapters = wide[kind]
     quantized = write_quantized(base, tmp_path / case, **CASES[case])

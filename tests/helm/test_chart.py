@@ -336,6 +336,7 @@ def test_the_server_accepts_the_chart_settings(monkeypatch, tmp_path):
 def test_replicas_serve_on_their_gpu(monkeypatch):
     """Each replica asks for a GPU and its server runs the engine there ("auto"); the values
     name another device or turn CUDA graphs off, and the server reads what the chart wrote."""
+
     def env_of(config: dict) -> dict:
         kinds_ = kinds(render({"secrets": SECRETS, "config": config}))
         return dict(kinds_["ConfigMap"][0]["data"])
