@@ -102,6 +102,7 @@ class LoraplexServer:
         self.threads = threads
         self.log_path = log or self.data_dir / "server.log"
         self.proc: subprocess.Popen | None = None
+        self.log_start = 0
         self.api_key = ""
         self.model_name = ""
 
@@ -126,6 +127,7 @@ class LoraplexServer:
             env["OMP_NUM_THREADS"] = str(self.threads)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("a")
+        self.log_start = log.tell()  # where this start's lines begin: runs append to the log
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "loraplex.platform.cli", "serve"],  # -P: see hf_server
             env=env,

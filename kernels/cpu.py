@@ -44,9 +44,8 @@ __all__ = [
 ATTENTION_IMPLS = ("sdpa", "matmul")
 
 
-def _attend(
-    q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl="sdpa", allowed=None, sinks=None
-):
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, impl="sdpa", allowed=None,
+            sinks=None, folded=None):  # fmt: skip
     """`reference.attend`'s semantics in one of two forms; both accumulate the matmuls in
     float32 and take the softmax in float32:
 
@@ -55,12 +54,13 @@ def _attend(
       rows (`_sdpa_folded`), longer ones with sdpa's native GQA;
     - "matmul" (always with a softcap or sinks, which sdpa cannot take): `reference.attend`.
     Which is faster depends on the CPU, by a wide margin either way (docs/cpu-path.md).
+    `folded`: `allowed` already folded for the short-query form (`fold_mask`, from a plan).
     """
     if allowed is None:
         allowed = visible(q_pos, k_pos, sliding_window)  # [..., n, L]
     if not softcap and sinks is None and impl == "sdpa":
         if q.shape[-3] <= SHORT_QUERY_ROWS:
-            return _sdpa_folded(q, k, v, allowed, scale)
+            return _sdpa_folded(q, k, v, allowed, scale, folded)
         out = F.scaled_dot_product_attention(
             q.transpose(-3, -2),  # [..., H, n, d]
             k.transpose(-3, -2),  # [..., KVH, L, d]
@@ -75,11 +75,12 @@ def _attend(
     )
 
 
-def _sdpa_folded(q, k, v, allowed, scale):
+def _sdpa_folded(q, k, v, allowed, scale, folded=None):
     """torch's fused attention with grouped-query heads folded into query rows.
 
     q [..., n, H, d]; k, v [..., L, KVH, d]; allowed [..., n, L], boolean or additive in q's
-    dtype. Returns [..., n, H, d].
+    dtype; `folded`: that mask already as `fold_mask` makes it (a plan's), or None. Returns
+    [..., n, H, d].
     The G = H / KVH query heads that read one kv head (head h reads kv head h // G, as in
     transformers' repeat_kv) go in as G * n query rows of that head: [..., KVH, G * n, d].
     sdpa's own `enable_gqa` form is several times slower on the CPU, most of all in bfloat16
@@ -91,8 +92,8 @@ def _sdpa_folded(q, k, v, allowed, scale):
     kvh = k.shape[-2]
     g = h // kvh
     qf = q.transpose(-3, -2).reshape(*lead, kvh, g * n, d)
-    if allowed.dim() == q.dim():  # already [..., 1, G * n, L] (`fold_mask`, from the plan)
-        mask = allowed
+    if folded is not None:
+        mask = folded
     elif g > 1 and n > 1:
         mask = fold_mask(allowed, g)
     else:
@@ -248,12 +249,6 @@ class _DecodePlan:
         m = self._masks.get(sliding_window)
         return visible(self.q_pos, self.k_pos, sliding_window) if m is None else m
 
-    def folded_mask(self, sliding_window: int | None, g: int) -> torch.Tensor:
-        """The mask for `_sdpa_folded` with `g` query heads per kv head: the plan's folded
-        one where it built it (the engine's steps), else the plain one (folded per call)."""
-        m = self._folded.get((sliding_window, g))
-        return self.mask(sliding_window) if m is None else m
-
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: Sequence[int],
                    seq_lens: Sequence[int], block_size: int,
@@ -374,10 +369,9 @@ def paged_attention(
             sliding_window,
             softcap,
             impl,
-            allowed=short.folded_mask(sliding_window, q.shape[1] // k_cache.shape[2])
-            if impl == "sdpa" and not softcap and sinks is None
-            else short.mask(sliding_window),
+            allowed=short.mask(sliding_window),
             sinks=sinks,
+            folded=short._folded.get((sliding_window, q.shape[1] // k_cache.shape[2])),
         )  # [B, n, H, d] fmt: skip
         out[short.rows.flatten()] = o.flatten(0, 1).to(out.dtype)
     decode_set = set(decode)

@@ -118,8 +118,6 @@ def start_servers(names: list[str], model_dir: Path, adapters: list[Path], args,
                 engine_process=not inproc,
             )
             servers[name] = srv
-            # where this start's lines begin: the log is appended to across runs
-            srv.log_start = srv.log_path.stat().st_size if srv.log_path.is_file() else 0
             srv.start()
             srv.adapter_names = srv.upload_all(adapters, progress=False)
         for s in servers.values():
@@ -140,7 +138,7 @@ def cpu_attention_picked(server) -> str | None:
 
     try:
         with server.log_path.open() as f:
-            f.seek(getattr(server, "log_start", 0))
+            f.seek(server.log_start)
             found = re.findall(r"CPU attention: (\w+)", f.read())
     except OSError:
         return None

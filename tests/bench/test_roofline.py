@@ -139,4 +139,5 @@ def test_the_cpu_attention_form_a_server_ran_is_read_from_its_own_start(tmp_path
     assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=start)) == "matmul"
     assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=0)) == "matmul"
     assert cpu_attention_picked(SimpleNamespace(log_path=log, log_start=log.stat().st_size)) is None
-    assert cpu_attention_picked(SimpleNamespace(log_path=tmp_path / "none.log")) is None
+    missing = SimpleNamespace(log_path=tmp_path / "none.log", log_start=0)
+    assert cpu_attention_picked(missing) is None

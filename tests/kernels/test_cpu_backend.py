@@ -354,8 +354,8 @@ def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, h
     assert not plan[0].whole and plan[0].decode
     masks = []
     real = cpu._sdpa_folded
-    monkeypatch.setattr(cpu, "_sdpa_folded", lambda q, k, v, m, s: masks.append(
-        (q.shape[-3], m.dtype, m)) or real(q, k, v, m, s))  # fmt: skip
+    monkeypatch.setattr(cpu, "_sdpa_folded", lambda q, k, v, m, s, f=None: masks.append(
+        (q.shape[-3], m.dtype, m if f is None else f)) or real(q, k, v, m, s, f))  # fmt: skip
     scale = heads[2] ** -0.5
     got = torch.full_like(q, float("nan"))
     cpu.paged_attention(got, q, *clean, tables, qsl, lens, scale, window, plan=plan,
