@@ -30,6 +30,12 @@ aliases an input: view, reshape, transpose, select, slice, expand, ...; when one
 copy, the copy is its own op and still counts), and the top-level ones (not called from inside
 another aten op).
 
+The current tree's subprocess also measures a floor under any step built from torch's CPU
+kernels at the same shapes (`kernel_floor`: attention's and the base model's products alone,
+back to back, and the used adapters' bytes at the core's read bandwidth; everything else free),
+so the page says how far a step is from what these kernels allow, and whether a target is
+below it.
+
 Writes benchmarks/results/step-overhead.json, docs/step-overhead.md and docs/step-overhead.png.
 """
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -213,6 +220,89 @@ def read_bandwidth(mbytes: int = 256, repeats: int = 3) -> float:
     return x.nbytes / best / 1e9
 
 
+def _per_call_ms(fn, calls: int = 40, rounds: int = 5) -> float:
+    """Fastest round's mean ms per call of `fn` called back to back (after one warm-up call):
+    kernels alone, with no engine Python between them and their inputs hot in the caches."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def adapter_elements(paths: list[str]) -> int:
+    """A and B elements of PEFT adapter folders, as stored (each target's own rank and widths:
+    none of the zeros a fused projection's slot stack keeps between its slices)."""
+    from safetensors import safe_open
+
+    total = 0
+    for folder in paths:
+        with safe_open(str(Path(folder) / "adapter_model.safetensors"), framework="pt") as f:
+            names = f.keys()  # a safe_open handle is not iterable
+            total += sum(math.prod(f.get_slice(n).get_shape()) for n in names)
+    return total
+
+
+def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype) -> dict:
+    """A floor under any decode step at this configuration built from torch's CPU kernels: the
+    least one step's essential products take with nothing between them.
+
+    Per layer, attention's arithmetic on keys and values already contiguous (no gather from
+    the paged cache, no KV write) in the fastest of torch's forms (sdpa with the grouped
+    query heads folded into rows, with or without a mask; two batched matmuls and a softmax)
+    and the base model's four products (q|k|v, o, gate|up, down; F.linear); once a step the
+    LM head; the adapters' A and B as PEFT stores them (no zeros), read once at the core's
+    measured bandwidth and not multiplied. Left out as free: norms, RoPE, SiLU, residual
+    adds, the KV write and gathers, sampling, the engine's Python, torch's dispatch. Every
+    real step does more, so a target below this floor cannot be met with these kernels."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    b, kvh, d = max(batch, 1), spec.num_kv_heads, spec.head_dim
+    g, length = spec.num_heads // spec.num_kv_heads, context
+    q, k, v = rand(b, kvh, g, d), rand(b, kvh, length, d), rand(b, kvh, length, d)
+    scale = d**-0.5
+    bias = torch.zeros(b, 1, 1, length, dtype=dtype)
+    qb, kb, vb = q.view(b * kvh, g, d), k.view(b * kvh, length, d), v.view(b * kvh, length, d)
+    forms = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale),
+        "sdpa, masked": lambda: F.scaled_dot_product_attention(q, k, v, bias, scale=scale),
+        "matmul": lambda: torch.bmm((torch.bmm(qb, kb.mT) * scale).softmax(-1), vb),
+    }
+    attention = {name: _per_call_ms(fn) for name, fn in forms.items()}
+    h, qs, kvs = spec.hidden_size, spec.num_heads * d, spec.num_kv_heads * d
+    f = spec.intermediate_size
+    x_h, x_q, x_f = rand(b, h), rand(b, qs), rand(b, f)
+    weights = [(x_h, rand(qs + 2 * kvs, h)), (x_q, rand(h, qs)), (x_h, rand(2 * f, h)),
+               (x_f, rand(h, f))]  # fmt: skip
+    linears = sum(_per_call_ms(lambda x=x, w=w: F.linear(x, w)) for x, w in weights)
+    head_w = rand(spec.vocab_size, h)
+    head = _per_call_ms(lambda: F.linear(x_h, head_w))
+    used = adapter_paths[: min(len(adapter_paths), b)]  # rows use adapter i mod N
+    lora_bytes = adapter_elements(used) * torch.finfo(dtype).bits // 8
+    gbps = read_bandwidth()
+    lora = lora_bytes / gbps / 1e6
+    per_layer = min(attention.values()) + linears
+    return {
+        "context": length,
+        "attention_ms_per_layer": attention,
+        "linears_ms_per_layer": linears,
+        "head_ms": head,
+        "lora_bytes": lora_bytes,
+        "read_gbps": gbps,
+        "lora_read_ms": lora,
+        "floor_ms": spec.num_layers * per_layer + head + lora,
+    }
+
+
 def time_split(events, steps: int, top: int = 8) -> dict:
     """Where a profiled step's time goes: the self CPU time of aten ops per step (the kernels'
     work and their dispatch inside torch), the top ops by it, and the step's time outside
@@ -311,6 +401,11 @@ def worker(cfg: dict) -> dict:
     profiled_ms = (time.perf_counter() - start) * 1e3 / cfg["profile_steps"]
     counts = count_ops(prof.events())
     time_by_op = time_split(prof.events(), cfg["profile_steps"])
+    floor = None
+    if cfg.get("floor"):  # at the timed steps' middle context (prompt, first token, steps)
+        middle = prompt_len + 1 + cfg["warmup"] + cfg["repeats"] * cfg["steps"] // 2
+        floor = kernel_floor(engine.model.spec, batch, cfg["adapter_paths"], middle,
+                             engine.model.dtype)  # fmt: skip
     if min(produced.values()) < steps_needed:  # every row decoded through every step
         raise RuntimeError(f"rows stopped early: {min(produced.values())} < {steps_needed}")
     return {
@@ -326,6 +421,7 @@ def worker(cfg: dict) -> dict:
         "dropped_options": dropped,
         "lora_stack_bytes": lora_stack_bytes(engine.model) if cfg["adapter_paths"] else 0,
         "read_gbps": read_bandwidth(),
+        "floor": floor,
     }
 
 
@@ -501,7 +597,7 @@ Command: `{report["command"]}`
 {fig}
 On a shared machine the milliseconds move by tens of per cent between runs (the load average
 above says how busy it was); the op counts do not depend on load.
-{time_section(results, report["trees"])}"""
+{time_section(results, report["trees"])}{floor_section(results)}"""
     path.write_text(text)
 
 
@@ -545,6 +641,46 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
         lines.append(f"| {t['label']} | {step_ms:.1f} | {aten:.1f} ({aten / step_ms:.0%}) | "
                      f"{step_ms - aten:.1f} ({1 - aten / step_ms:.0%}) | {top} |")  # fmt: skip
     return "\n".join(lines) + "\n" + floor
+
+
+def floor_section(results: list[dict]) -> str:
+    """The kernel floor (`kernel_floor`) per configuration against both trees' steps."""
+    rows = [r for r in results if (r.get("current") or {}).get("floor")]
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "## A floor under any step built from torch's CPU kernels",
+        "",
+        "`kernel_floor` in benchmarks/step.py, measured in the current tree's subprocess of "
+        "each configuration (the same thread setting): per layer, attention's arithmetic on "
+        "contiguous keys and values at the timed steps' middle context in the fastest of "
+        "torch's forms (sdpa with the query heads of a kv head folded into rows, masked or "
+        "not; two batched matmuls and a softmax) and the base model's four products; once a "
+        "step the LM head; the adapters' A and B as PEFT stores them (no zeros between fused "
+        "slices), read once at the core's bandwidth and not multiplied. Every kernel runs "
+        "back to back with hot caches, and the norms, RoPE, SiLU, KV writes and gathers, "
+        "sampling, the engine's Python and torch's dispatch count as free, so any step made "
+        "of these kernels takes longer than this.",
+        "",
+        "| batch | adapters | context | attention ms/layer (form) | linears ms/layer "
+        "| LM head ms | adapters read ms | floor ms/step | baseline wall ms | floor / baseline "
+        "| current / floor |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fl = r["current"]["floor"]
+        form, attn = min(fl["attention_ms_per_layer"].items(), key=lambda kv: kv[1])
+        base = (r.get("baseline") or {}).get("ms_per_step")
+        cur = r["current"].get("ms_per_step")
+        lines.append(
+            f"| {r['batch']} | {r['adapters']} | {fl['context']} | {attn:.3f} ({form}) "
+            f"| {fl['linears_ms_per_layer']:.3f} | {fl['head_ms']:.3f} "
+            f"| {fl['lora_read_ms']:.1f} | {fl['floor_ms']:.1f} | {fmt(base, '.1f')} "
+            f"| {fmt(ratio(fl['floor_ms'], base), '.2f')} "
+            f"| {fmt(ratio(cur, fl['floor_ms']), '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main
@@ -640,7 +776,8 @@ def main(argv: list[str] | None = None) -> None:
                            prompt_len=args.prompt_len, warmup=args.warmup,
                            repeats=args.repeats, steps=args.steps,
                            profile_steps=args.profile_steps,
-                           cpu_attention=args.cpu_attention)  # fmt: skip
+                           cpu_attention=args.cpu_attention,
+                           floor=tree.label == "current")  # fmt: skip
                 res = run_worker(cfg, tree.shim, args.timeout)
                 res["load_before"] = os.getloadavg()[0]
                 entry[tree.label] = res

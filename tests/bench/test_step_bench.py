@@ -82,7 +82,8 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
         shim = step.make_shim(root, tmp_path / "shim")
         cfg = dict(root=str(root), model=str(model), batch=3, adapters=1,
                    adapter_paths=[str(p) for p in adapters], rank=4, prompt_len=4, warmup=1,
-                   repeats=2, steps=2, profile_steps=1, cpu_attention="sdpa")  # fmt: skip
+                   repeats=2, steps=2, profile_steps=1, cpu_attention="sdpa",
+                   floor=True)  # fmt: skip
         res = good = step.run_worker(cfg, shim, timeout=120)
         assert "error" not in res, res.get("error")
         assert res["imported_from"].startswith(str(root.resolve()))
@@ -93,6 +94,8 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
         ops = res["ops_per_step"]
         # a 2-layer decode step with LoRA: hundreds of aten ops, some of them views
         assert ops["aten"] > ops["aten_no_view"] > 50 and ops["aten"] >= ops["aten_top"] > 0
+        # the kernel floor at the timed steps' middle context: prompt 4, its token, 1 + 4 / 2
+        assert res["floor"]["context"] == 8 and 0 < res["floor"]["floor_ms"] < res["ms_per_step"]
     assert not root.exists()  # the archive's folder is removed after the run
 
     # A worker pointed at a tree it does not import from refuses to report.
@@ -114,3 +117,40 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
     step.write_doc(report, results, None, tmp_path / "page.md")
     page = (tmp_path / "page.md").read_text()
     assert commit[:9] in page and text in page and root.name in page
+
+
+def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(assets):
+    """The floor: layers x (fastest attention form + the four products) + the LM head + the
+    used adapters' PEFT bytes at the measured bandwidth; the adapters' bytes are what their
+    files hold (no slot stack zeros), and a batch of one row reads one adapter however many
+    the engine holds."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from loraplex.engine.models.spec import spec_from_config
+
+    model, adapters = assets
+    spec = spec_from_config(json.loads((model / "config.json").read_text()))
+    paths = [str(p) for p in adapters] * 2  # two adapters' rows (the same files twice)
+    fl = step.kernel_floor(spec, 4, paths, 20, torch.float32)
+    per_adapter = sum(
+        t.numel() for t in load_file(adapters[0] / "adapter_model.safetensors").values()
+    )
+    assert fl["lora_bytes"] == 2 * per_adapter * 4
+    assert fl["lora_read_ms"] == pytest.approx(fl["lora_bytes"] / fl["read_gbps"] / 1e6)
+    assert set(fl["attention_ms_per_layer"]) == {"sdpa", "sdpa, masked", "matmul"}
+    per_layer = min(fl["attention_ms_per_layer"].values()) + fl["linears_ms_per_layer"]
+    assert fl["floor_ms"] == pytest.approx(
+        spec.num_layers * per_layer + fl["head_ms"] + fl["lora_read_ms"]
+    )
+    assert step.kernel_floor(spec, 1, paths, 20, torch.float32)["lora_bytes"] == per_adapter * 4
+    assert step.kernel_floor(spec, 4, [], 20, torch.float32)["lora_read_ms"] == 0
+
+    base = {"ms_per_step": 4 * fl["floor_ms"]}
+    results = [{"batch": 4, "adapters": 2, "baseline": base,
+                "current": {"ms_per_step": 2 * fl["floor_ms"], "floor": fl}}]  # fmt: skip
+    text = step.floor_section(results)
+    assert f"| {fl['floor_ms']:.1f} | {base['ms_per_step']:.1f} | 0.25 | 2.00 |" in text
+    assert step.floor_section([{"batch": 1, "adapters": 0, "current": {"error": "x"}}]) == ""
