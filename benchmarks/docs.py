@@ -438,7 +438,9 @@ OWN_PAGES = "\n".join(
         "--widths a3b --doc docs/moe-a3b.md` | [moe-a3b.md](moe-a3b.md) |",
         "| Host time and ops per decode step, this tree against a baseline commit | "
         "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) (AMD EPYC, "
-        "Zen 4), [step-overhead-xeon.md](step-overhead-xeon.md) (Intel Xeon with AMX) |",
+        "Zen 4), [step-overhead-xeon.md](step-overhead-xeon.md) (Intel Xeon with AMX), "
+        "[step-overhead-zen3.md](step-overhead-zen3.md) (AMD EPYC, Zen 3, AVX2 only; with "
+        "the floor under any step made of torch's CPU kernels) |",
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
         "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
         "| Interactive TTFT and machine throughput beside a Batch API job | "

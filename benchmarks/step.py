@@ -680,6 +680,22 @@ def floor_section(results: list[dict]) -> str:
             f"| {fmt(ratio(fl['floor_ms'], base), '.2f')} "
             f"| {fmt(ratio(cur, fl['floor_ms']), '.2f')} |"
         )
+    big = max(rows, key=lambda r: (r["batch"], r["adapters"]))
+    fl, base = big["current"]["floor"], (big.get("baseline") or {}).get("ms_per_step")
+    if base:
+        share = fl["floor_ms"] / base
+        verdict = (
+            "so these kernels leave room for a step a third as long as the baseline's: what "
+            "stands between is the rest of the step (the floor's left-out work and the "
+            "kernels' forms and layouts in the engine)"
+            if share < 1 / 3
+            else "so no step made of these kernels can take a third of the baseline's"
+        )
+        lines += [
+            "",
+            f"At batch {big['batch']} with {big['adapters']} adapters the floor is "
+            f"{share:.2f} of the baseline's step, {verdict}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

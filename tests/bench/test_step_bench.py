@@ -153,4 +153,7 @@ def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(asset
                 "current": {"ms_per_step": 2 * fl["floor_ms"], "floor": fl}}]  # fmt: skip
     text = step.floor_section(results)
     assert f"| {fl['floor_ms']:.1f} | {base['ms_per_step']:.1f} | 0.25 | 2.00 |" in text
+    assert "the floor is 0.25 of the baseline's step, so these kernels leave room" in text
+    results[0]["baseline"] = {"ms_per_step": 2 * fl["floor_ms"]}
+    assert "0.50 of the baseline's step, so no step" in step.floor_section(results)
     assert step.floor_section([{"batch": 1, "adapters": 0, "current": {"error": "x"}}]) == ""
