@@ -4,7 +4,8 @@ How fast could any system serve a trace here? Its requests need a known number o
 FLOPs (`request_flops`: the base model's linears, attention's two products, one lm_head row
 per output token), and this machine multiplies matrices no faster than the fastest GEMM torch
 does on it (`measure_peak`, timed in the same run as the systems, at the model's own shapes
-and dtype, with the servers' thread count). So
+and dtype, or in float32 for a half-precision model where that is faster, with the servers'
+thread count). So
 
     ceiling output tokens/s = peak GFLOP/s / GFLOP per output token
 
@@ -121,7 +122,14 @@ def measure_peak(
             for rows, k, n in shapes or gemm_shapes(spec):
                 w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
                 x = torch.randn(rows, k, generator=gen).to(dtype)
-                for form, fn in _forms(w).items():
+                forms = [(form, fn, x) for form, fn in _forms(w).items()]
+                if dtype != torch.float32 and w.device.type == "cpu":
+                    # A half-precision model's products in float32 count too: what a server
+                    # does on a CPU without native half matmuls (loraplex's
+                    # cpu_float32_compute), far faster there than the dtype's own GEMM.
+                    forms += [(f"float32 compute, {form}", fn, x.float())
+                              for form, fn in _forms(w.float()).items()]  # fmt: skip
+                for form, fn, x in forms:
                     times = []
                     for _ in range(repeats + 1):
                         start = time.perf_counter()

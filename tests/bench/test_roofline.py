@@ -81,6 +81,10 @@ def test_measure_peak_reports_the_fastest_form_and_restores_threads(tiny_models,
     assert "F.linear" in forms
     if dtype == torch.bfloat16:
         assert ("oneDNN packed" in forms) == cpu_can_prepack_bf16()
+        # the same products in float32 count too (a CPU without bf16 matmuls computes so)
+        assert "float32 compute, F.linear" in forms
+    else:
+        assert not any(f.startswith("float32 compute") for f in forms)
     assert peak["gflops"] == max(f["gflops"] for f in peak["all"]) > 0
     assert peak["threads"] == 1 and peak["dtype"] == str(dtype).removeprefix("torch.")
     # Without explicit shapes, the model's lm_head and gate|up at serving batch sizes.
