@@ -625,7 +625,8 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
         if res.get("lora_stack_bytes") and res.get("read_gbps") and not floor:
             mb, gbps = res["lora_stack_bytes"] / 1e6, res["read_gbps"]
             floor = (
-                f"\nA floor under any tree's time at this configuration: the adapter slots' "
+                f"\nA floor under either tree's time at this configuration (both keep the "
+                f"adapters in slot stacks): the slots' "
                 f"A and B stacks are {mb:.0f} MB, which a step whose rows use every slot reads "
                 f"at least once; this core reads {gbps:.1f} GB/s (torch.sum over 256 MB, one "
                 f"thread), so that alone takes {mb / gbps:.1f} ms per step, before attention, "
