@@ -85,8 +85,8 @@ def _rotate_(x4: torch.Tensor, cos: torch.Tensor, sin_pm: torch.Tensor) -> None:
     a = x4 * cos
     # flip is one aten op; roll(1, 2) swaps the halves about four times faster here but as
     # eleven ops (narrows and a cat): each op is host work per layer (docs/step-overhead.md).
-    # index_select(2, (1, 0)) is 1.5-2.6x faster than flip from 16 rows up, but nests six
-    # aten ops where flip nests four, and a step's ops count too (docs/cpu-path.md)
+    # index_select(2, (1, 0)) is faster than flip from 16 rows up, but nests two aten ops
+    # more, and a step's ops count too (figures: docs/cpu-path.md)
     b = x4.flip(2).mul_(sin_pm)
     torch.add(a, b, out=x4)
 
