@@ -129,11 +129,11 @@ def measure_peak(
                     # cpu_float32_compute), far faster there than the dtype's own GEMM.
                     forms += [(f"float32 compute, {form}", fn, x.float())
                               for form, fn in _forms(w.float()).items()]  # fmt: skip
-                for form, fn, x in forms:
+                for form, fn, xs in forms:
                     times = []
                     for _ in range(repeats + 1):
                         start = time.perf_counter()
-                        fn(x)
+                        fn(xs)
                         times.append(time.perf_counter() - start)
                     seconds = statistics.median(times[1:])
                     found.append(

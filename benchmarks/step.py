@@ -246,7 +246,8 @@ def adapter_elements(paths: list[str]) -> int:
     return total
 
 
-def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype) -> dict:
+def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype,
+                 read_gbps: float) -> dict:  # fmt: skip
     """A floor under any decode step at this configuration built from torch's CPU kernels: the
     least one step's essential products take with nothing between them.
 
@@ -255,9 +256,10 @@ def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype
     query heads folded into rows, with or without a mask; two batched matmuls and a softmax)
     and the base model's four products (q|k|v, o, gate|up, down; F.linear); once a step the
     LM head; the adapters' A and B as PEFT stores them (no zeros), read once at the core's
-    measured bandwidth and not multiplied. Left out as free: norms, RoPE, SiLU, residual
-    adds, the KV write and gathers, sampling, the engine's Python, torch's dispatch. Every
-    real step does more, so a target below this floor cannot be met with these kernels."""
+    bandwidth (`read_gbps`, from `read_bandwidth`) and not multiplied. Left out as free:
+    norms, RoPE, SiLU, residual adds, the KV write and gathers, sampling, the engine's Python,
+    torch's dispatch. Every real step does more, so a target below this floor cannot be met
+    with these kernels."""
     import torch
     import torch.nn.functional as F
 
@@ -288,8 +290,7 @@ def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype
     head = _per_call_ms(lambda: F.linear(x_h, head_w))
     used = adapter_paths[: min(len(adapter_paths), b)]  # rows use adapter i mod N
     lora_bytes = adapter_elements(used) * torch.finfo(dtype).bits // 8
-    gbps = read_bandwidth()
-    lora = lora_bytes / gbps / 1e6
+    lora = lora_bytes / read_gbps / 1e6
     per_layer = min(attention.values()) + linears
     return {
         "context": length,
@@ -297,7 +298,7 @@ def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype
         "linears_ms_per_layer": linears,
         "head_ms": head,
         "lora_bytes": lora_bytes,
-        "read_gbps": gbps,
+        "read_gbps": read_gbps,
         "lora_read_ms": lora,
         "floor_ms": spec.num_layers * per_layer + head + lora,
     }
@@ -401,11 +402,12 @@ def worker(cfg: dict) -> dict:
     profiled_ms = (time.perf_counter() - start) * 1e3 / cfg["profile_steps"]
     counts = count_ops(prof.events())
     time_by_op = time_split(prof.events(), cfg["profile_steps"])
+    gbps = read_bandwidth()
     floor = None
     if cfg.get("floor"):  # at the timed steps' middle context (prompt, first token, steps)
         middle = prompt_len + 1 + cfg["warmup"] + cfg["repeats"] * cfg["steps"] // 2
         floor = kernel_floor(engine.model.spec, batch, cfg["adapter_paths"], middle,
-                             engine.model.dtype)  # fmt: skip
+                             engine.model.dtype, gbps)  # fmt: skip
     if min(produced.values()) < steps_needed:  # every row decoded through every step
         raise RuntimeError(f"rows stopped early: {min(produced.values())} < {steps_needed}")
     return {
@@ -420,7 +422,7 @@ def worker(cfg: dict) -> dict:
         "time_by_op": time_by_op,
         "dropped_options": dropped,
         "lora_stack_bytes": lora_stack_bytes(engine.model) if cfg["adapter_paths"] else 0,
-        "read_gbps": read_bandwidth(),
+        "read_gbps": gbps,
         "floor": floor,
     }
 

@@ -134,7 +134,7 @@ def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(asset
     model, adapters = assets
     spec = spec_from_config(json.loads((model / "config.json").read_text()))
     paths = [str(p) for p in adapters] * 2  # two adapters' rows (the same files twice)
-    fl = step.kernel_floor(spec, 4, paths, 20, torch.float32)
+    fl = step.kernel_floor(spec, 4, paths, 20, torch.float32, 20.0)
     per_adapter = sum(
         t.numel() for t in load_file(adapters[0] / "adapter_model.safetensors").values()
     )
@@ -145,8 +145,10 @@ def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(asset
     assert fl["floor_ms"] == pytest.approx(
         spec.num_layers * per_layer + fl["head_ms"] + fl["lora_read_ms"]
     )
-    assert step.kernel_floor(spec, 1, paths, 20, torch.float32)["lora_bytes"] == per_adapter * 4
-    assert step.kernel_floor(spec, 4, [], 20, torch.float32)["lora_read_ms"] == 0
+    assert (
+        step.kernel_floor(spec, 1, paths, 20, torch.float32, 20.0)["lora_bytes"] == per_adapter * 4
+    )
+    assert step.kernel_floor(spec, 4, [], 20, torch.float32, 20.0)["lora_read_ms"] == 0
 
     base = {"ms_per_step": 4 * fl["floor_ms"]}
     results = [{"batch": 4, "adapters": 2, "baseline": base,
