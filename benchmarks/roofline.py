@@ -13,10 +13,18 @@ holds for every system, whatever it does about batching or overhead; a system's 
 GFLOP/s (its output tokens/s × GFLOP per output token) says how close it came. LoRA's
 products (rank 8: well under 1 % of these FLOPs) and the elementwise work (norms,
 activations, softmax) are not counted, so the ceiling errs high and achieved figures low.
+
+The peak is the fastest GEMM at any of the measured batch sizes, prefill's included; a decode
+step multiplies only as many rows as it has sequences, which on some CPUs runs far below it
+(AMX most of all). How far, per row count:
+
+    python -m benchmarks.roofline --model tiny-llama --dtype bfloat16 --threads 1 --rows 16,64,256
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Iterable
@@ -158,3 +166,47 @@ def measure_peak(
 def ceiling(peak_gflops: float, flops_per_token: float) -> float:
     """Output tokens/s no system passes on this machine for the trace."""
     return peak_gflops * 1e9 / flops_per_token
+
+
+def by_rows(peak: dict) -> dict[int, dict]:
+    """The fastest of `measure_peak`'s GEMMs at each row count (a decode step of that many
+    sequences multiplies that many rows), in row order."""
+    best: dict[int, dict] = {}
+    for f in peak["all"]:
+        rows = f["shape"][0]
+        if rows not in best or f["gflops"] > best[rows]["gflops"]:
+            best[rows] = f
+    return dict(sorted(best.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from loraplex.engine.models.spec import spec_from_config
+
+    ap = argparse.ArgumentParser(
+        description="The fastest GEMM at a model's shapes per batch size, against the peak "
+        "that `bench peers` takes as the compute ceiling."
+    )
+    ap.add_argument("--model", default="tiny-llama", help="tiny-llama, demo or a model folder")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", default="32,64,256", help="batch sizes (rows) to time")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    from benchmarks import assets
+
+    folder = assets.prepare(args.model, 0)[0]
+    spec = spec_from_config(json.loads((folder / "config.json").read_text()))
+    rows = [int(r) for r in args.rows.split(",") if r]
+    peak = measure_peak(spec, getattr(torch, args.dtype), args.threads, args.repeats,
+                        gemm_shapes(spec, rows))  # fmt: skip
+    shape = " x ".join(map(str, peak["shape"]))
+    print(f"peak: {peak['gflops']:.1f} GFLOP/s ({peak['dtype']}, {peak['threads']} thread(s), "
+          f"{peak['form']}, {shape})")  # fmt: skip
+    for n, f in by_rows(peak).items():
+        shape = " x ".join(map(str, f["shape"]))
+        print(f"{n:6d} rows: {f['gflops']:8.1f} GFLOP/s = {f['gflops'] / peak['gflops']:4.0%} "
+              f"of the peak ({f['form']}, {shape})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

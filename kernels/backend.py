@@ -92,16 +92,22 @@ class KernelBackend:
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                         scale, sliding_window=None, softcap=None, k_scale=None, v_scale=None,
-                        *, plan=None, sinks=None) -> None:  # fmt: skip
+                        *, plan=None, sinks=None) -> torch.Tensor:  # fmt: skip
+        """Attention of q's rows over the paged caches, into `out` [T, H, d], which it returns;
+        `out` None: into a tensor of the kernel's choosing (the CPU's one-token decode returns
+        its kernel's own output rather than copying it), returned."""
+        which = self.which(q)
+        if out is None and which != "cpu":
+            out = q.new_empty(q.shape)
         args = (out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                 sliding_window, softcap, k_scale, v_scale)  # fmt: skip
-        which = self.which(q)
         if which == "cpu":
-            cpu.paged_attention(*args, plan=plan, sinks=sinks, impl=self.cpu_attention)
-        elif which == "triton":
+            return cpu.paged_attention(*args, plan=plan, sinks=sinks, impl=self.cpu_attention)
+        if which == "triton":
             _triton("paged_attention").paged_attention(*args, memo=plan, sinks=sinks)
         else:
             reference.paged_attention(*args, sinks=sinks)
+        return out
 
     def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None,
                    lora_a_t=None) -> None:  # fmt: skip

@@ -321,10 +321,11 @@ def paged_attention(
     plan: tuple[_DecodePlan, _DecodePlan] | None = None,
     sinks: torch.Tensor | None = None,
     impl: str = "sdpa",
-) -> None:
-    """`reference.paged_attention`; `plan`: the step's (`plan_attention`, see the module
-    doc); `impl`: the attention form (sdpa | matmul). Layers with sinks run the "matmul" form
-    (sdpa cannot take them)."""
+) -> torch.Tensor:
+    """`reference.paged_attention`, returning `out`; `out` None: the result [T, H, d] in a
+    tensor of its own (a one-token decode step's is sdpa's or bmm's output, not copied);
+    `plan`: the step's (`plan_attention`, see the module doc); `impl`: the attention form
+    (sdpa | matmul). Layers with sinks run the "matmul" form (sdpa cannot take them)."""
     ks, vs, dt = (k_scale, v_scale, q.dtype)
     dev = q.device
     if plan is None:
@@ -335,8 +336,9 @@ def paged_attention(
             q.dtype == torch.float32 and (sliding_window, k_cache.shape[2]) in plan._bias
         )
         if lean:
-            _decode_lean(out, q, k_cache, v_cache, plan, scale, sliding_window, impl)
-            return
+            return _decode_lean(out, q, k_cache, v_cache, plan, scale, sliding_window, impl)
+    if out is None:
+        out = q.new_empty(q.shape)
     decode = plan.decode + short.decode
     if plan.decode:
         # All one-token queries at once, padded to the longest context's whole blocks.
@@ -386,16 +388,18 @@ def paged_attention(
         k_pos = torch.arange(length, device=dev)
         o = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, impl, sinks=sinks)
         out[s:e] = o.to(out.dtype)
+    return out
 
 
 def _decode_lean(out, q, k_cache, v_cache, plan: _DecodePlan, scale: float,
-                 sliding_window: int | None, impl: str) -> None:  # fmt: skip
+                 sliding_window: int | None, impl: str) -> torch.Tensor:  # fmt: skip
     """A step in which every sequence decodes one token (row b is sequence b), float cache,
     no softcap or sinks: `paged_attention`'s decode branch in the fewest ops, from what the
     step's plan built once for every layer (flat block tables, masks per window, additive
     masks per window and kv-head count). Same arithmetic as the general branch: "matmul"
     scores q k^T scaled and masked in float32 (the mask added as 0 / -inf), softmax, times v;
-    "sdpa" torch's fused kernel with the boolean mask."""
+    "sdpa" torch's fused kernel with the boolean mask. Returns `out`, or with `out` None the
+    kernel's own output seen as [B, H, d] (sdpa's and bmm's are contiguous in that order)."""
     nblocks, bs, kvh, d = k_cache.shape
     b, h = q.shape[0], q.shape[1]
     length = plan.max_len
@@ -410,8 +414,10 @@ def _decode_lean(out, q, k_cache, v_cache, plan: _DecodePlan, scale: float,
             v = torch.index_select(v_cache.view(-1, d), 0, rows).view(b * kvh, length, d)
         qg = q.reshape(b * kvh, h // kvh, d)
         scores = torch.baddbmm(bias, qg, k.mT, alpha=scale)  # [B * KVH, G, L]
+        if out is None:
+            return torch.bmm(scores.softmax(-1), v).view(b, h, d)
         torch.bmm(scores.softmax(-1), v, out=out.view(b * kvh, h // kvh, d))
-        return
+        return out
     mask = plan._masks4.get(sliding_window)
     if mask is None or mask.dtype != q.dtype:
         mask = plan.mask(sliding_window).unsqueeze(1)
@@ -428,7 +434,10 @@ def _decode_lean(out, q, k_cache, v_cache, plan: _DecodePlan, scale: float,
     q4 = q.as_strided((b, kvh, g, d), (q.stride(0), g * q.stride(1), q.stride(1), q.stride(2)),
                       q.storage_offset())  # fmt: skip
     o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale)
+    if out is None:
+        return o.view(b, h, d)
     out.view(b, kvh, g, d).copy_(o)
+    return out
 
 
 def _batchable(segs: list[tuple[int, int, int]]) -> tuple[list, list]:

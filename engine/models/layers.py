@@ -373,9 +373,9 @@ class Attention(UsesBackend, nn.Module):
         _, k_flat, v_flat = self._flat_caches
         self.backend.rope_and_write_kv(q, k, v, rows, self.rotary.rotary_dim, k_flat, v_flat,
                                        a.slot_mapping)  # fmt: skip
-        out = q.new_empty(q.shape)
-        self.backend.paged_attention(
-            out, q, self.k_cache, self.v_cache, a.block_tables, a.query_start_loc, a.seq_lens,
+        # no `out` given: the backend returns its result where its kernel wrote it (no copy)
+        out = self.backend.paged_attention(
+            None, q, self.k_cache, self.v_cache, a.block_tables, a.query_start_loc, a.seq_lens,
             s.query_scale, self.window, s.attn_softcap, plan=a.plan,
             sinks=None if self.sinks is None else self.sinks.float(),
         )  # fmt: skip

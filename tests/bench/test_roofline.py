@@ -92,6 +92,29 @@ def test_measure_peak_reports_the_fastest_form_and_restores_threads(tiny_models,
     assert roofline.ceiling(200.0, 0.5e9) == pytest.approx(400.0)
 
 
+def test_by_rows_keeps_the_fastest_form_per_batch_size(tiny_models, capsys):
+    peak = {"all": [
+        {"shape": [64, 8, 16], "form": "F.linear", "gflops": 3.0},
+        {"shape": [8, 8, 16], "form": "F.linear", "gflops": 1.0},
+        {"shape": [64, 8, 32], "form": "oneDNN packed", "gflops": 5.0},
+        {"shape": [8, 8, 32], "form": "oneDNN packed", "gflops": 0.5},
+    ]}  # fmt: skip
+    best = roofline.by_rows(peak)
+    assert list(best) == [8, 64]
+    assert best[8]["gflops"] == 1.0 and best[64]["form"] == "oneDNN packed"
+    # the command: every asked batch size against the peak, on a real model folder
+    roofline.main(["--model", str(tiny_models["llama"]), "--dtype", "float32", "--threads", "1",
+                   "--rows", "2,16", "--repeats", "1"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("peak: ") and "float32, 1 thread(s)" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["2", "16"]
+    peak_gflops = float(lines[0].split()[1])
+    for line in lines[1:]:
+        rate = float(line.split()[2])
+        assert 0 < rate <= peak_gflops
+        assert f"= {rate / peak_gflops:4.0%} of the peak" in line
+
+
 def test_compute_summary_and_docs_report_the_ceiling(tmp_path):
     runs = [
         {"system": "loraplex", "repeat": 0, "summary": summary(150, 10.0), "flops_per_token": 7e8},

@@ -39,8 +39,11 @@ def test_paged_attention_matches_the_reference(
     want = torch.zeros_like(q)
     reference.paged_attention(want, q, *args)
     got = torch.full_like(q, float("nan"))
-    cpu.paged_attention(got, q, *args, impl=impl)
+    assert cpu.paged_attention(got, q, *args, impl=impl) is got
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
+    # without an `out`, the result comes back in a tensor of its own, the same values
+    own = cpu.paged_attention(None, q, *args, impl=impl)
+    assert own.shape == q.shape and own.dtype == q.dtype and torch.equal(own, got)
 
 
 def _layer_matches_the_reference(q, caches, tables, qsl, lens, scale, window, plan, impl):
@@ -139,6 +142,27 @@ def test_attention_impl_is_chosen_per_engine(tiny_models, caplog):
 
     with pytest.raises(ValueError, match="CPU attention"):
         KernelBackend(cpu_attention="flash")
+
+
+@pytest.mark.parametrize("mode", ["auto", "reference"])
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_backend_attention_returns_where_it_wrote(gen, mode, step):
+    """KernelBackend.paged_attention, as the layers call it: with an `out` it fills and returns
+    that tensor; without one it returns a fresh [T, H, d] result, the same values."""
+    from loraplex.kernels.backend import KernelBackend
+
+    heads = HEADS[1]  # grouped-query
+    _, clean, q, tables, qsl, lens = _batch("cpu", gen, torch.float32, heads, 8, *STEPS[step])
+    backend = KernelBackend(mode=mode)
+    plan = backend.plan_attention(tables, qsl, lens, clean[0].shape[1], heads[0], heads[1])
+    args = (q, *clean, tables, qsl, lens, heads[2] ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    assert backend.paged_attention(out, *args, plan=plan) is out
+    own = backend.paged_attention(None, *args, plan=plan)
+    assert own is not out and own.shape == q.shape and torch.equal(own, out)
+    want = torch.zeros_like(q)
+    reference.paged_attention(want, *args)
+    torch.testing.assert_close(own, want)
 
 
 def test_two_engines_in_one_process_keep_their_own_backends(tiny_models, tiny_adapters):
@@ -336,6 +360,14 @@ def test_whole_decode_step_takes_the_lean_path(gen, monkeypatch, impl, dtype, he
     reference.paged_attention(want, q, *clean, tables, qsl, lens, scale, window)
     torch.testing.assert_close(got.float(), want.float(), **tolerance(dtype))
     assert lean == ([1] if impl == "sdpa" or dtype == torch.float32 else [])
+    # as the engine's layers call it (no `out`): the kernel's own output, [B, H, d] and
+    # contiguous (the o projection views it as rows), equal to the result copied into `out`
+    before = wide.clone()
+    own = cpu.paged_attention(None, view, *clean, tables, qsl, lens, scale, window, plan=plan,
+                              impl=impl)  # fmt: skip
+    assert own.shape == q.shape and own.is_contiguous() and torch.equal(own, got)
+    assert torch.equal(wide, before)  # q is read, not written
+    assert lean == ([1, 1] if impl == "sdpa" or dtype == torch.float32 else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
