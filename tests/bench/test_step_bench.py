@@ -119,6 +119,43 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
     assert commit[:9] in page and text in page and root.name in page
 
 
+def test_a_tiny_llama_page_names_its_model_and_dtype(assets, tmp_path, monkeypatch):
+    """`--model tiny-llama`: the page and figure say which model and dtype ran (from the
+    folder's config.json), and leave out the skinny model's target line; the floor's products
+    try every form the engine may run, float32 ones too for a bf16 model."""
+    import torch
+
+    model, _ = assets
+    config = step.model_config(model)
+    assert config["num_hidden_layers"] == 2 and config["hidden_size"] == step.SKINNY["hidden_size"]
+    args = dict(warmup=1, repeats=2, steps=2, profile_steps=1, prompt_len=4, layers=32,
+                cpu_attention="sdpa", model="tiny-llama", dtype="bfloat16", rank=8)  # fmt: skip
+    report = {"command": "python -m benchmarks.step --model tiny-llama", "cpu": "x",
+              "torch": "x", "python": "3", "date": "today", "model": config,
+              "trees": [{"label": "current", "commit": "abc"}], "args": args}  # fmt: skip
+    step.write_doc(report, [], None, tmp_path / "page.md")
+    page = (tmp_path / "page.md").read_text()
+    assert "tiny Llama (2 layers," in page and "bfloat16" in page and "rank 8" in page
+    assert "Issue 36 asks" not in page and "32 layers" not in page
+    assert step.model_line(report).startswith("tiny-llama (bfloat16)")
+    skinny = dict(report, args=dict(args, model="skinny", dtype="float32"))
+    step.write_doc(skinny, [], None, tmp_path / "skinny.md")
+    assert "Issue 36 asks" in (tmp_path / "skinny.md").read_text()
+    assert step.model_line(skinny).startswith("skinny 32-layer Llama")
+
+    seen = []
+    from benchmarks import roofline
+
+    real = roofline._forms
+    monkeypatch.setattr(roofline, "_forms", lambda w: seen.append(w.dtype) or real(w))
+    x, w = torch.randn(4, 16).to(torch.bfloat16), torch.randn(8, 16).to(torch.bfloat16)
+    assert step._product_ms(x, w) > 0
+    assert seen == [torch.bfloat16, torch.float32]
+    seen.clear()
+    step._product_ms(x.float(), w.float())
+    assert seen == [torch.float32]
+
+
 def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(assets):
     """The floor: layers x (fastest attention form + the four products) + the LM head + the
     used adapters' PEFT bytes at the measured bandwidth; the adapters' bytes are what their
