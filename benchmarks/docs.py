@@ -439,8 +439,15 @@ OWN_PAGES = "\n".join(
         "| Host time and ops per decode step, this tree against a baseline commit | "
         "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) (AMD EPYC, "
         "Zen 4), [step-overhead-xeon.md](step-overhead-xeon.md) (Intel Xeon with AMX), "
-        "[step-overhead-zen3.md](step-overhead-zen3.md) (AMD EPYC, Zen 3, AVX2 only; with "
-        "the floor under any step made of torch's CPU kernels) |",
+        "[step-overhead-zen3.md](step-overhead-zen3.md) (AMD EPYC, Zen 3, AVX2 only); both "
+        "with the floor under any step made of torch's CPU kernels |",
+        "| The same on bench peers' tiny Llama in bf16, where the products are most of a step "
+        "| `python -m benchmarks.step --model tiny-llama --dtype bfloat16 --batches 1,16,64 "
+        "--adapters 0,4 --rank 8 --prompt-len 40` | [step-tiny-llama-bf16-xeon.md]"
+        "(step-tiny-llama-bf16-xeon.md) (Intel Xeon with AMX) |",
+        "| The fastest GEMM per batch size against the peak that bench peers takes as the "
+        "compute ceiling | `python -m benchmarks.roofline --model tiny-llama --dtype bfloat16 "
+        "--threads 1 --rows 1,16,64,256` | printed |",
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
         "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
         "| Interactive TTFT and machine throughput beside a Batch API job | "
