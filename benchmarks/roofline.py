@@ -15,8 +15,8 @@ products (rank 8: well under 1 % of these FLOPs) and the elementwise work (norms
 activations, softmax) are not counted, so the ceiling errs high and achieved figures low.
 
 The peak is the fastest GEMM at any of the measured batch sizes, prefill's included; a decode
-step multiplies only as many rows as it has sequences, which on some CPUs runs far below it
-(AMX most of all). How far, per row count:
+step multiplies only as many rows as it has sequences, and the fewer the rows, the further
+below the peak a GEMM runs (docs/cpu-path.md has figures). How far, per row count:
 
     python -m benchmarks.roofline --model tiny-llama --dtype bfloat16 --threads 1 --rows 16,64,256
 """

@@ -545,7 +545,7 @@ def model_line(report: dict) -> str:
     a = report["args"]
     if a.get("model", "skinny") == "skinny":
         return (f"skinny {a['layers']}-layer Llama (8B layout, tiny widths), one thread, "
-                "rank-16 adapters on all seven projections")  # fmt: skip
+                f"rank-{a.get('rank', 16)} adapters on all seven projections")  # fmt: skip
     return (f"{a['model']} ({a.get('dtype', 'float32')}), one thread, rank-{a['rank']} "
             "adapters on all seven projections")  # fmt: skip
 
@@ -606,9 +606,9 @@ def write_doc(report: dict, results: list[dict], figure: Path | None, path: Path
             "from noise.\n"
         )
     if a.get("model", "skinny") == "skinny":
-        model = """on a model whose compute is negligible:
+        model = f"""on a model whose compute is negligible:
 Llama-3-8B's layout (32 layers, 32 query / 8 KV heads, SwiGLU) at tiny widths (hidden 64,
-head_dim 8, FFN 128, vocab 512, float32)"""
+head_dim 8, FFN 128, vocab 512, {a.get("dtype", "float32")})"""
         target = """Issue 36 asks for ≤ 0.33 in time and ops at batch 64 with 32
   adapters."""
         layers = f" {a['layers']} layers,"

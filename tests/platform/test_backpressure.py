@@ -161,6 +161,34 @@ def _stalled(srv):
     return job, stats
 
 
+def test_open_streams_hold_no_database_connection(server, long_stream):
+    """A stream keeps no pooled connection while it runs, so many long streams cannot exhaust
+    the pool (15 connections by default) and fail everyone else's requests. The streams are
+    unread, so they stay open (paused in the engine) while the pool is looked at, however fast
+    the engine is: in a server with the default buffers a fast engine finishes such streams
+    first, and their usage writes were what the pool showed."""
+    _, key = server.new_tenant("streamer")
+    pool = server.state.sessions.kw["bind"].pool
+    clients = [long_stream(key) for _ in range(8)]
+    # every stream has started: its auth and quota charge (the DB work a request does before
+    # its first byte) are behind it
+    _wait_for(lambda: len(server.state.streams) == 8, 30, "the streams did not start")
+    # Other requests' short DB work may hold one for a moment; streams hold none, so some
+    # moment while all eight are open finds at most one out.
+    seen = []  # (connections out, streams open)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not any(c <= 1 and n == 8 for c, n in seen):
+        seen.append((pool.checkedout(), len(server.state.streams)))
+        time.sleep(0.01)
+    assert any(c <= 1 and n == 8 for c, n in seen), seen
+    for client in clients:  # hung up: the server ends them, and the next test starts clean
+        client.sock.close()
+    _wait_for(lambda: not server.state.streams and not server.state.inflight, STALL_TIMEOUT_S + 10,
+              "the hung-up streams did not end")  # fmt: skip
+    _wait_for(lambda: (lambda s: s.paused == s.running == 0)(server.state.engine.stats()), 10,
+              "the engine still holds them")  # fmt: skip
+
+
 def test_a_stalled_stream_pauses_in_the_engine_and_resumes_when_read(server, long_stream):
     _, key = server.new_tenant("reader")
     generated_before = server.state.engine.stats().generated_tokens
