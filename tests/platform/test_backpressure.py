@@ -169,6 +169,9 @@ def test_open_streams_hold_no_database_connection(server, long_stream):
     first, and their usage writes were what the pool showed."""
     _, key = server.new_tenant("streamer")
     pool = server.state.sessions.kw["bind"].pool
+    # an earlier test's stream may still be ending (its usage write): start from none
+    _wait_for(lambda: not server.state.streams and not server.state.inflight, STALL_TIMEOUT_S + 10,
+              "an earlier stream did not end")  # fmt: skip
     clients = [long_stream(key) for _ in range(8)]
     # every stream has started: its auth and quota charge (the DB work a request does before
     # its first byte) are behind it
