@@ -286,10 +286,9 @@ def kernel_floor(spec, batch: int, adapter_paths: list[str], context: int, dtype
     and the base model's four products (q|k|v, o, gate|up, down); once a step the LM head
     (each product in the fastest of torch's forms here: `_product_ms`); the adapters' A and B
     as PEFT stores them (no zeros), read once at the core's bandwidth (`read_gbps`, from
-    `read_bandwidth`) and not multiplied. Left out as free:
-    norms, RoPE, SiLU, residual adds, the KV write and gathers, sampling, the engine's Python,
-    torch's dispatch. Every real step does more, so a target below this floor cannot be met
-    with these kernels."""
+    `read_bandwidth`) and not multiplied. Left out as free: norms, RoPE, SiLU, residual adds,
+    the KV write and gathers, sampling, the engine's Python, torch's dispatch. Every real
+    step does more, so a target below this floor cannot be met with these kernels."""
     import torch
     import torch.nn.functional as F
 
@@ -543,11 +542,12 @@ def table(results: list[dict]) -> str:
 def model_line(report: dict) -> str:
     """The figure's title: which model, at what widths, in which dtype."""
     a = report["args"]
-    if a.get("model", "skinny") == "skinny":
-        return (f"skinny {a['layers']}-layer Llama (8B layout, tiny widths), one thread, "
-                f"rank-{a.get('rank', 16)} adapters on all seven projections")  # fmt: skip
-    return (f"{a['model']} ({a.get('dtype', 'float32')}), one thread, rank-{a['rank']} "
-            "adapters on all seven projections")  # fmt: skip
+    model = a.get("model", "skinny")
+    if model == "skinny":
+        model = f"skinny {a['layers']}-layer Llama (8B layout, tiny widths)"
+    else:
+        model += f" ({a.get('dtype', 'float32')})"
+    return f"{model}, one thread, rank-{a.get('rank', 16)} adapters on all seven projections"
 
 
 def draw(results: list[dict], trees: list[dict], title: str, path: Path) -> bool:

@@ -170,8 +170,8 @@ def test_open_streams_hold_no_database_connection(server, long_stream):
     _, key = server.new_tenant("streamer")
     pool = server.state.sessions.kw["bind"].pool
     # an earlier test's stream may still be ending (its usage write): start from none
-    _wait_for(lambda: not server.state.streams and not server.state.inflight, STALL_TIMEOUT_S + 10,
-              "an earlier stream did not end")  # fmt: skip
+    idle = lambda: not server.state.streams and not server.state.inflight  # noqa: E731
+    _wait_for(idle, STALL_TIMEOUT_S + 10, "an earlier stream did not end")
     clients = [long_stream(key) for _ in range(8)]
     # every stream has started: its auth and quota charge (the DB work a request does before
     # its first byte) are behind it
@@ -186,8 +186,7 @@ def test_open_streams_hold_no_database_connection(server, long_stream):
     assert any(c <= 1 and n == 8 for c, n in seen), seen
     for client in clients:  # hung up: the server ends them, and the next test starts clean
         client.sock.close()
-    _wait_for(lambda: not server.state.streams and not server.state.inflight, STALL_TIMEOUT_S + 10,
-              "the hung-up streams did not end")  # fmt: skip
+    _wait_for(idle, STALL_TIMEOUT_S + 10, "the hung-up streams did not end")
     _wait_for(lambda: (lambda s: s.paused == s.running == 0)(server.state.engine.stats()), 10,
               "the engine still holds them")  # fmt: skip
 
