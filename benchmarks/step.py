@@ -34,7 +34,11 @@ run under torch.profiler (CPU) and its aten events are counted per step: every d
 op (nested ones included), the same without pure view ops (ops whose schema says the result
 aliases an input: view, reshape, transpose, select, slice, expand, ...; when one of them has to
 copy, the copy is its own op and still counts), and the top-level ones (not called from inside
-another aten op).
+another aten op). Then `--sample-steps` more steps run while py-spy (`--native`, at
+`--sample-rate` per second) samples the worker's stacks, which it does at no cost per op: each
+sample inside `LLMEngine.step` is in torch's kernels, in torch's dispatch and bindings, or in
+the engine's Python (`classify_stack`), so the page can say how much of a step the kernels
+alone take.
 
 The current tree's subprocess also measures a floor under any step built from torch's CPU
 kernels at the same shapes (`kernel_floor`: attention's and the base model's products alone,
@@ -53,6 +57,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -345,6 +350,78 @@ def time_split(events, steps: int, top: int = 8) -> dict:
     return {"aten_ms": total, "top": [(name, ms / steps) for name, ms in ranked]}
 
 
+# Native frames that are torch's kernels (ATen's CPU implementations, and MKL, oneDNN and
+# SLEEF under them): a sample with one of these below its innermost Python frame is time in a
+# kernel; other native frames there are torch's dispatch and its Python bindings.
+KERNEL_FRAME = re.compile(r"at::native::|at::internal::|at::vec::|cpublas|mkl_|dnnl|sleef|gemm")
+PY_FRAME = re.compile(r"\.py:\d+\)$")
+STEP_FRAME = "LLMEngine.step ("
+SAMPLE_KINDS = ("kernels", "dispatch", "python")
+
+
+def classify_stack(frames: list[str]) -> str:
+    """One py-spy --native sample (outermost frame first): in torch's kernels, in torch's
+    dispatch and bindings, or in the Python interpreter (the engine's own code)."""
+    py = [i for i, f in enumerate(frames) if PY_FRAME.search(f)]
+    below = frames[py[-1] + 1 :] if py else frames
+    if all("libpython" in f for f in below):
+        return "python"
+    if any(KERNEL_FRAME.search(f) for f in below):
+        return "kernels"
+    return "dispatch"
+
+
+def split_samples(raw: str) -> dict[str, int]:
+    """Counts per kind of py-spy's raw output (`frame;frame;... count` per line), only the
+    samples taken inside `LLMEngine.step` (not the idle threads nor the benchmark's loop)."""
+    counts = dict.fromkeys(SAMPLE_KINDS, 0)
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        if n.isdigit() and any(f.startswith(STEP_FRAME) for f in frames):
+            counts[classify_stack(frames)] += int(n)
+    return counts
+
+
+def sample_steps(step, steps: int, rate: int) -> dict | None:
+    """Run `steps` engine steps while py-spy samples this process's native and Python stacks:
+    the share of the step spent in torch's kernels, in torch's dispatch and bindings, and in
+    the engine's Python, without the per-op cost torch.profiler adds. py-spy pauses the
+    process to read each sample, and code resumed after a pause runs colder, so a high rate
+    inflates the host's share: the default rate is low and the steps many."""
+    if steps <= 0:
+        return None
+    local = Path(sys.executable).with_name("py-spy")
+    exe = str(local) if local.exists() else shutil.which("py-spy")
+    if exe is None:
+        return {"error": "py-spy not found (pip install py-spy)"}
+    with tempfile.TemporaryDirectory(prefix="step-spy-") as tmp:
+        out = Path(tmp) / "samples.txt"
+        cmd = [exe, "record", "--pid", str(os.getpid()), "--native", "--rate", str(rate),
+               "--format", "raw", "--output", str(out), "--duration", "600"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        time.sleep(1.0)  # attached by then; samples outside LLMEngine.step are not counted
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - start
+        proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return {"error": "py-spy did not exit"}
+        if not out.exists():
+            return {"error": "py-spy wrote nothing: " + (err or "").strip()[-300:]}
+        counts = split_samples(out.read_text())
+    total = sum(counts.values())
+    if not total:
+        return {"error": "no sample inside LLMEngine.step"}
+    return {"samples": total, "rate": rate, "sampled_ms_per_step": elapsed * 1e3 / steps,
+            "shares": {k: v / total for k, v in counts.items()}}  # fmt: skip
+
+
 # ---------------------------------------------------------------- the worker (one subprocess)
 
 
@@ -375,7 +452,8 @@ def worker(cfg: dict) -> dict:
     if not imported.startswith(str(Path(cfg["root"]).resolve()) + os.sep):
         raise RuntimeError(f"imported loraplex.engine from {imported}, not {cfg['root']}")
     batch = cfg["batch"]
-    steps_needed = cfg["warmup"] + cfg["repeats"] * cfg["steps"] + cfg["profile_steps"]
+    timed = cfg["repeats"] * cfg["steps"]
+    steps_needed = cfg["warmup"] + timed + cfg["profile_steps"] + cfg.get("sample_steps", 0)
     prompt_len = cfg["prompt_len"]
     options = dict(dtype=cfg.get("dtype", "float32"), device="cpu", max_loras=SLOTS,
                    max_lora_rank=cfg["rank"],
@@ -431,6 +509,7 @@ def worker(cfg: dict) -> dict:
     profiled_ms = (time.perf_counter() - start) * 1e3 / cfg["profile_steps"]
     counts = count_ops(prof.events())
     time_by_op = time_split(prof.events(), cfg["profile_steps"])
+    sampled = sample_steps(step, cfg.get("sample_steps", 0), cfg.get("sample_rate", 50))
     gbps = read_bandwidth()
     floor = None
     if cfg.get("floor"):  # at the timed steps' middle context (prompt, first token, steps)
@@ -449,6 +528,7 @@ def worker(cfg: dict) -> dict:
         "ops_per_step": {k: v / cfg["profile_steps"] for k, v in counts.items()},
         "profiled_ms_per_step": profiled_ms,
         "time_by_op": time_by_op,
+        "sampled": sampled,
         "dropped_options": dropped,
         "lora_stack_bytes": lora_stack_bytes(engine.model) if cfg["adapter_paths"] else 0,
         "read_gbps": gbps,
@@ -620,6 +700,11 @@ hidden {m.get("hidden_size")}, {m.get("num_attention_heads")} query /
 {m.get("vocab_size")}), {a.get("dtype", "float32")}, where the products are most of a step"""
         target = "The floor below says how much of a step torch's kernels leave to the rest."
         layers = ""
+    sampled = (
+        f", then {a['sample_steps']} steps sampled by py-spy at {a['sample_rate']} Hz"
+        if a.get("sample_steps")
+        else ""
+    )
     text = f"""# Host overhead per decode step (issue 36)
 
 Host time and aten ops per decode step of the engine {model}. Every row decodes; row i uses
@@ -637,7 +722,7 @@ Command: `{report["command"]}`
 - torch {report["torch"]}, Python {report["python"]}, {report["date"]}
 - Per subprocess: prompts of {a["prompt_len"]} tokens prefilled, {a["warmup"]} warm-up decode
   steps, {a["repeats"]} rounds of {a["steps"]} timed `LLMEngine.step()` calls, then
-  {a["profile_steps"]} steps under torch.profiler for the op counts;{layers}
+  {a["profile_steps"]} steps under torch.profiler for the op counts{sampled};{layers}
   cpu_attention={a["cpu_attention"]}. Wall ms and CPU ms (the process's CPU time, which
   leaves out the time other processes held the core) are each the median of the rounds'
   medians; on a shared machine CPU ms is the steadier measure of host work.
@@ -695,7 +780,52 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
         top = ", ".join(f"{n.removeprefix('aten::')} {ms:.1f}" for n, ms in split["top"][:6])
         lines.append(f"| {t['label']} | {step_ms:.1f} | {aten:.1f} ({aten / step_ms:.0%}) | "
                      f"{step_ms - aten:.1f} ({1 - aten / step_ms:.0%}) | {top} |")  # fmt: skip
-    return "\n".join(lines) + "\n" + floor
+    return "\n".join(lines) + "\n" + sampled_section(big, trees) + floor
+
+
+def sampled_section(big: dict, trees: list[dict]) -> str:
+    """The same configuration sampled by py-spy: each tree's step split into torch's kernels,
+    torch's dispatch and the engine's Python, in shares and in ms of the timed step."""
+    got = [(t["label"], big.get(t["label"], {})) for t in trees]
+    got = [(label, res) for label, res in got if (res.get("sampled") or {}).get("shares")]
+    if not got:
+        return ""
+    lines = [
+        "",
+        "The same configuration sampled by py-spy (`--native`, "
+        f"{got[0][1]['sampled']['rate']} Hz, the worker's own stacks, only samples inside "
+        "`LLMEngine.step`), which costs nothing per op: a sample is in torch's kernels when "
+        "ATen's CPU code (or MKL, oneDNN, SLEEF under it) is below its innermost Python frame, "
+        "in torch's dispatch when other native code is (argument parsing, the dispatcher, "
+        "tensor wrapping), else in the engine's Python. ms = share × the timed wall ms/step "
+        "above. py-spy pauses the process for each sample and the code resumed after a pause "
+        "runs colder, so the sampled steps run slower and a higher rate inflates the host's "
+        "share (`--sample-rate`; the lowest rate that gives a few hundred samples is the "
+        "truest).",
+        "",
+        "| tree | samples | kernels | torch's dispatch | Python |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, res in got:
+        shares, ms = res["sampled"]["shares"], res["ms_per_step"]
+        cells = " | ".join(f"{shares[k] * ms:.1f} ms ({shares[k]:.0%})" for k in SAMPLE_KINDS)
+        lines.append(f"| {label} | {res['sampled']['samples']} | {cells} |")
+    res = dict(got).get("current")
+    base = (big.get("baseline") or {}).get("ms_per_step")
+    if res and base:
+        kernels = res["sampled"]["shares"]["kernels"] * res["ms_per_step"]
+        lines += [
+            "",
+            f"The current tree's kernels alone take about {kernels:.1f} ms of its step, "
+            f"{kernels / base:.2f} of the baseline's whole step: "
+            + (
+                "more than a third, so in these kernels' forms no host work, however small, "
+                "brings the step to a third of the baseline's."
+                if kernels > base / 3
+                else "under a third, so the rest of the step is what stands above it."
+            ),
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def floor_section(results: list[dict]) -> str:
@@ -789,6 +919,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per subprocess")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per round")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--sample-steps", type=int, default=150,
+                    help="steps sampled by py-spy for the kernels / dispatch / Python split "
+                         "(0: none)")  # fmt: skip
+    ap.add_argument("--sample-rate", type=int, default=50, help="py-spy samples per second")
     ap.add_argument("--cpu-attention", default="sdpa",
                     help="EngineConfig.cpu_attention, the same for both trees (default "
                          "%(default)s: 'auto' times both forms at start and may pick "
@@ -858,7 +992,8 @@ def main(argv: list[str] | None = None) -> None:
                            adapter_paths=[str(p) for p in adapter_paths[:n]], rank=args.rank,
                            prompt_len=args.prompt_len, warmup=args.warmup,
                            repeats=args.repeats, steps=args.steps,
-                           profile_steps=args.profile_steps,
+                           profile_steps=args.profile_steps, sample_steps=args.sample_steps,
+                           sample_rate=args.sample_rate,
                            cpu_attention=args.cpu_attention, dtype=args.dtype,
                            floor=tree.label == "current")  # fmt: skip
                 res = run_worker(cfg, tree.shim, args.timeout)

@@ -83,7 +83,7 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
         cfg = dict(root=str(root), model=str(model), batch=3, adapters=1,
                    adapter_paths=[str(p) for p in adapters], rank=4, prompt_len=4, warmup=1,
                    repeats=2, steps=2, profile_steps=1, cpu_attention="sdpa",
-                   floor=True)  # fmt: skip
+                   floor=True, sample_steps=50, sample_rate=200)  # fmt: skip
         res = good = step.run_worker(cfg, shim, timeout=120)
         assert "error" not in res, res.get("error")
         assert res["imported_from"].startswith(str(root.resolve()))
@@ -96,6 +96,11 @@ def test_baseline_tree_is_imported_from_its_archive_not_this_checkout(assets, tm
         assert ops["aten"] > ops["aten_no_view"] > 50 and ops["aten"] >= ops["aten_top"] > 0
         # the kernel floor at the timed steps' middle context: prompt 4, its token, 1 + 4 / 2
         assert res["floor"]["context"] == 8 and 0 < res["floor"]["floor_ms"] < res["ms_per_step"]
+        # py-spy (installed with the test extras) sampled the worker's own steps
+        sampled = res["sampled"]
+        assert "error" not in sampled, sampled
+        assert sampled["samples"] > 0 and sum(sampled["shares"].values()) == pytest.approx(1)
+        assert sampled["shares"]["kernels"] > 0  # a step's matmuls are kernels, whatever else
     assert not root.exists()  # the archive's folder is removed after the run
 
     # A worker pointed at a tree it does not import from refuses to report.
@@ -196,3 +201,27 @@ def test_kernel_floor_sums_its_parts_and_counts_only_the_adapters_rows_use(asset
     results[0]["baseline"] = {"ms_per_step": 2 * fl["floor_ms"]}
     assert "0.50 of the baseline's step, so no step" in step.floor_section(results)
     assert step.floor_section([{"batch": 1, "adapters": 0, "current": {"error": "x"}}]) == ""
+
+
+def test_py_spy_samples_are_split_into_kernels_dispatch_and_python():
+    step_frames = "<module> (bench.py:3);LLMEngine.step (engine/llm_engine.py:396);fwd (x.py:9)"
+    raw = "\n".join(
+        [
+            # a kernel under torch's dispatch under the engine's Python
+            f"{step_frames};THPVariable_bmm (libtorch_python.so);"
+            "at::native::bmm_out_cpu (libtorch_cpu.so);mkl_blas_sgemm (libtorch_cpu.so) 7",
+            # argument parsing: native, but no kernel below the Python frame
+            f"{step_frames};torch::FunctionSignature::parse (libtorch_python.so) 2",
+            # the interpreter itself
+            f"{step_frames} 3",
+            f"{step_frames};_PyEval_EvalFrameDefault (libpython3.11.so.1.0) 1",
+            # a kernel frame above the innermost Python frame does not make it a kernel sample
+            "at::native::foo (libtorch_cpu.so);LLMEngine.step (engine/llm_engine.py:1);"
+            "g (y.py:2);c10::Dispatcher::call (libtorch_cpu.so) 4",
+            # outside LLMEngine.step (an idle thread, the benchmark's loop): not counted
+            "_worker (concurrent/futures/thread.py:81);PyThread_acquire_lock_timed (libpython.so) 50",
+            "<module> (bench.py:3);at::native::add (libtorch_cpu.so) 9",
+            "",
+        ]
+    )
+    assert step.split_samples(raw) == {"kernels": 7, "dispatch": 6, "python": 4}
