@@ -12,6 +12,7 @@ choices in the code"): the figures once written in comments, measured again on t
     python -m benchmarks.cpu_micro packing         # engine/models/packing.py
     python -m benchmarks.cpu_micro half-matmul     # engine/config.py cpu_has_native_half
     python -m benchmarks.cpu_micro key-hash        # platform/security.py
+    python -m benchmarks.cpu_micro expand          # kernels/cpu.py lora_apply's batched expand
     python -m benchmarks.cpu_micro all --threads 1
 
 Each figure is the median of `--repeats` timed calls after a warm-up call, in milliseconds.
@@ -221,6 +222,71 @@ def key_hash(repeats: int) -> list[str]:
     return [f"sha256 {fast * 1000:.1f} us, scrypt {slow:.1f} ms"]
 
 
+def expand(repeats: int) -> list[str]:
+    """The LoRA expand of a decode step at batch 64 with 32 adapters (two rows per slot) on
+    `python -m benchmarks.step`'s skinny 32-layer model, in torch's forms: each layer's four
+    B stacks as the engine holds them ([slots, width, out]; the fused q|k|v and gate|up keep
+    each slice's rows in the whole output's columns, zeros elsewhere), 32 layers of them so
+    that they come from memory as in a step. `baddbmm_` is what `lora_apply` runs; the sum
+    of the same bytes is what reading them costs at this core's bandwidth; the last form is
+    inductor's generated C++ for the mul + sum (built on first use)."""
+    import torch.nn.functional as F
+
+    slots, rows, layers = 32, 2, 32
+    shapes = ((48, 384), (16, 64), (32, 256), (16, 64))  # qkv, o, gate_up, down: width, out
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape, gen=gen, dtype=dtype):
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        stacks = [[rand(slots, w, o) for w, o in shapes] for _ in range(layers)]
+        xs = [[rand(slots, rows, w) for w, _ in shapes] for _ in range(layers)]
+        ys = [[rand(slots, rows, o) for _, o in shapes] for _ in range(layers)]
+        index = {w: torch.arange(slots * w).view(slots, 1, w).expand(slots, rows, w)
+                 .reshape(-1, w) for w, _ in shapes}  # fmt: skip
+
+        def over_step(form, stacks=stacks, xs=xs, ys=ys):
+            def run():
+                for bs, ts, outs in zip(stacks, xs, ys, strict=True):
+                    for b, t, y in zip(bs, ts, outs, strict=True):
+                        form(y, t, b)
+
+            return run
+
+        def bag(y, t, b, index=index):
+            s, w, o = b.shape
+            y.view(-1, o).add_(F.embedding_bag(index[w], b.view(-1, o), mode="sum",
+                                               per_sample_weights=t.reshape(-1, w)))  # fmt: skip
+
+        forms = {
+            "baddbmm_ (the engine's)": lambda y, t, b: y.baddbmm_(t, b),
+            "bmm + add_": lambda y, t, b: y.add_(torch.bmm(t, b)),
+            "mul + sum": lambda y, t, b: y.add_((t.unsqueeze(-1) * b.unsqueeze(1)).sum(2)),
+            "embedding_bag": bag,
+        }
+
+        def mul_sum(y, t, b):
+            y += (t.unsqueeze(-1) * b.unsqueeze(1)).sum(2)
+
+        try:  # inductor's C++ for the same product: needs a C++ compiler, seconds to build
+            compiled = torch.compile(mul_sum, dynamic=True)
+            over_step(compiled)()
+            forms["mul + sum, torch.compile"] = compiled
+        except Exception as e:  # noqa: BLE001 - reported, the other forms still run
+            lines.append(f"torch.compile failed: {type(e).__name__}: {e}"[:200])
+        whole = torch.cat([b.reshape(-1) for bs in stacks for b in bs])
+        read = _ms(whole.sum, repeats)
+        name = str(dtype).removeprefix("torch.")
+        lines.append(f"{name}: B stacks {whole.nbytes / 1e6:.0f} MB a step, read by torch.sum "
+                     f"in {read:.2f} ms ({whole.nbytes / read / 1e6:.1f} GB/s)")  # fmt: skip
+        for label, form in forms.items():
+            ms = _ms(over_step(form), repeats)
+            lines.append(f"  {label:24s} {ms:6.2f} ms a step ({read / ms:.0%} of the read rate)")
+    return lines
+
+
 MEASURES = {
     "argmax": argmax,
     "topk": topk,
@@ -233,6 +299,7 @@ MEASURES = {
     "packing": packing,
     "half-matmul": half_matmul,
     "key-hash": key_hash,
+    "expand": expand,
 }
 
 

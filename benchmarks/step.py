@@ -36,9 +36,9 @@ aliases an input: view, reshape, transpose, select, slice, expand, ...; when one
 copy, the copy is its own op and still counts), and the top-level ones (not called from inside
 another aten op). Then `--sample-steps` more steps run while py-spy (`--native`, at
 `--sample-rate` per second) samples the worker's stacks, which it does at no cost per op: each
-sample inside `LLMEngine.step` is in torch's kernels, in torch's dispatch and bindings, or in
-the engine's Python (`classify_stack`), so the page can say how much of a step the kernels
-alone take.
+sample inside `LLMEngine.step` is inside an ATen op, in torch's dispatch and bindings, or in
+the engine's Python (`classify_stack`), so the page can say how much of a step the ops
+themselves take, whatever the host does around them.
 
 The current tree's subprocess also measures a floor under any step built from torch's CPU
 kernels at the same shapes (`kernel_floor`: attention's and the base model's products alone,
@@ -350,9 +350,9 @@ def time_split(events, steps: int, top: int = 8) -> dict:
     return {"aten_ms": total, "top": [(name, ms / steps) for name, ms in ranked]}
 
 
-# Native frames that are torch's kernels (ATen's CPU implementations, and MKL, oneDNN and
-# SLEEF under them): a sample with one of these below its innermost Python frame is time in a
-# kernel; other native frames there are torch's dispatch and its Python bindings.
+# Native frames of ATen's CPU implementations (and MKL, oneDNN and SLEEF under them): a sample
+# with one of these below its innermost Python frame is time inside an op (its kernel and its
+# own per-call C++); other native frames there are torch's dispatch and its Python bindings.
 KERNEL_FRAME = re.compile(r"at::native::|at::internal::|at::vec::|cpublas|mkl_|dnnl|sleef|gemm")
 PY_FRAME = re.compile(r"\.py:\d+\)$")
 STEP_FRAME = "LLMEngine.step ("
@@ -360,8 +360,9 @@ SAMPLE_KINDS = ("kernels", "dispatch", "python")
 
 
 def classify_stack(frames: list[str]) -> str:
-    """One py-spy --native sample (outermost frame first): in torch's kernels, in torch's
-    dispatch and bindings, or in the Python interpreter (the engine's own code)."""
+    """One py-spy --native sample (outermost frame first): inside an ATen op's CPU code (its
+    kernel and its own per-call C++), in torch's dispatch and bindings, or in the Python
+    interpreter (the engine's own code)."""
     py = [i for i, f in enumerate(frames) if PY_FRAME.search(f)]
     below = frames[py[-1] + 1 :] if py else frames
     if all("libpython" in f for f in below):
@@ -385,7 +386,7 @@ def split_samples(raw: str) -> dict[str, int]:
 
 def sample_steps(step, steps: int, rate: int) -> dict | None:
     """Run `steps` engine steps while py-spy samples this process's native and Python stacks:
-    the share of the step spent in torch's kernels, in torch's dispatch and bindings, and in
+    the share of the step spent inside ATen ops, in torch's dispatch and bindings, and in
     the engine's Python, without the per-op cost torch.profiler adds. py-spy pauses the
     process to read each sample, and code resumed after a pause runs colder, so a high rate
     inflates the host's share: the default rate is low and the steps many."""
@@ -794,16 +795,18 @@ def sampled_section(big: dict, trees: list[dict]) -> str:
         "",
         "The same configuration sampled by py-spy (`--native`, "
         f"{got[0][1]['sampled']['rate']} Hz, the worker's own stacks, only samples inside "
-        "`LLMEngine.step`), which costs nothing per op: a sample is in torch's kernels when "
-        "ATen's CPU code (or MKL, oneDNN, SLEEF under it) is below its innermost Python frame, "
-        "in torch's dispatch when other native code is (argument parsing, the dispatcher, "
-        "tensor wrapping), else in the engine's Python. ms = share × the timed wall ms/step "
+        "`LLMEngine.step`), which costs nothing per op: a sample is inside an ATen op when "
+        "ATen's CPU code (or MKL, oneDNN, SLEEF under it) is below its innermost Python frame: "
+        "the op's arithmetic and its own per-call C++ (TensorIterator, the output's "
+        "allocation); in torch's dispatch when other native code is (argument parsing, the "
+        "dispatcher, tensor wrapping); else in the engine's Python. ms = share × the timed "
+        "wall ms/step "
         "above. py-spy pauses the process for each sample and the code resumed after a pause "
         "runs colder, so the sampled steps run slower and a higher rate inflates the host's "
         "share (`--sample-rate`; the lowest rate that gives a few hundred samples is the "
         "truest).",
         "",
-        "| tree | samples | kernels | torch's dispatch | Python |",
+        "| tree | samples | inside ATen ops | torch's dispatch | Python |",
         "|---|---:|---:|---:|---:|",
     ]
     for label, res in got:
@@ -816,11 +819,12 @@ def sampled_section(big: dict, trees: list[dict]) -> str:
         kernels = res["sampled"]["shares"]["kernels"] * res["ms_per_step"]
         lines += [
             "",
-            f"The current tree's kernels alone take about {kernels:.1f} ms of its step, "
-            f"{kernels / base:.2f} of the baseline's whole step: "
+            f"The current tree's time inside ATen ops alone is about {kernels:.1f} ms of its "
+            f"step, {kernels / base:.2f} of the baseline's whole step: "
             + (
-                "more than a third, so in these kernels' forms no host work, however small, "
-                "brings the step to a third of the baseline's."
+                "more than a third, so with torch's CPU ops in these forms no host work, "
+                "however small, brings the step to a third of the baseline's; only faster ops "
+                "would."
                 if kernels > base / 3
                 else "under a third, so the rest of the step is what stands above it."
             ),
