@@ -531,6 +531,14 @@ CODE_FIGURES = [  # code, what was measured, the figure when the choice was made
      "the server's wake-ups per engine step message on a tiny model (~1 ms steps)",
      "10–15 % of the engine's speed (docs/cpu-path.md)",
      "`python -m benchmarks.long_outputs --cases issue --repeats 3`"),
+    ("kernels/cpu.py `lora_apply` (batched expand)",
+     "the LoRA expand of a decode step at batch 64 with 32 adapters on `bench step`'s skinny "
+     "model, a step's B stacks from memory: `baddbmm_` vs `bmm` + `add_`, mul + sum, "
+     "`F.embedding_bag`, inductor's C++ for the mul + sum",
+     "float32 (2-core Zen 4): 16.4 / 17.2 / 17.0 / 12.1 / 18.5 ms against 3.95 ms to read the "
+     "117 MB; bf16: 13.1 / 13.0 / 19.3 / 6.4 / 13.5 ms against 1.90 (docs/cpu-path.md: why "
+     "`baddbmm_` stays)",
+     "`python -m benchmarks.cpu_micro expand --threads 1`"),
     ("kernels/reference.py `gather_kv`",
      "whole KV blocks by `index_select` vs advanced indexing",
      "~2.3× faster (docs/cpu-path.md)",
