@@ -219,7 +219,8 @@ def test_py_spy_samples_are_split_into_kernels_dispatch_and_python():
             "at::native::foo (libtorch_cpu.so);LLMEngine.step (engine/llm_engine.py:1);"
             "g (y.py:2);c10::Dispatcher::call (libtorch_cpu.so) 4",
             # outside LLMEngine.step (an idle thread, the benchmark's loop): not counted
-            "_worker (concurrent/futures/thread.py:81);PyThread_acquire_lock_timed (libpython.so) 50",
+            "_worker (concurrent/futures/thread.py:81);"
+            "PyThread_acquire_lock_timed (libpython.so) 50",
             "<module> (bench.py:3);at::native::add (libtorch_cpu.so) 9",
             "",
         ]
