@@ -790,8 +790,9 @@ def time_section(results: list[dict], trees: list[dict]) -> str:
 
 
 def sampled_section(big: dict, trees: list[dict]) -> str:
-    """The same configuration sampled by py-spy: each tree's step split into torch's kernels,
-    torch's dispatch and the engine's Python, in shares and in ms of the timed step."""
+    """The same configuration sampled by py-spy: each tree's step split into time inside ATen
+    ops ("kernels": their arithmetic and per-call C++), torch's dispatch and the engine's
+    Python, in shares and in ms of the timed step."""
     got = [(t["label"], big.get(t["label"], {})) for t in trees]
     got = [(label, res) for label, res in got if (res.get("sampled") or {}).get("shares")]
     if not got:
@@ -805,8 +806,7 @@ def sampled_section(big: dict, trees: list[dict]) -> str:
         "the op's arithmetic and its own per-call C++ (TensorIterator, the output's "
         "allocation); in torch's dispatch when other native code is (argument parsing, the "
         "dispatcher, tensor wrapping); else in the engine's Python. ms = share × the timed "
-        "wall ms/step "
-        "above. py-spy pauses the process for each sample and the code resumed after a pause "
+        "wall ms/step above. py-spy pauses the process for each sample and the code resumed after a pause "
         "runs colder, so the sampled steps run slower and a higher rate inflates the host's "
         "share (`--sample-rate`; the lowest rate that gives a few hundred samples is the "
         "truest).",
