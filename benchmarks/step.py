@@ -806,10 +806,10 @@ def sampled_section(big: dict, trees: list[dict]) -> str:
         "the op's arithmetic and its own per-call C++ (TensorIterator, the output's "
         "allocation); in torch's dispatch when other native code is (argument parsing, the "
         "dispatcher, tensor wrapping); else in the engine's Python. ms = share × the timed "
-        "wall ms/step above. py-spy pauses the process for each sample and the code resumed after a pause "
-        "runs colder, so the sampled steps run slower and a higher rate inflates the host's "
-        "share (`--sample-rate`; the lowest rate that gives a few hundred samples is the "
-        "truest).",
+        "wall ms/step above. py-spy pauses the process for each sample and the code resumed "
+        "after a pause runs colder, so the sampled steps run slower and a higher rate "
+        "inflates the host's share (`--sample-rate`; the lowest rate that gives a few hundred "
+        "samples is the truest).",
         "",
         "| tree | samples | inside ATen ops | torch's dispatch | Python |",
         "|---|---:|---:|---:|---:|",
