@@ -475,6 +475,9 @@ class _Dense:
     mask: torch.Tensor
     run: tuple[int, int] | None  # slots are run[0], .., run[1] - 1: a view of the stacks
     zero: torch.Tensor  # a 0-dim zero for the select (none made per call)
+    # The group's one slot when every row of [lo, hi) uses it (a batch of one, or rows all on
+    # one adapter): its own A and B multiply directly, with no select and no stacking.
+    only: int | None = None
 
     @property
     def from_zero(self) -> bool:
@@ -493,9 +496,10 @@ def _dense(segs: list[tuple[int, int, int]], width: int, device: torch.device) -
         owner[s - lo : e - lo] = col[slot]
     mask = owner.unsqueeze(1) == torch.arange(len(slots)).repeat_interleave(width)
     consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    only = slots[0] if len(slots) == 1 and bool((owner >= 0).all()) else None
     return _Dense(lo, hi, torch.tensor(slots, device=device), mask.to(device),
                   run=(slots[0], slots[0] + len(slots)) if consecutive else None,
-                  zero=torch.zeros((), device=device))  # fmt: skip
+                  zero=torch.zeros((), device=device), only=only)  # fmt: skip
 
 
 def plan_lora(
@@ -615,6 +619,14 @@ def lora_apply(
         if isinstance(index, _Dense):
             whole = index.lo == 0 and index.hi == x.shape[0]
             xs, ys = (x, y) if whole else (x[index.lo : index.hi], y[index.lo : index.hi])
+            if index.only is not None:  # x A^T from A^T's view when the caller keeps it
+                slot, full = index.only, width == lora_a.shape[1]
+                if lora_a_t is not None:
+                    t = xs.mm(lora_a_t[slot] if full else lora_a_t[slot, :, :width])
+                else:
+                    t = F.linear(xs, lora_a[slot] if full else lora_a[slot, :width])
+                ys.addmm_(t, lora_b[slot] if full else lora_b[slot, :width])
+                continue
             t = F.linear(xs, _stacked(lora_a, index, width))
             ys.addmm_(torch.where(index.mask, t, index.zero), _stacked(lora_b, index, width))
             continue

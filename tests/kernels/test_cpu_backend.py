@@ -314,6 +314,29 @@ def test_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
     torch.testing.assert_close(dense, _plain(y, x, a, b, segments, widths))
 
 
+@pytest.mark.parametrize("width", [8, 4], ids=["full-width", "narrower"])
+def test_one_adapter_on_every_row_multiplies_its_own_weights(width):
+    """A group whose rows all use one slot (a batch of one, or rows all on one adapter) runs
+    that slot's A and B directly, with no select; rows of no adapter between two segments of
+    the slot keep the select (they must stay untouched). NaN past the width and in the spare
+    slot, which nobody may read."""
+    gen = torch.Generator().manual_seed(9)
+    a, b, widths = slot_weights([8, width], 64, QKV, 3, 8, torch.float32, "cpu", gen)
+    x = torch.randn(7, 64, generator=gen)
+    y = torch.randn(7, sum(QKV), generator=gen)
+    for segments, only in (([(0, 7, 1)], 1), ([(0, 1, -1), (1, 7, 1)], 1),
+                           ([(0, 3, 1), (3, 4, -1), (4, 7, 1)], None)):  # fmt: skip
+        [(_, _, index)] = cpu.plan_lora(segments, widths, x.device)
+        assert isinstance(index, cpu._Dense) and index.only == only
+        for a_t in (None, a.mT):  # the engine's modules pass A^T's view
+            out = y.clone()
+            cpu.lora_apply(out, x, a, b, segments, widths, lora_a_t=a_t)
+            assert out.isfinite().all()
+            torch.testing.assert_close(out, _plain(y, x, a, b, segments, widths))
+            for s, e, slot in segments:
+                assert torch.equal(out[s:e], y[s:e]) == (slot < 0)
+
+
 def test_dense_run_keeps_rows_apart_when_another_adapter_overflows():
     """In float16, row 0's input times adapter 1's A overflows to inf. Row 0 uses adapter 0
     and row 1 adapter 1: the dense run selects (not multiplies) each row's own columns, so
