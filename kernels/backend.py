@@ -110,12 +110,14 @@ class KernelBackend:
         return out
 
     def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None,
-                   lora_a_t=None) -> None:  # fmt: skip
+                   lora_a_t=None, slot_views=None) -> None:  # fmt: skip
         """y += each segment's LoRA delta. `lora_a_t`: lora_a.mT made once by the caller (the
-        CPU's batched shrink reads it)."""
+        CPU's batched shrink reads it); `slot_views`: lora_a_t's and lora_b's views slot by
+        slot, made once by the caller (the CPU's one-adapter groups read them)."""
         which = self.which(x)
         if which == "cpu":
-            cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan, lora_a_t=lora_a_t)
+            cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan, lora_a_t=lora_a_t,
+                           slot_views=slot_views)  # fmt: skip
         elif which == "triton":
             _triton("sgmv").lora_apply(y, x, lora_a, lora_b, segments, widths, meta=plan)
         else:

@@ -596,9 +596,12 @@ def lora_apply(
     *,
     plan: list | None = None,
     lora_a_t: torch.Tensor | None = None,
+    slot_views: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
 ) -> None:
     """`reference.lora_apply`: y += per-segment LoRA delta (shrink then expand). `lora_a_t`:
-    lora_a.mT, if the caller keeps it (one view fewer per call).
+    lora_a.mT, if the caller keeps it (one view fewer per call); `slot_views`: lora_a_t[s]
+    and lora_b[s] for every slot s, if the caller keeps them (a group of rows on one adapter
+    then selects nothing).
 
     Segments are taken in groups of one width. A group of few adapters runs dense
     (`DENSE_MAX_COLUMNS`). Otherwise the short segments of similar length (the decode rows
@@ -621,6 +624,9 @@ def lora_apply(
             xs, ys = (x, y) if whole else (x[index.lo : index.hi], y[index.lo : index.hi])
             if index.only is not None:  # x A^T from A^T's view when the caller keeps it
                 slot, full = index.only, width == lora_a.shape[1]
+                if slot_views is not None and full:
+                    ys.addmm_(xs.mm(slot_views[0][slot]), slot_views[1][slot])
+                    continue
                 if lora_a_t is not None:
                     t = xs.mm(lora_a_t[slot] if full else lora_a_t[slot, :, :width])
                 else:

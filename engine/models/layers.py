@@ -216,9 +216,21 @@ class LoRALinear(UsesBackend, nn.Module):
     @lora_a.setter
     def lora_a(self, stack: torch.Tensor | None) -> None:
         """The A stack, and beside it its [num_slots, in, max_width] transposed view, which
-        the CPU's batched shrink multiplies by (made once here, not per call)."""
+        the CPU's batched shrink multiplies by, and that view's slot by slot, which a group
+        of rows on one adapter multiplies by (made once here, not per call)."""
         self._lora_a = stack
         self.lora_a_t = None if stack is None else stack.mT
+        self.lora_a_t_slots = None if stack is None else self.lora_a_t.unbind(0)
+
+    @property
+    def lora_b(self) -> torch.Tensor | None:
+        return self._lora_b
+
+    @lora_b.setter
+    def lora_b(self, stack: torch.Tensor | None) -> None:
+        """The B stack, and its slots' views (as lora_a's)."""
+        self._lora_b = stack
+        self.lora_b_slots = None if stack is None else stack.unbind(0)
 
     def _take_over(self, lin: LoRALinear) -> None:
         """For subclasses that replace a loaded `lin` and keep its base weight their own way
@@ -272,9 +284,10 @@ class LoRALinear(UsesBackend, nn.Module):
             self.backend.lora_apply_static(y, x, self.lora_a, self.lora_b, lora.row_slots)
         elif lora is not None and self.lora_a is not None:
             plan = lora.plans.get(tuple(self.lora_widths))
+            views = (self.lora_a_t_slots, self.lora_b_slots)
             self.backend.lora_apply(y, x, self.lora_a, self.lora_b, lora.segments,
-                                    self.lora_widths, plan=plan,
-                                    lora_a_t=self.lora_a_t)  # fmt: skip
+                                    self.lora_widths, plan=plan, lora_a_t=self.lora_a_t,
+                                    slot_views=views)  # fmt: skip
         d = None if lora is None else lora.dora
         if (
             d is not None

@@ -328,9 +328,10 @@ def test_one_adapter_on_every_row_multiplies_its_own_weights(width):
                            ([(0, 3, 1), (3, 4, -1), (4, 7, 1)], None)):  # fmt: skip
         [(_, _, index)] = cpu.plan_lora(segments, widths, x.device)
         assert isinstance(index, cpu._Dense) and index.only == only
-        for a_t in (None, a.mT):  # the engine's modules pass A^T's view
+        # as the engine's modules call it: A^T's view, and both stacks' views slot by slot
+        for a_t, views in ((None, None), (a.mT, None), (a.mT, (a.mT.unbind(0), b.unbind(0)))):
             out = y.clone()
-            cpu.lora_apply(out, x, a, b, segments, widths, lora_a_t=a_t)
+            cpu.lora_apply(out, x, a, b, segments, widths, lora_a_t=a_t, slot_views=views)
             assert out.isfinite().all()
             torch.testing.assert_close(out, _plain(y, x, a, b, segments, widths))
             for s, e, slot in segments:
