@@ -622,16 +622,13 @@ def lora_apply(
         if isinstance(index, _Dense):
             whole = index.lo == 0 and index.hi == x.shape[0]
             xs, ys = (x, y) if whole else (x[index.lo : index.hi], y[index.lo : index.hi])
-            if index.only is not None:  # x A^T from A^T's view when the caller keeps it
-                slot, full = index.only, width == lora_a.shape[1]
-                if slot_views is not None and full:
-                    ys.addmm_(xs.mm(slot_views[0][slot]), slot_views[1][slot])
-                    continue
-                if lora_a_t is not None:
-                    t = xs.mm(lora_a_t[slot] if full else lora_a_t[slot, :, :width])
+            if index.only is not None:  # the slot's own A^T and B, kept views if any
+                slot = index.only
+                if slot_views is not None and width == lora_a.shape[1]:
+                    a_t, b = slot_views[0][slot], slot_views[1][slot]
                 else:
-                    t = F.linear(xs, lora_a[slot] if full else lora_a[slot, :width])
-                ys.addmm_(t, lora_b[slot] if full else lora_b[slot, :width])
+                    a_t, b = lora_a[slot, :width].T, lora_b[slot, :width]
+                ys.addmm_(xs.mm(a_t), b)
                 continue
             t = F.linear(xs, _stacked(lora_a, index, width))
             ys.addmm_(torch.where(index.mask, t, index.zero), _stacked(lora_b, index, width))
