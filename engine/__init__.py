@@ -55,6 +55,7 @@ _EXPORTS = {
     "AdapterError": "errors",
     "AdapterUnavailable": "errors",
     "EngineDeadError": "errors",
+    "EngineBusy": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

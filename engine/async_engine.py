@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -78,6 +79,22 @@ class StreamingEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.error: BaseException | None = None
+        # The engine's last sign of life (an output, a stats snapshot, a loop turn), and when
+        # it last went from no request to one: see `unresponsive_s`.
+        self._heard = self._busy_since = time.monotonic()
+
+    def heard(self) -> None:
+        """The engine showed it runs (called from its engine-facing thread)."""
+        self._heard = time.monotonic()
+
+    def unresponsive_s(self) -> float:
+        """How long the engine has held requests without a sign of life; 0 while it holds
+        none (an idle engine sends nothing, and need not). A busy engine gives one each step
+        (engine/core.py's stats snapshot while busy), so this grows only while it is stuck
+        or stopped."""
+        if not self._streams:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._heard, self._busy_since))
 
     def _submit(self, command: Command) -> None:
         raise NotImplementedError
@@ -112,8 +129,14 @@ class StreamingEngine:
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), window)
+        if not self._streams:
+            self._busy_since = time.monotonic()
         self._streams[rid] = stream
-        self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight, priority))
+        try:
+            self._submit(AddRequest(rid, prompt, params, lora_request, tenant, weight, priority))
+        except BaseException:  # not taken (EngineBusy): nothing to abort
+            self._streams.pop(rid, None)
+            raise
         finished = False
         try:
             while True:
@@ -158,6 +181,7 @@ class StreamingEngine:
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """Hand items to their callers: one wake-up per event loop for a whole step's outputs
         (a wake-up is a syscall and a loop turn; per output they cost more than the step)."""
+        self.heard()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, item in items:
             stream = self._streams.get(rid)
@@ -244,8 +268,12 @@ class AsyncLLMEngine(StreamingEngine):
         def sink(results, _stats) -> None:
             self._deliver_all(results)
 
+        def turn() -> bool:  # each loop turn: the thread is alive and stepping
+            self.heard()
+            return False
+
         try:
-            self._core.run(self._source, sink)
+            self._core.run(self._source, sink, stopped=turn)
         except BaseException as e:  # noqa: BLE001 - report to every waiting caller
             self._fail_all(e)
             self._core.abort_all(sink)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from loraplex.engine import errors
 from loraplex.engine.async_engine import StreamingEngine
+from loraplex.engine.command_queue import CommandQueue
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import (
     AbortRequest,
@@ -57,6 +58,9 @@ from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
 
+# Far more than a burst of requests that an engine reading between steps ever leaves
+# queued, far fewer than would hold much memory while it reads nothing.
+MAX_QUEUED_REQUESTS = 64
 STATS_EVERY_S = 0.25  # the child's metrics snapshot, at most this often while busy
 # Outputs of steps faster than this go out together, one message per COALESCE_S: each message
 # wakes the server's reader thread, and on a tiny model, whose steps are much shorter than
@@ -196,7 +200,10 @@ class EngineProcess(StreamingEngine):
         progress: bool = False,
         start_timeout: float = 3600,
         coalesce_s: float = COALESCE_S,
+        max_queued_requests: int = MAX_QUEUED_REQUESTS,
     ):
+        """`max_queued_requests`: new requests that may wait to be written to the engine
+        process (it reads them between steps); one more raises EngineBusy at once."""
         super().__init__()
         ctx = mp.get_context("spawn")  # never fork a process that holds threads and torch
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
@@ -211,7 +218,6 @@ class EngineProcess(StreamingEngine):
         self._proc.start()
         cmd_recv.close()
         out_send.close()  # EOF on the reader side once the child is gone
-        self._send_lock = threading.Lock()
         self._decoder = OutputDecoder()  # touched by the reader thread only
         self._stats: EngineStats | None = None
         # Per message that carried outputs, newest last (benchmarks, tests): its bytes and
@@ -234,6 +240,7 @@ class EngineProcess(StreamingEngine):
             raise RuntimeError(f"the engine process could not start: {msg[1]}")
         self.config = EngineConfig(**msg[1])
         self.memory = MemoryReport(**msg[2])  # what the engine logged at start
+        self._commands = CommandQueue(self._write, self._unwritten, max_queued_requests)
         self._reader = threading.Thread(target=self._read, name="loraplex-engine-io", daemon=True)
         self._reader.start()
 
@@ -242,17 +249,23 @@ class EngineProcess(StreamingEngine):
         return self.memory.weight_bytes
 
     def _submit(self, command: Command) -> None:
-        try:
-            with self._send_lock:
-                _send(self._cmd_send, _encode_command(command))
-        except OSError as e:  # the child is gone: the reader reports it to the callers
-            if isinstance(command, AddRequest):
-                self._deliver(command.request_id, EngineDeadError(f"engine stopped: {e!r}"))
+        # Never a pipe write here: the caller is the server's event loop (command_queue.py).
+        self._commands.put(command)
+
+    def _write(self, command: Command) -> None:  # the command queue's thread
+        _send(self._cmd_send, _encode_command(command))
+
+    def _unwritten(self, command: Command, e: OSError) -> None:
+        # The child is gone: the reader reports it to every caller; a request added since
+        # then has no other way to learn it.
+        if isinstance(command, AddRequest):
+            self._deliver(command.request_id, EngineDeadError(f"engine stopped: {e!r}"))
 
     def _read(self) -> None:
         try:
             while True:
                 raw = self._out_recv.recv_bytes()
+                self.heard()
                 msg = StepMessage.from_json(raw)
                 items: list[tuple[str, object]] = []
                 for e in msg.errors:
@@ -283,14 +296,11 @@ class EngineProcess(StreamingEngine):
         return dataclasses.replace(s, alive=alive)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        try:
-            with self._send_lock:
-                _send(self._cmd_send, _encode_command(Stop()))
-        except OSError:
-            pass
+        self._commands.put(Stop())  # behind the commands still queued
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
         self._reader.join(timeout)
+        self._commands.join(timeout)  # the kill ended a write that waited on the pipe
         self._cmd_send.close()

@@ -34,6 +34,11 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine stopped on an internal error; requests cannot be served."""
 
 
+class EngineBusy(EngineError, RuntimeError):
+    """The engine takes no more requests now: as many wait to be handed to it as the server
+    allows (an engine that stopped reading its commands). Retrying later may work."""
+
+
 # What crosses the engine process's pipe by name (anything else arrives as RuntimeError).
 BY_NAME: dict[str, type[Exception]] = {
     cls.__name__: cls

@@ -36,6 +36,7 @@ from loraplex.platform.api.routes import (
 )
 from loraplex.platform.batch_runner import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
+from loraplex.platform.ledger import watch_database
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.replicas import Heartbeat
 from loraplex.platform.security import new_admin_key
@@ -62,7 +63,8 @@ def resolve_model_dir(settings: Settings) -> str:
 def load_engine(state: AppState, model_dir: str) -> None:
     config = engine_config(state.settings, model_dir)
     if state.settings.engine_process:
-        proc = EngineProcess(config, progress=True)
+        queued = state.settings.engine_queued_requests
+        proc = EngineProcess(config, progress=True, max_queued_requests=queued)
         state.spec = proc.spec
         state.metrics.set_memory(proc.memory)
         state.engine = proc
@@ -124,6 +126,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         watcher = asyncio.create_task(watch_engine(state))
+        # Readiness follows the database; the usage journal is written once it answers.
+        database_watch = asyncio.create_task(watch_database(state))
         collector = None
         if settings.store_gc_interval_s > 0:
             collector = asyncio.create_task(
@@ -145,6 +149,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             ).start()
         yield
         watcher.cancel()
+        database_watch.cancel()
         if collector is not None:
             collector.cancel()
         if batch_loop is not None:
@@ -161,6 +166,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         if state.engine is not None:
             state.engine.shutdown()
         state.cache.close()
+        state.ledger.close()
         db.dispose()
         if provider is not None:
             provider.shutdown()  # sends the spans still batched

@@ -226,12 +226,18 @@ def check_and_charge(
 
 
 def adjust_tokens(
-    session: Session, tenant_id: int, delta: int, *, now: datetime | None = None
+    session: Session,
+    tenant_id: int,
+    delta: int,
+    *,
+    now: datetime | None = None,
+    commit: bool = True,
 ) -> None:
     """Correct a charge by `delta` tokens (actual - estimated) when a request ends.
 
     Corrects the counter of the minute containing `now`; pass the time the request was
-    charged to give an over-estimate back to that minute. Never goes below zero. Commits.
+    charged to give an over-estimate back to that minute. Never goes below zero. Commits,
+    unless `commit` is false.
     """
     if delta == 0:
         return
@@ -248,7 +254,8 @@ def adjust_tokens(
             set_={"tokens": case((corrected < 0, 0), else_=corrected)},
         )
     )
-    session.commit()
+    if commit:
+        session.commit()
 
 
 def check_adapter_quota(

@@ -23,13 +23,14 @@ from loraplex.engine import (
     AdapterError,
     AdapterUnavailable,
     BadRequestError,
+    EngineBusy,
     EngineDeadError,
     EngineError,
     LoRARequest,
     RequestOutput,
     SamplingParams,
 )
-from loraplex.platform import quotas, tracing, usage
+from loraplex.platform import ledger, quotas, tracing, usage
 from loraplex.platform.adapter_refs import AdapterRef, choose_version, parse_ref
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, RequestClass
@@ -156,6 +157,13 @@ def _engine_dead(e: Exception, job: Job) -> APIError:
     return APIError(503, msg, "engine_unavailable")
 
 
+def _engine_busy(e: Exception, job: Job) -> APIError:
+    # The engine reads no commands (stopped, stuck in a step): an admission limit, not a queue
+    # that grows while every later route waits.
+    msg = "the engine is not taking requests now; retry shortly"
+    return APIError(503, msg, "engine_busy", headers={"Retry-After": "2"})
+
+
 def _adapter_invalid(e: Exception, job: Job) -> APIError:
     if job.lora is not None and not os.path.isdir(job.lora.lora_path):
         # Its cached copy went between lookup and load (evicted by another process sharing
@@ -181,6 +189,7 @@ def _bad_request(e: Exception, job: Job) -> APIError:
 ENGINE_ERRORS: tuple[tuple[type[EngineError], Callable[[Exception, Job], APIError]], ...] = (
     (AdapterUnavailable, _adapter_unavailable),
     (EngineDeadError, _engine_dead),
+    (EngineBusy, _engine_busy),
     (AdapterError, _adapter_invalid),
     (BadRequestError, _bad_request),
 )
@@ -209,6 +218,10 @@ class InferenceService:
                 "not_ready",
                 headers={"Retry-After": "5"},
             )
+        if self.state.engine_stalled_s() is not None:
+            # Its requests may still finish; new ones would only wait behind them.
+            msg = "the engine has not answered for a while; retry shortly"
+            raise APIError(503, msg, "engine_unresponsive", headers={"Retry-After": "5"})
         return engine
 
     def resolve_model(
@@ -500,19 +513,20 @@ class InferenceService:
                 )
             )
 
-        def write():
-            with self.state.sessions() as session:
-                usage.record_usage(
-                    session,
-                    api_key_id=job.caller.key.id,
-                    adapter_name=job.adapter_name,
-                    adapter_version=job.adapter.version if job.adapter else None,
-                    **record,
-                )
-                charged = datetime.fromtimestamp(job.charged_at, UTC)
-                quotas.adjust_tokens(
-                    session, job.caller.tenant.id, actual - job.estimate, now=charged
-                )
+        # Written now, or kept in the journal until the database answers (platform/ledger.py):
+        # never an error here, so the answer (a stream's body) ends cleanly whatever happens.
+        entry = ledger.usage_entry(
+            {
+                **record,
+                "api_key_id": job.caller.key.id,
+                "adapter_name": job.adapter_name,
+                "adapter_version": job.adapter.version if job.adapter else None,
+                "created_at": datetime.now(UTC),
+            },
+            tenant_id=job.caller.tenant.id,
+            adjust=actual - job.estimate,
+            charged_at=datetime.fromtimestamp(job.charged_at, UTC),
+        )
 
         log.info(
             "request finished",
@@ -520,7 +534,7 @@ class InferenceService:
         )
         # Shielded: a cancelled request (client gone) must still be billed. In flight until the
         # write is done, whether or not this task is cancelled meanwhile.
-        written = asyncio.ensure_future(asyncio.to_thread(write))
+        written = asyncio.ensure_future(asyncio.to_thread(self.state.ledger.write, entry))
         written.add_done_callback(lambda _: self.state.inflight.discard(job.request_id))
         await asyncio.shield(written)
 
@@ -530,10 +544,10 @@ class InferenceService:
         if job.recorded:
             return
         job.recorded = True
-
-        def write():
-            with self.state.sessions() as session:
-                charged = datetime.fromtimestamp(job.charged_at, UTC)
-                quotas.adjust_tokens(session, job.caller.tenant.id, -job.estimate, now=charged)
-
-        await asyncio.to_thread(write)
+        entry = ledger.release_entry(
+            job.request_id,
+            tenant_id=job.caller.tenant.id,
+            adjust=-job.estimate,
+            charged_at=datetime.fromtimestamp(job.charged_at, UTC),
+        )
+        await asyncio.to_thread(self.state.ledger.write, entry)

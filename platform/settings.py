@@ -140,6 +140,19 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         description="run the engine in a process of its own, so that it never waits for the "
         "HTTP loop's Python work (the GIL); false: a thread of the server process",
     )
+    engine_unresponsive_s: float = Field(
+        30.0,
+        gt=0,
+        description="an engine that holds requests and has shown no sign of life (an output, "
+        "a step) for this long is reported by /readyz, and new requests get 503 "
+        "engine_unresponsive until it answers again",
+    )
+    engine_queued_requests: int = Field(
+        64,
+        ge=1,
+        description="new requests that may wait to be handed to the engine process (it reads "
+        "them between steps); beyond that, 503 engine_busy at once",
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

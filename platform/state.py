@@ -11,12 +11,16 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from loraplex.engine import ModelSpec, StreamingEngine
+from loraplex.platform.db.health import DatabaseHealth
 from loraplex.platform.db.models import ApiKey, Tenant
+from loraplex.platform.journal import Journal
+from loraplex.platform.ledger import Ledger
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.settings import Settings
 from loraplex.platform.store import AdapterCache, AdapterStore
 
 log = logging.getLogger("loraplex.platform")
+JOURNAL_FILE = "usage-journal.db"
 
 
 @dataclass
@@ -39,6 +43,15 @@ class AppState:
     # Called once with that line; `loraplex serve` sets it to stop the server with a non-zero
     # exit so the orchestrator restarts the pod (an app without it just answers 503).
     on_fatal: Callable[[str], None] | None = None
+    # Whether the database answers (a probe and every request keep it); /readyz says it.
+    database: DatabaseHealth = field(default_factory=DatabaseHealth)
+    # Usage records and quota corrections: to the database, or to the data dir's journal
+    # while it cannot take them (platform/ledger.py).
+    ledger: Ledger = field(init=False)
+
+    def __post_init__(self) -> None:
+        journal = Journal(self.settings.data_dir / JOURNAL_FILE)
+        self.ledger = Ledger(self.sessions, journal, self.database)
 
     def engine_failed(self, cause: str) -> None:
         if self.engine_error is not None:
@@ -57,6 +70,13 @@ class AppState:
             log.error("the engine stopped: %s", reason)
             self.engine_failed(f"the engine stopped: {reason}")
         return self.engine_error
+
+    def engine_stalled_s(self) -> float | None:
+        """How long the engine has held requests without a sign of life, once that is past
+        `engine_unresponsive_s`; else None."""
+        unresponsive = getattr(self.engine, "unresponsive_s", None)  # a data plane may not say
+        stalled = unresponsive() if unresponsive is not None else 0.0
+        return stalled if stalled > self.settings.engine_unresponsive_s else None
 
 
 @dataclass

@@ -51,11 +51,13 @@ def record_usage(
     tpot_ms: float | None = None,
     created_at: datetime | None = None,
     request_class: RequestClass | str = RequestClass.interactive,
+    commit: bool = True,
 ) -> bool:
     """Write the request's record; True if written, False if `request_id` already had one.
 
     The first record of a request wins, so a retried or duplicated "request finished" path
-    cannot bill a request twice. Commits.
+    cannot bill a request twice. Commits, unless `commit` is false (the ledger writes the
+    record and its quota correction in one transaction: platform/ledger.py).
     """
     status = UsageStatus(status).value  # ValueError names the bad status
     request_class = RequestClass(request_class).value
@@ -96,7 +98,8 @@ def record_usage(
         .on_conflict_do_nothing(index_elements=[UsageRecord.request_id])
         .returning(UsageRecord.id)
     ).scalar_one_or_none()
-    session.commit()
+    if commit:
+        session.commit()
     return inserted is not None
 
 

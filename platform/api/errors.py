@@ -17,16 +17,19 @@ from fastapi import FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from loraplex.platform.api.deps import require_admin
+from loraplex.platform.db.health import is_unavailable
 from loraplex.platform.errors import APIError, error_body
 from loraplex.platform.openai.bodies import TextOnlyJSONBodies
 
 log = logging.getLogger("loraplex.platform")
 
+DATABASE_RETRY_AFTER_S = 5  # the database probe's pace makes readiness follow within this
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 
 
@@ -54,7 +57,8 @@ _DESCRIPTIONS = {
     415: "a body that is not JSON sent to a JSON route",
     422: "an adapter that cannot be served",
     429: "quota or rate limit reached; see Retry-After",
-    503: "the model is loading, the engine stopped, or the adapter store is unreachable",
+    503: "the model is loading, the engine stopped or is busy, or the database or the adapter "
+    "store is unreachable; see Retry-After",
 }
 
 
@@ -195,6 +199,20 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = "a value in this request cannot be used: text with a NUL character, or a number "
         msg += "out of range"
         return _json_error(request, 400, msg, "invalid_value")
+
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(DisconnectionError)
+    @app.exception_handler(PoolTimeout)
+    async def _database(request: Request, exc: Exception):
+        if not is_unavailable(exc):
+            raise exc  # a statement of ours the database refused: a bug, answered as one
+        # An outage: retryable, logged once per outage (platform/db/health.py), no traceback.
+        state = getattr(request.app.state, "lp", None)
+        if state is not None:
+            state.database.failed(exc)
+        msg = "the database is unavailable; retry shortly"
+        headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+        return _json_error(request, 503, msg, "database_unavailable", headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -14,10 +14,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from loraplex.platform.settings import normalize_database_url
 
 UPGRADE_HINT = "run `loraplex db upgrade`"
+CONNECT_TIMEOUT_S = 5  # PostgreSQL: how long a connection attempt may wait for the server
 
 
 class SchemaError(RuntimeError):
@@ -29,8 +31,11 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     url = normalize_database_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
+        # A database that does not answer must fail a connection attempt, not hang it: the
+        # request then gets 503 database_unavailable and its usage goes to the journal.
+        connect_args = {"connect_timeout": CONNECT_TIMEOUT_S, **kwargs.pop("connect_args", {})}
         # Replicas sit behind pools that outlive database restarts and idle-connection reaping.
-        return create_engine(url, pool_pre_ping=True, **kwargs)
+        return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
 
     database = parsed.database or ""
     if database and database != ":memory:" and not database.startswith("file:"):
@@ -49,6 +54,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         cursor.close()
 
     return engine
+
+
+def make_probe_engine(url: str) -> Engine:
+    """An engine for health probes: a fresh connection each time (NullPool), so a probe
+    neither waits behind requests for a pooled connection nor trusts one a restart broke."""
+    return make_engine(url, poolclass=NullPool)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

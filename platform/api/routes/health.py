@@ -29,21 +29,31 @@ _PROBE = {
 
 
 @router.get("/healthz", **_PROBE)
-def healthz(state: StateDep):
-    """The process is alive and its engine has not failed (loading still counts as alive)."""
+async def healthz(state: StateDep):
+    """The process is alive and its engine has not failed (loading still counts as alive).
+    The probes run on the event loop, not in the worker threads, which a database that does
+    not answer may all hold."""
     if (error := state.check_engine()) is not None:
         return JSONResponse({"status": "engine stopped", "error": error}, status_code=503)
     return {"status": "ok"}
 
 
 @router.get("/readyz", **_PROBE)
-def readyz(state: StateDep):
-    """Ready to serve: model loaded, engine alive, not shutting down."""
+async def readyz(state: StateDep):
+    """Ready to serve: model loaded, engine alive and answering, database reachable, not
+    shutting down."""
     if (error := state.check_engine()) is not None:
         return JSONResponse({"status": "engine stopped", "error": error}, status_code=503)
     if state.engine is None or not state.accepting:
         reason = "shutting down" if not state.accepting else "loading model"
         return JSONResponse({"status": reason}, status_code=503)
+    if not state.database.up:
+        body = {"status": "database unreachable", "error": state.database.cause}
+        return JSONResponse(body, status_code=503)
+    if (stalled := state.engine_stalled_s()) is not None:
+        body = {"status": "engine unresponsive",
+                "error": f"the engine has not answered for {stalled:.0f} s"}  # fmt: skip
+        return JSONResponse(body, status_code=503)
     return {"status": "ready", "model": state.model_name}
 
 

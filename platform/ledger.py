@@ -1,0 +1,149 @@
+"""Writing the usage ledger so that no outage loses a bill.
+
+A request's usage record and its quota correction are one database transaction, written
+when the request ends. If the database cannot take it then (an outage, a restart), the entry
+goes to the local journal (platform/journal.py, in the data dir, fsynced) and is written once
+the database answers again, by `watch_database`, also after this server was killed and
+started again. Exactly once: the record's request id is unique in `usage_records`, and the
+quota correction is applied only in the transaction that inserted the record, so replaying an
+entry the database already holds (a crash between the commit and the journal's delete)
+changes nothing.
+
+While the journal holds entries, new ones go behind them rather than straight to the
+database, so the first record of a request id is the one billed whatever the outage did to
+the order (batch lines reuse their id on a retry). A release (a reservation given back by a
+request that never ran) has no record to key it: replayed after a crash between its commit
+and its delete, it gives the reservation back twice, to a per-minute counter whose minute has
+passed by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.platform import quotas, usage
+from loraplex.platform.db.health import DatabaseHealth, is_unavailable, one_line
+from loraplex.platform.journal import Entry, Journal
+
+log = logging.getLogger("loraplex.platform")
+REPLAY_BATCH = 100
+
+
+def usage_entry(
+    record: dict[str, Any], *, tenant_id: int, adjust: int, charged_at: datetime
+) -> Entry:
+    """A request's usage record (`usage.record_usage`'s arguments, `created_at` set) and the
+    correction of its quota charge (`adjust` tokens to the minute it was charged in)."""
+    payload = {
+        "record": {**record, "created_at": record["created_at"].isoformat()},
+        "tenant_id": tenant_id,
+        "adjust": adjust,
+        "charged_at": charged_at.isoformat(),
+    }
+    return Entry(record["request_id"], "usage", payload)
+
+
+def release_entry(request_id: str, *, tenant_id: int, adjust: int, charged_at: datetime) -> Entry:
+    payload = {"tenant_id": tenant_id, "adjust": adjust, "charged_at": charged_at.isoformat()}
+    return Entry(f"release:{request_id}", "release", payload)
+
+
+def apply(session: Session, entry: Entry) -> None:
+    """Write one entry in one transaction (commits)."""
+    p = entry.payload
+    charged = datetime.fromisoformat(p["charged_at"])
+    if entry.kind == "usage":
+        record = {**p["record"], "created_at": datetime.fromisoformat(p["record"]["created_at"])}
+        if not usage.record_usage(session, commit=False, **record):
+            session.commit()  # the database has this request's record: its charge is settled
+            return
+    quotas.adjust_tokens(session, p["tenant_id"], p["adjust"], now=charged, commit=False)
+    session.commit()
+
+
+class Ledger:
+    """Writes entries to the database, or to the journal while it cannot take them."""
+
+    def __init__(self, sessions: sessionmaker, journal: Journal, health: DatabaseHealth):
+        self.sessions, self.journal, self.health = sessions, journal, health
+        self._replaying = threading.Lock()
+
+    def write(self, entry: Entry) -> bool:
+        """Write `entry` now, or keep it in the journal; True if the database has it. Never
+        raises: called where a request ends, whose answer must end cleanly whatever this does."""
+        if len(self.journal):  # behind the entries that wait (see the module doc)
+            self._keep(entry)
+            return False
+        try:
+            with self.sessions() as session:
+                apply(session, entry)
+        except Exception as e:  # noqa: BLE001 - an outage or not, the request's answer goes on
+            if not is_unavailable(e):
+                return self._refused(entry, e)
+            self.health.failed(e)
+            self._keep(entry)
+            return False
+        return True
+
+    def _keep(self, entry: Entry) -> None:
+        try:
+            self.journal.add(entry)
+        except Exception:  # the data dir is full or gone: the log is the last record left
+            log.exception("usage entry lost (journal not writable): %s", entry)
+
+    def _refused(self, entry: Entry, e: Exception) -> bool:
+        # The database refused this entry itself (a bug, or a row it names gone): retrying it
+        # would refuse it again, and hold every entry behind it in the journal.
+        log.error("usage entry refused by the database: %s: %s", one_line(e), entry)
+        return False
+
+    def replay(self) -> int:
+        """Write the journal's entries to the database, oldest first, until it fails or none
+        is left; how many were written. One replay at a time (another call returns 0)."""
+        if not self._replaying.acquire(blocking=False):
+            return 0
+        try:
+            written = 0
+            while batch := self.journal.oldest(REPLAY_BATCH):
+                for entry in batch:
+                    try:
+                        with self.sessions() as session:
+                            apply(session, entry)
+                    except Exception as e:  # noqa: BLE001 - sorted below
+                        if is_unavailable(e):
+                            self.health.failed(e)
+                            return written
+                        self._refused(entry, e)
+                    self.journal.remove(entry.key)
+                    written += 1
+            return written
+        finally:
+            self._replaying.release()
+
+    def close(self) -> None:
+        self.journal.close()
+
+
+async def watch_database(state, interval_s: float = 1.0) -> None:
+    """Probe the database every `interval_s` (what /readyz reports) and, while it answers,
+    write what the journal holds. Runs for the app's lifetime."""
+    from loraplex.platform.db.session import make_probe_engine
+
+    probe_engine = make_probe_engine(state.settings.database_url)
+    ledger: Ledger = state.ledger
+    try:
+        while True:
+            up = await asyncio.to_thread(state.database.probe, probe_engine)
+            if up and len(ledger.journal):
+                written = await asyncio.to_thread(ledger.replay)
+                if written:
+                    log.info("usage journal: %d entries written to the database", written)
+            await asyncio.sleep(interval_s)
+    finally:
+        probe_engine.dispose()
