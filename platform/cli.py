@@ -55,6 +55,7 @@ def _settings(args: argparse.Namespace):
     from loraplex.platform.settings import Settings
 
     names = ["host", "port", "model", "stream_interval", "otlp_traces_endpoint"]
+    names += ["data_plane", "vllm_urls", "vllm_agent_urls"]
     names += [o.setting for o in _engine_flags()]
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return Settings(**overrides)
@@ -186,6 +187,27 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    """The adapter store comes from the same settings as the server's (LORAPLEX_STORE_URL,
+    the S3 ones); nothing else of them is used."""
+    import uvicorn
+
+    from loraplex.platform.adapter_service import store_for
+    from loraplex.platform.dataplane.agent import Agent
+    from loraplex.platform.dataplane.agent_app import create_agent_app
+    from loraplex.platform.settings import Settings
+
+    store = store_for(Settings())
+    store.check()
+    agent = Agent(args.vllm_url, store, args.cache_dir, max_bytes=args.max_bytes,
+                  max_adapters=args.max_adapters)  # fmt: skip
+    try:
+        uvicorn.run(create_agent_app(agent), host=args.host, port=args.port, log_level="info")
+    finally:
+        agent.close()
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line, like every other error of the CLI (subparsers inherit it)."""
 
@@ -225,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="OTLP/HTTP collector for request traces, as vLLM's flag (default: "
                    "settings; off)")  # fmt: skip
+    s.add_argument("--data-plane", choices=["embedded", "vllm"],
+                   help="'embedded' (default): loraplex's engine here; 'vllm': the vLLM "
+                   "servers of --vllm-url, run unchanged with --enable-lora")  # fmt: skip
+    s.add_argument("--vllm-url", dest="vllm_urls", metavar="URL[,URL...]",
+                   help="with --data-plane vllm: the vLLM servers (requests go to one that "
+                   "has the adapter loaded)")  # fmt: skip
+    s.add_argument("--vllm-agent-url", dest="vllm_agent_urls", metavar="URL[,URL...]",
+                   help="the `loraplex agent` beside each vLLM, same order (default: this "
+                   "server writes adapters where vLLM reads them: one host)")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip
@@ -236,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug also logs tracebacks, e.g. of an engine that cannot start",
     )
     s.set_defaults(func=_serve)
+
+    a = sub.add_parser("agent", help="the adapter agent beside a vLLM server (vLLM data plane)")
+    a.add_argument("--vllm-url", required=True, help="this pod's vLLM, e.g. http://127.0.0.1:8000")
+    a.add_argument("--cache-dir", required=True, help="where adapters are put for vLLM to read")
+    a.add_argument("--max-bytes", type=int, default=8 * 1024**3,
+                   help="disk the cached adapters may take (LRU ones go first)")  # fmt: skip
+    a.add_argument("--max-adapters", type=int, default=64,
+                   help="adapters kept registered in vLLM (LRU ones unloaded)")  # fmt: skip
+    a.add_argument("--host", default="0.0.0.0")
+    a.add_argument("--port", type=int, default=8100)
+    a.set_defaults(func=_agent)
 
     db = sub.add_parser("db", help="database schema")
     dbsub = db.add_subparsers(dest="db_command", required=True)

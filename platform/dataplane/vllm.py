@@ -1,0 +1,466 @@
+"""The remote data plane: an unchanged vLLM fleet behind the platform, over vLLM's own HTTP API.
+
+It offers what the platform uses of the embedded engine (engine/async_engine.py): `generate`
+yielding RequestOutputs with per-token deltas, `abort`, `cut`, `stats`, `config`, `tokenizer`,
+`shutdown`. Keys, quotas, the ledger, versions and batches stay in the platform and work
+unchanged on top of it.
+
+    platform ── generate(prompt ids, params, LoRARequest) ──▶ VllmDataPlane
+                                         │ route: an endpoint that has the adapter loaded
+                                         │ agent: adapter version → vLLM (opaque name)
+                                         │ FairWindow: ≤ window in flight, VTC order
+                                         ▼
+        vLLM  POST /v1/completions {prompt: ids, stream, return_token_ids,
+                                    continuous_usage_stats, priority}
+                                         │ SSE chunks: text + token ids + usage
+                                         ▼
+                               RequestOutput deltas, as the engine's
+
+A poller thread reads each endpoint's /health, /v1/models (the adapters vLLM has loaded:
+routing by residency) and /metrics (running / waiting / KV use, for `stats`). An endpoint
+that stops answering takes no new requests; when none answers, `unresponsive_s` says so
+(/readyz 503) and new requests get 503 with Retry-After. A stream whose endpoint goes away
+ends with an error: the platform bills what was sent, as for any failed stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loraplex.engine import (
+    BadRequestError,
+    CompletionOutput,
+    EngineStats,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+    Tokenizer,
+    spec_from_config,
+)
+from loraplex.platform.dataplane.agent import vllm_name
+from loraplex.platform.dataplane.errors import DataPlaneUnavailable, Unsupported
+from loraplex.platform.dataplane.fairshare import FairWindow
+
+log = logging.getLogger("loraplex.dataplane")
+# vLLM's priority scheduling: lower is served first. Batch lines go after interactive work.
+VLLM_PRIORITY = {0: 0, 1: 10}
+
+# (ensure) name, lora request, endpoint -> None; raises AdapterError / AdapterUnavailable
+Loader = Callable[["Endpoint", str, LoRARequest], None]
+
+
+@dataclass
+class RemoteConfig:
+    """The engine config fields the platform reads, as the fleet reports them."""
+
+    model: str
+    max_model_len: int
+    max_lora_rank: int
+
+
+@dataclass
+class Endpoint:
+    url: str
+    window: FairWindow
+    healthy: bool = False
+    base_id: str | None = None  # vLLM's served model name
+    max_model_len: int | None = None
+    loaded: set[str] = field(default_factory=set)  # adapter names /v1/models lists
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    ever_seen: bool = False
+
+    @property
+    def load(self) -> int:
+        return self.window.running + self.window.queued
+
+
+@dataclass
+class _Live:
+    """One running request: where a `cut` or `abort` from any thread reaches it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    task: asyncio.Task | None = None
+
+
+def request_body(model: str, prompt: list[int], params: SamplingParams, priority: int) -> dict:
+    """vLLM's completions request for the engine's SamplingParams; what vLLM cannot do as
+    the engine does is refused by name."""
+    if params.best_of is not None and params.best_of != params.n:
+        raise Unsupported("best_of", "best_of")
+    if params.logprobs is not None:
+        raise Unsupported("logprobs", "logprobs")
+    if params.prompt_logprobs is not None:
+        raise Unsupported("prompt_logprobs", "prompt_logprobs")
+    if params.logits_processors:
+        raise Unsupported("structured output (response_format, guided decoding)", "response_format")
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "return_token_ids": True,
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "min_p": params.min_p,
+        "seed": params.seed,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "stop": [params.stop] if isinstance(params.stop, str) else (params.stop or []),
+        "stop_token_ids": params.stop_token_ids or [],
+        "ignore_eos": params.ignore_eos,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
+        # Tool-call markers the platform parses are special tokens in some tokenizers.
+        "skip_special_tokens": params.skip_special_tokens and not params.kept_special_tokens,
+    }
+    if params.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if priority:
+        body["priority"] = VLLM_PRIORITY.get(priority, priority)
+    return body
+
+
+class _Assembler:
+    """vLLM's stream chunks → the engine's cumulative RequestOutputs with deltas."""
+
+    def __init__(self, request_id: str, prompt: list[int], n: int, lora_name: str | None):
+        self.out = RequestOutput(request_id, None, prompt, [], False, lora_name=lora_name)
+        self.choices: dict[int, CompletionOutput] = {}
+        self.n = n
+
+    def add(self, chunk: dict) -> RequestOutput | None:
+        if "error" in chunk:  # vLLM failed the request mid-stream
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            raise DataPlaneUnavailable(f"vLLM failed the request: {message}")
+        usage = chunk.get("usage") or {}
+        choices = chunk.get("choices") or []
+        if not choices:
+            return None
+        text, ids = [], []
+        for c in choices:
+            i = c.get("index", 0)
+            mine = self.choices.get(i)
+            if mine is None:
+                mine = self.choices[i] = CompletionOutput(i, "", [])
+            new_ids = c.get("token_ids") or []
+            mine.text += c.get("text") or ""
+            mine.token_ids = mine.token_ids + new_ids
+            if c.get("finish_reason") is not None:
+                mine.finish_reason = c["finish_reason"]
+                mine.stop_reason = c.get("stop_reason")
+            text.append(c.get("text") or "")
+            ids.extend(new_ids)
+        o = self.out
+        o.outputs = [self.choices[i] for i in sorted(self.choices)]
+        o.delta_text, o.delta_token_ids = "".join(text), ids
+        o.num_generated_tokens = usage.get("completion_tokens") or sum(
+            len(c.token_ids) for c in o.outputs
+        )
+        details = usage.get("prompt_tokens_details") or {}
+        o.num_cached_tokens = details.get("cached_tokens") or o.num_cached_tokens
+        done = [c for c in o.outputs if c.finish_reason is not None]
+        o.finished = len(done) >= self.n
+        # A new object per step: the platform may hold one while the next arrives.
+        return RequestOutput(**{k: getattr(o, k) for k in o.__dataclass_fields__})
+
+
+class VllmDataPlane:
+    """The platform's engine interface over one or more vLLM servers (module doc)."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        urls: list[str],
+        model_dir: str | Path,
+        loader: Loader,
+        *,
+        window: int = 8,
+        max_lora_rank: int = 16,
+        poll_interval_s: float = 1.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("the vllm data plane needs at least one vLLM URL (--vllm-url)")
+        self.endpoints = [Endpoint(u.rstrip("/"), FairWindow(window)) for u in urls]
+        self.model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.spec = spec_from_config(json.loads((self.model_dir / "config.json").read_text()))
+        self.loader = loader
+        self.agents: dict[str, object] = {}  # endpoint URL -> its adapter agent (closed here)
+        self.max_lora_rank = max_lora_rank
+        self.poll_interval_s = poll_interval_s
+        self.timeout = httpx.Timeout(None, connect=connect_timeout_s)
+        self.config = RemoteConfig(str(self.model_dir), 0, max_lora_rank)
+        self.error: BaseException | None = None  # the platform's "engine died": never here
+        self._names: dict[str, str] = {}  # vLLM name -> the platform's adapter name
+        self._live: dict[str, _Live] = {}
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._ids = itertools.count()
+        self._down_since: float | None = time.monotonic()
+        self._generated = 0
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="loraplex-vllm-poll",
+                                        daemon=True)  # fmt: skip
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, wait_s: float | None = None) -> None:
+        """Poll the endpoints; wait until one answers (None: for ever), so that `config`
+        carries the fleet's context length before the platform reads it."""
+        self.poll_once()
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while not any(e.ever_seen for e in self.endpoints):
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"no vLLM answered at {[e.url for e in self.endpoints]}")
+            time.sleep(self.poll_interval_s)
+            self.poll_once()
+        self._poller.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._poller.is_alive():
+            self._poller.join(timeout)
+        for agent in self.agents.values():
+            if hasattr(agent, "close"):
+                agent.close()
+        for client in self._clients.values():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to close
+                asyncio.run_coroutine_threadsafe(client.aclose(), client_loop(client))
+
+    # ---------------------------------------------------------------- polling
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_interval_s):
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - a poll must never end the poller
+                log.exception("polling vLLM failed")
+
+    def poll_once(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0)) as http:
+            for e in self.endpoints:
+                self._poll(http, e)
+        if any(e.healthy for e in self.endpoints):
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("no vLLM endpoint answers: new requests get 503")
+
+    def _poll(self, http: httpx.Client, e: Endpoint) -> None:
+        try:
+            if http.get(f"{e.url}/health").status_code != 200:
+                raise httpx.HTTPError("not healthy")
+            models = http.get(f"{e.url}/v1/models").json()["data"]
+            metrics = http.get(f"{e.url}/metrics").text
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            if e.healthy:
+                log.warning("vLLM at %s stopped answering: %s", e.url, err)
+            e.healthy = False
+            return
+        base = next((m for m in models if m.get("parent") is None), None)
+        was_down = not e.healthy
+        e.base_id = base["id"] if base else e.base_id
+        e.max_model_len = (base or {}).get("max_model_len") or e.max_model_len
+        e.loaded = {m["id"] for m in models if m.get("parent") is not None}
+        e.running = int(_metric(metrics, "vllm:num_requests_running"))
+        e.waiting = int(_metric(metrics, "vllm:num_requests_waiting"))
+        e.kv_usage = _metric(metrics, "vllm:kv_cache_usage_perc")
+        e.healthy = e.ever_seen = True
+        lens = [x.max_model_len for x in self.endpoints if x.max_model_len]
+        self.config.max_model_len = min(lens) if lens else self.config.max_model_len
+        self.config.model = e.base_id or self.config.model
+        if was_down:
+            log.info("vLLM at %s answers (%d adapters loaded)", e.url, len(e.loaded))
+
+    # ---------------------------------------------------------------- the engine interface
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (no endpoint answers), else None: /readyz says
+        it, and new requests get 503 with Retry-After meanwhile."""
+        if any(e.healthy for e in self.endpoints):
+            return None
+        since = self._down_since
+        for_s = f" for {time.monotonic() - since:.0f} s" if since is not None else ""
+        return f"no vLLM endpoint has answered{for_s} ({', '.join(e.url for e in self.endpoints)})"
+
+    def stats(self) -> EngineStats:
+        names = [self._names.get(n, n) for e in self.endpoints for n in sorted(e.loaded)]
+        return EngineStats(
+            running=sum(e.running for e in self.endpoints),
+            waiting=sum(e.waiting for e in self.endpoints)
+            + sum(e.window.queued for e in self.endpoints),
+            generated_tokens=self._generated,
+            kv_usage=max((e.kv_usage for e in self.endpoints), default=0.0),
+            alive=True,  # vLLM down is not this process dead: readiness says it instead
+            resident_adapters=names,
+            adapters_in_host=len(names),
+        )
+
+    def _route(self, name: str | None) -> Endpoint:
+        """An answering endpoint: one that has the adapter loaded, least busy first (as a
+        LoRA-aware fleet router does), else the least busy."""
+        up = [e for e in self.endpoints if e.healthy]
+        if not up:
+            raise DataPlaneUnavailable("no vLLM endpoint is answering now; retry shortly")
+        if name is not None:
+            having = [e for e in up if name in e.loaded]
+            if having:
+                return min(having, key=lambda e: e.load)
+        return min(up, key=lambda e: e.load)
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            client = self._clients[loop] = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+            client._loraplex_loop = loop  # type: ignore[attr-defined]
+        return client
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+        window: int | None = None,  # noqa: ARG002 - TCP backpressure reaches vLLM directly
+        priority: int = 0,
+        headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """As the engine's: outputs with deltas until one has finished=True. Raises
+        BadRequestError (incl. Unsupported), AdapterError, AdapterUnavailable or
+        DataPlaneUnavailable."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        name = None
+        if lora_request is not None:
+            digest = os.path.basename(lora_request.lora_path.rstrip("/"))
+            name = vllm_name(lora_request.lora_name, digest)
+            self._names[name] = lora_request.lora_name
+        endpoint = self._route(name)
+        model = name or endpoint.base_id or self.config.model
+        body = request_body(model, ids, params, priority)
+        if name is not None and name not in endpoint.loaded:
+            await asyncio.to_thread(self.loader, endpoint, name, lora_request)
+            endpoint.loaded.add(name)
+        rid = request_id or f"lpx-{next(self._ids)}"
+        max_new = params.max_tokens or max(0, self.config.max_model_len - len(ids))
+        cost = (len(ids) + max_new * params.num_samples) / max(weight, 1e-6)
+        admission = await endpoint.window.admit(tenant or "", cost, priority=priority)
+        live = _Live(asyncio.get_running_loop(), asyncio.Queue())
+        self._live[rid] = live
+        assembler = _Assembler(rid, ids, params.n, lora_request and lora_request.lora_name)
+        sent = {"X-Request-Id": rid, **(headers or {})}
+        live.task = asyncio.create_task(self._read(endpoint, body, sent, assembler, live.queue))
+        used = 0
+        try:
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                used = len(ids) + item.num_generated_tokens
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._live.pop(rid, None)
+            if not live.task.done():
+                live.task.cancel()  # closes the HTTP stream: vLLM aborts the request
+            self._generated += used - len(ids) if used else 0
+            admission.release(used / max(weight, 1e-6))
+
+    async def _read(self, e: Endpoint, body: dict, headers: dict, asm: _Assembler,
+                    queue: asyncio.Queue) -> None:  # fmt: skip
+        try:
+            async with self._client().stream(
+                "POST", f"{e.url}/v1/completions", json=body, headers=headers
+            ) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise _http_error(r, e)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    out = asm.add(json.loads(data))
+                    if out is not None:
+                        queue.put_nowait(out)
+                        if out.finished:
+                            return
+            raise DataPlaneUnavailable(f"vLLM at {e.url} ended the stream before it finished")
+        except asyncio.CancelledError:
+            raise
+        except httpx.HTTPError as err:
+            e.healthy = False  # the poller says when it is back
+            queue.put_nowait(DataPlaneUnavailable(f"vLLM at {e.url} went away: {err}"))
+        except BaseException as err:  # noqa: BLE001 - handed to the reader, who raises it
+            queue.put_nowait(err)
+
+    def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None and live.task is not None:
+            live.loop.call_soon_threadsafe(live.task.cancel)
+
+    def cut(self, request_id: str, error: BaseException) -> bool:
+        """End a request's stream now with `error` (from any thread); False if not here."""
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+
+        def wake() -> None:
+            if live.task is not None:
+                live.task.cancel()
+            live.queue.put_nowait(error)
+
+        live.loop.call_soon_threadsafe(wake)
+        return True
+
+
+def client_loop(client: httpx.AsyncClient) -> asyncio.AbstractEventLoop:
+    return client._loraplex_loop  # type: ignore[attr-defined]
+
+
+def _http_error(r: httpx.Response, e: Endpoint) -> Exception:
+    try:
+        error = r.json().get("error", {})
+        message = error.get("message") if isinstance(error, dict) else str(error)
+    except ValueError:
+        message = r.text[:500]
+    if r.status_code in (400, 422):
+        return BadRequestError(f"the vLLM data plane refused the request: {message}")
+    if r.status_code == 404:  # the adapter is gone from vLLM (restart): the next poll sees it
+        e.loaded.clear()
+        return DataPlaneUnavailable(f"vLLM at {e.url} does not have the adapter now: {message}")
+    return DataPlaneUnavailable(f"vLLM at {e.url} answered {r.status_code}: {message}")
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (all label sets) in an exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            with contextlib.suppress(ValueError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
