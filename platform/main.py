@@ -61,6 +61,15 @@ def resolve_model_dir(settings: Settings) -> str:
 
 
 def load_engine(state: AppState, model_dir: str) -> None:
+    if state.settings.data_plane == "vllm":  # a vLLM fleet over HTTP (platform/dataplane/)
+        from loraplex.platform.dataplane import make_vllm
+
+        plane = make_vllm(state, model_dir)
+        plane.start()  # until a vLLM answers, /readyz says "loading model"
+        state.spec = plane.spec
+        state.engine = plane
+        log.info("vLLM data plane ready: %s", ", ".join(e.url for e in plane.endpoints))
+        return
     config = engine_config(state.settings, model_dir)
     if state.settings.engine_process:
         queued = state.settings.engine_queued_requests

@@ -199,6 +199,11 @@ def engine_error(e: EngineError, job: Job) -> APIError:
     for kind, answer in ENGINE_ERRORS:
         if isinstance(e, kind):
             return answer(e, job)
+    retry = getattr(e, "retry_after_s", None)  # a remote data plane's (platform/dataplane/)
+    if retry is not None:
+        log.warning("data plane unavailable: %s", e)  # names the servers: the log, not the tenant
+        msg = "the data plane is not answering now; retry shortly"
+        return APIError(503, msg, "data_plane_unavailable", headers={"Retry-After": str(retry)})
     return APIError(503, "the engine could not serve this request; retry", "engine_unavailable")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, create_model, field_validator, model_validator
@@ -135,6 +136,28 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         "and the transport's high-water mark), which bound what is written ahead of a client "
         "that stops reading; 0: the defaults (the kernel autotunes to megabytes)",
     )
+    # The data plane (platform/dataplane/): the embedded engine, or a vLLM fleet over HTTP.
+    data_plane: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="'embedded': loraplex's engine in this server; 'vllm': the vLLM servers "
+        "of vllm_urls (run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    vllm_urls: str = Field("", description="with data_plane=vllm: vLLM base URLs, comma-separated")
+    vllm_agent_urls: str = Field(
+        "",
+        description="the `loraplex agent` beside each vLLM of vllm_urls, same order; unset: "
+        "this server writes adapters under vllm_adapter_dir, which vLLM must be able to read",
+    )
+    vllm_adapter_dir: Path | None = Field(None, description="default: <data_dir>/vllm-adapters")
+    vllm_window: int = Field(
+        8,
+        ge=1,
+        description="requests in flight per vLLM server; more wait here and are admitted in "
+        "the tenants' fair-share order",
+    )
+    vllm_max_adapters: int = Field(
+        64, ge=1, description="adapters one vLLM keeps registered (least recently used unloaded)"
+    )
     engine_process: bool = Field(
         True,
         description="run the engine in a process of its own, so that it never waits for the "
@@ -238,7 +261,7 @@ class Settings(_engine_settings()):  # type: ignore[misc]
                 raise ValueError(f"LORAPLEX_CONFIG={config}: use a .toml or .json file")
         return tuple(sources)
 
-    @field_validator("data_dir", "adapter_cache_dir")
+    @field_validator("data_dir", "adapter_cache_dir", "vllm_adapter_dir")
     @classmethod
     def _absolute(cls, v: Path | None) -> Path | None:
         # Absolute, so the URLs derived from it do not depend on the working directory.
@@ -283,6 +306,11 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         if not self.adapter_import_roots:
             self.adapter_import_roots = [self.data_dir / "adapter-imports"]
         self.adapter_import_roots = [p.expanduser().resolve() for p in self.adapter_import_roots]
+        if self.data_plane == "vllm" and not self.vllm_urls.strip():
+            raise ValueError(
+                "data_plane 'vllm' needs the vLLM servers' URLs: set vllm_urls "
+                "(--vllm-url http://host:8000[,...])"
+            )
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise ValueError(
                 "set both aws_access_key_id and aws_secret_access_key, or neither "

@@ -47,6 +47,9 @@ async def readyz(state: StateDep):
     if state.engine is None or not state.accepting:
         reason = "shutting down" if not state.accepting else "loading model"
         return JSONResponse({"status": reason}, status_code=503)
+    unavailable = getattr(state.engine, "unavailable", None)  # a remote data plane's own say
+    if unavailable is not None and (why := unavailable()) is not None:
+        return JSONResponse({"status": "data plane unavailable", "error": why}, status_code=503)
     if not state.database.up:
         body = {"status": "database unreachable", "error": state.database.cause}
         return JSONResponse(body, status_code=503)
