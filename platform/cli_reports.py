@@ -40,6 +40,7 @@ ALIAS_COLUMNS = columns("alias", "weights=TRAFFIC", "previous", "updated_at=UPDA
 SUMMARY_COLUMNS = {
     "tenant": columns("tenant"),
     "adapter": columns("tenant", "adapter"),
+    "version": columns("tenant", "adapter", "version"),
     "day": columns("day"),
 }
 TOTAL_COLUMNS = columns(
@@ -253,7 +254,15 @@ def usage_summary(args: argparse.Namespace) -> int:
     if args.json:
         print(usage.to_json(rows))
         return 0
-    table = [{**dataclasses.asdict(r), "adapter": r.adapter or "(base)"} for r in rows]
+    table = [
+        {
+            **dataclasses.asdict(r),
+            "adapter": r.adapter or "(base)",
+            # The base model and rows from before versions were recorded have none.
+            "version": "-" if r.version is None else f"v{r.version}",
+        }
+        for r in rows
+    ]
     print_table(table, [*SUMMARY_COLUMNS[args.group_by], *TOTAL_COLUMNS])
     return 0
 

@@ -2,7 +2,8 @@
 
 Two families side by side:
 
-- `loraplex_*`: ours. Bounded labels only (never tenant or adapter names).
+- `loraplex_*`: ours. Bounded labels only (never tenant names or ids), except the served
+  adapter names of `loraplex_adapter_version_requests`, under the same switch as vLLM's.
 - `vllm:*`: the model-server protocol a LoRA-aware router reads (the Gateway API Inference
   Extension's endpoint picker, llm-d), under vLLM's names and meanings: queue depth, KV use,
   the cache geometry, and which adapters a replica holds. `vllm:lora_requests_info` reports
@@ -78,13 +79,15 @@ class Metrics:
         self.uploads = Counter(
             "loraplex_adapter_uploads", "Adapter uploads", ["status"], registry=r
         )
-        # Which version of an adapter answered, for watching a canary split. Adapter names are
-        # tenants' own, so only with `adapter_names` on (as vLLM's lora info); versions beyond
-        # the kept count are collected, which bounds the series per adapter.
+        # Which version of an adapter answered, for watching a canary split. Labelled by the
+        # served name and version only, as `vllm:lora_requests_info` is: no tenant id, which an
+        # operator's Prometheus must not hold (docs/security.md) and which would multiply the
+        # series by tenants; two tenants' adapters of one name share a series (the ledger splits
+        # them: `loraplex usage summary --group-by version`). Only with `adapter_names` on.
         self.version_requests = Counter(
             "loraplex_adapter_version_requests",
-            "Requests answered per adapter version",
-            ["tenant_id", "adapter", "version"],
+            "Requests answered per served adapter name and version",
+            ["adapter", "version"],
             registry=r,
         )
         self.running = Gauge("loraplex_running_requests", "Requests running", registry=r)

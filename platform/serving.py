@@ -462,9 +462,7 @@ class InferenceService:
         m = self.state.metrics
         m.requests.labels(job.route, status).inc()
         if job.adapter is not None and m.adapter_names:
-            m.version_requests.labels(
-                str(job.caller.tenant.id), job.adapter.name, f"v{job.adapter.version}"
-            ).inc()
+            m.version_requests.labels(job.adapter.name, f"v{job.adapter.version}").inc()
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.completion_tokens.inc(job.sent_tokens)
         # Batch lines have a latency histogram of their own (metrics.py says why).

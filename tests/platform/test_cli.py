@@ -244,6 +244,27 @@ def test_usage_export_writes_billing_rows_for_the_period(cli, acme, tmp_path):
     assert "--from" in cli.fails("usage", "export", "--from", "May")
 
 
+def test_usage_summary_prints_a_table_for_every_group_by_its_help_offers(cli, acme):
+    when = datetime(2024, 5, 2, tzinfo=UTC)
+    with cli.session() as session:
+        for request_id, version in [("v3a", 3), ("v3b", 3), ("v4", 4)]:
+            record_usage(
+                session, request_id=request_id, tenant_id=acme, model="sql", status="ok",
+                prompt_tokens=10, completion_tokens=5, latency_ms=5.0, created_at=when,
+                adapter_name="sql", adapter_version=version,
+            )  # fmt: skip
+        _usage(session, acme, "base", 7, 1, when)
+    period = ("--from", "2024-05-01", "--to", "2024-05-31")
+    for group_by in ("tenant", "adapter", "version", "day"):
+        assert cli.ok("usage", "summary", *period, "--group-by", group_by) != "(none)\n"
+
+    lines = cli.ok("usage", "summary", *period, "--group-by", "version").splitlines()
+    assert lines[0].split()[:5] == ["TENANT", "ADAPTER", "VERSION", "REQUESTS", "PROMPT"]
+    assert [line.split()[:4] for line in lines[1:]] == [
+        ["acme", "(base)", "-", "1"], ["acme", "sql", "v3", "2"], ["acme", "sql", "v4", "1"],
+    ]  # fmt: skip
+
+
 def test_usage_errors_are_one_line_with_exit_code_2(cli):
     assert "invalid choice" in cli.fails("usage", "export", "--format", "xml")
     assert "--tenant" in cli.fails("keys", "create")
