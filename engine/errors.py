@@ -26,6 +26,12 @@ class AdapterError(EngineError, ValueError):
     """An adapter that cannot be served; the message says why."""
 
 
+class NonFiniteOutput(AdapterError):
+    """A request's logits or logprobs came out NaN or infinite (an adapter of absurd
+    magnitude): that request ends with this error; the rows beside it in the batch are
+    unaffected. An AdapterError: the server answers 422 invalid_adapter (docs/security.md)."""
+
+
 class AdapterUnavailable(EngineError, RuntimeError):
     """An adapter's files could not be read (disk or store trouble, not a bad adapter)."""
 
@@ -42,7 +48,14 @@ class EngineBusy(EngineError, RuntimeError):
 # What crosses the engine process's pipe by name (anything else arrives as RuntimeError).
 BY_NAME: dict[str, type[Exception]] = {
     cls.__name__: cls
-    for cls in (BadRequestError, AdapterError, AdapterUnavailable, EngineDeadError, ValueError)
+    for cls in (
+        BadRequestError,
+        AdapterError,
+        NonFiniteOutput,
+        AdapterUnavailable,
+        EngineDeadError,
+        ValueError,
+    )
 }
 
 

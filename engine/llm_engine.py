@@ -23,7 +23,7 @@ from loraplex.engine import structured_output  # noqa: F401  (registers the "gra
 from loraplex.engine.adapter_manager import AdapterManager
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.errors import BadRequestError
+from loraplex.engine.errors import BadRequestError, NonFiniteOutput
 from loraplex.engine.loader import load_model
 from loraplex.engine.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.memory import MemoryReport, gpu_pool_bytes, step_working_bytes
@@ -401,6 +401,9 @@ class LLMEngine:
             seconds = time.perf_counter() - t0
             self.scheduler.swap.costs.observe_step(out.num_batched_tokens, seconds)
         stepped = self.scheduler.postprocess(out, sampled)
+        if self.runner.nonfinite:  # each ends with its own error; `_run` gave them no tokens
+            outputs += self._fail_nonfinite(self.runner.nonfinite)
+            stepped = [seq for seq in stepped if not seq.is_finished]
         self.num_steps += 1
         self.num_generated_tokens += sum(len(t) for t in sampled.values())
         for seq in out.seqs:  # max_tokens=0 scores the prompt: done once it is computed
@@ -423,6 +426,9 @@ class LLMEngine:
             seq = seqs[r]
             k = len(seq.spec_tokens)
             rows = range(r, r + k + 1)
+            if seq in self.runner.nonfinite:
+                r += k + 1
+                continue
             tokens = [so.token_ids[i] for i in rows]
             if k:
                 tokens = accept_prefix(seq.spec_tokens, tokens)
@@ -440,6 +446,28 @@ class LLMEngine:
                     seq.top_logprobs.append(so.top_logprobs[i] or [])
             r += k + 1
         return sampled
+
+    def _fail_nonfinite(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """End the requests whose logits were not finite with a NonFiniteOutput error."""
+        outputs = []
+        for rid in dict.fromkeys(seq.request_id for seq in seqs):
+            group = self.requests.get(rid)
+            if group is None or group.finished:
+                continue
+            seq = group.samples[0].seq
+            what = f"adapter '{seq.lora.lora_name}'" if seq.lora else "the base model"
+            err = NonFiniteOutput(
+                f"{what} produced non-finite logits (NaN or infinity) for this request; its "
+                "weights are beyond what can be served"
+            )
+            self.load_errors[rid] = err
+            for req in group.samples:
+                self._finish(req, "error")
+            output = self._output(group)
+            if output is not None:
+                output.error = str(err)
+                outputs.append(output)
+        return outputs
 
     def _propose(self) -> None:
         """Speculative proposals for the running decodes that may take them."""

@@ -431,6 +431,7 @@ def load_adapter(
         for e, (a, b) in by_expert.items():
             a_all[e], b_all[e] = a, b
         experts[(layer, proj)] = (a_all, b_all)
+    _check_served_finite([*weights.items(), *experts.items()], dtype)
     modules = {what for (_, kind, what) in pairs if kind == "module"}
     targets = tuple(dict.fromkeys(
         [t for t in spec.lora_targets if t in modules]
@@ -445,6 +446,19 @@ def load_adapter(
         name=name or folder.name, rank=rank, targets=targets, weights=weights, experts=experts,
         magnitudes=magnitudes,
     )  # fmt: skip
+
+
+def _check_served_finite(factors, dtype: torch.dtype) -> None:
+    """Every factor as the engine multiplies it (cast to the serving dtype, B scaled by
+    lora_alpha / r) must be finite, not only the file's values: the batched LoRA forms
+    multiply a row's zeroed columns by other slots' B, and 0 x inf is NaN in another
+    tenant's row (kernels/cpu.py, the dense group)."""
+    for (layer, target), (a, b) in factors:
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(
+                f"layers.{layer}.{target}: weights overflow {str(dtype).removeprefix('torch.')}"
+                " once lora_alpha / r scales them; the adapter cannot be served in this dtype"
+            )
 
 
 def _check_dora_keys(layer: int, kind: str, what, ab: dict, dora: bool) -> None:

@@ -9,6 +9,7 @@ prompt rows of requests that ask for prompt logprobs (engine/prompt_logprobs.py)
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from loraplex.engine.graph_runner import DecodeGraphs
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import ForwardContext
 from loraplex.engine.prompt_logprobs import PromptRows, score_prompt_rows
-from loraplex.engine.sampler import Sampler, make_generator
+from loraplex.engine.sampler import LOGPROB_FLOOR, Sampler, make_generator
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.step_plan import StepPlanner
@@ -99,6 +100,9 @@ class ModelRunner:
         self.backend = kernel_backend.KernelBackend(mode=dispatch.get_mode(), cpu_attention=impl)
         kernel_backend.bind(model, self.backend)
         self.planner = StepPlanner(model, self.backend, bs)
+        # The last step's sequences whose logits or prompt logprobs were not finite (NaN,
+        # +inf): the engine ends each with an error of its own, and no other row notices.
+        self.nonfinite: list[Sequence] = []
         self.graphs = None
         if graphs:
             max_blocks = -(-config.max_model_len // bs)
@@ -201,8 +205,10 @@ class ModelRunner:
             hidden = self.graphs.run(*batch.decode)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        self.nonfinite = []
         if batch.prompt_rows.rows:
             score_prompt_rows(self.model, hidden, batch.prompt_rows)
+            self.nonfinite = _nonfinite_prompts(batch.prompt_rows)
         if not batch.sample_seqs:
             return None
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [rows, vocab]
@@ -224,4 +230,22 @@ class ModelRunner:
             [s.processors for s in seqs],
             logits_owned=True,
         )
+        for r in result.nonfinite:
+            if seqs[r] not in self.nonfinite:
+                self.nonfinite.append(seqs[r])
         return seqs, result
+
+
+def _nonfinite_prompts(batch: PromptRows) -> list[Sequence]:
+    """The sequences whose prompt logprobs scored this step are not finite. A logprob of
+    -inf alone (a prompt token the model rules out) is reported as LOGPROB_FLOOR."""
+    bad: list[Sequence] = []
+    for seq in dict.fromkeys(batch.seqs):
+        pl = seq.prompt_logprobs
+        values = pl.token_logprobs[1:] + [v for top in pl.top[1:] for _, v in top]
+        if not all(math.isfinite(v) or v == -math.inf for v in values):
+            bad.append(seq)
+        elif -math.inf in values:
+            pl.token_logprobs[1:] = [max(v, LOGPROB_FLOOR) for v in pl.token_logprobs[1:]]
+            pl.top[1:] = [[(t, max(v, LOGPROB_FLOOR)) for t, v in top] for top in pl.top[1:]]
+    return bad

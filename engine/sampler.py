@@ -12,8 +12,9 @@ and truncation), as OpenAI reports them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +28,13 @@ _ARGMAX_BLOCKS = (1024, 512, 256, 128, 64, 32)  # widest first
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's maximum, the first one on ties (as argmax). [rows, vocab] -> [rows].
+    """Index of each row's maximum, the first one on ties (as argmax). [rows, vocab] -> [rows]."""
+    return _argmax_max(x)[0]
+
+
+def _argmax_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`_argmax`, each row's maximum) of [rows, vocab]; a row holding NaN has NaN for its
+    maximum (torch's max propagates it), so the values tell non-finite rows at no extra pass.
 
     On the CPU a reduction that tracks indices is several times slower than a plain `amax`.
     So: the maximum of each block of columns, the first best block per row, then the first
@@ -38,11 +45,12 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     rows, vocab = x.shape
     width = next((w for w in _ARGMAX_BLOCKS if vocab % w == 0 and vocab >= 4 * w), None)
     if width is None or x.is_cuda:
-        return x.max(dim=-1).indices
+        top, index = x.max(dim=-1)
+        return index, top
     blocks = x.reshape(rows, vocab // width, width)
-    best = blocks.amax(dim=-1).max(dim=-1).indices  # [rows] first block holding the max
+    top, best = blocks.amax(dim=-1).max(dim=-1)  # [rows] first block holding the max
     inner = blocks[torch.arange(rows, device=x.device), best].max(dim=-1).indices
-    return best * width + inner
+    return best * width + inner, top
 
 
 @dataclass
@@ -52,6 +60,10 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # the chosen token's logprob
     top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), best first
+    # rows whose raw logits hold NaN or +inf, or are all -inf: no distribution to draw from
+    # (an adapter of absurd magnitude). Their token and logprobs are meaningless (None), and
+    # their values took no part in any decision shared by the batch.
+    nonfinite: list[int] = field(default_factory=list)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -85,13 +97,17 @@ class Sampler:
         plain = all(p.greedy and not p.has_penalties for p in params)
         if not masked[0] and not processed and plain:
             # Hot path: argmax is exact in any float dtype, so no float32 copy is needed.
-            token_ids = _argmax(logits)  # [rows]
+            token_ids, top = _argmax_max(logits)  # [rows], [rows]
+            bad = _nonfinite_rows(top)
         else:
+            bad = _nonfinite_rows(logits.amax(dim=-1))
             # Owned float32 logits are masked in place unless a row needs the raw distribution
             # for its logprobs (the copy: 32 MB a step at batch 32 and a 262k vocabulary).
             raw = any(p.logprobs is not None or p.best_of for p in params)
             in_place = logits_owned and logits.dtype == torch.float32 and not raw
             x = logits if in_place else logits.to(torch.float32, copy=True)  # [rows, vocab]
+            if bad:  # neutral rows instead: a NaN must not steer a choice made for the batch
+                x[bad] = 0.0
             self._apply_penalties(x, params, prompt_ids, output_ids)
             if processed:
                 apply_processors(x, processors)
@@ -108,8 +124,8 @@ class Sampler:
                     [generators[i] for i in sample_rows],
                 )
         ids = token_ids.tolist()
-        chosen, top = self._logprobs(logits, params, token_ids)
-        return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top)
+        chosen, top = self._logprobs(logits, params, token_ids, bad)
+        return SamplerOutput(token_ids=ids, logprobs=chosen, top_logprobs=top, nonfinite=bad)
 
     def _min_tokens_mask(
         self, params: list[SamplingParams], output_ids: list[list[int]], vocab: int
@@ -201,21 +217,28 @@ class Sampler:
         return _argmax(probs / noise.clamp_min_(1e-20))
 
     def _logprobs(
-        self, logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor
-    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        self, logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor,
+        bad: list[int] = (),
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:  # fmt: skip
+        """Rows in `bad` get none. A finite row's logprobs are finite or -inf (a token its
+        logits rule out): -inf is reported as LOGPROB_FLOOR, as vLLM does, since JSON has no
+        infinity."""
         rows = len(params)
         chosen: list[float | None] = [None] * rows
         top: list[list[tuple[int, float]] | None] = [None] * rows
         # best_of ranks samples by cumulative logprob: the chosen token's is always needed.
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of]
+        skip = set(bad)
+        asked = [i for i, p in enumerate(params)
+                 if (p.logprobs is not None or p.best_of) and i not in skip]  # fmt: skip
         if not asked:
             return chosen, top
         idx = torch.tensor(asked, device=logits.device)
         lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [len(asked), vocab]
-        chosen_lp = lp.gather(1, token_ids[idx][:, None]).squeeze(1).tolist()
+        chosen_lp = lp.gather(1, token_ids[idx][:, None]).squeeze(1)
+        chosen_lp = chosen_lp.clamp_min_(LOGPROB_FLOOR).tolist()
         k_max = max(params[i].logprobs or 0 for i in asked)
         top_vals, top_ids = lp.topk(k_max, dim=-1)  # [len(asked), k_max], sorted
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        top_vals, top_ids = top_vals.clamp_min_(LOGPROB_FLOOR).tolist(), top_ids.tolist()
         for j, i in enumerate(asked):
             k = params[i].logprobs or 0
             chosen[i] = chosen_lp[j]
@@ -232,6 +255,18 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._default_generators[device] = gen
         return gen
+
+
+# The logprob reported for a token of probability 0 (vLLM's value for -inf)
+LOGPROB_FLOOR = -9999.0
+
+
+def _nonfinite_rows(top: torch.Tensor) -> list[int]:
+    """The rows whose maximum `top` [rows] is not finite: NaN or +inf somewhere, or nothing
+    but -inf. One sum and one read in the common case of none."""
+    if math.isfinite(top.sum().item()):
+        return []
+    return (~torch.isfinite(top)).nonzero().flatten().tolist()
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:  # [len(values), 1]

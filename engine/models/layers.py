@@ -298,6 +298,24 @@ class LoRALinear(UsesBackend, nn.Module):
         return y
 
 
+def kv_bound(cache_dtype: torch.dtype, dtype: torch.dtype) -> float:
+    """The largest |value| a key or value carries into the KV cache (NaN becomes 0).
+
+    Other rows read a row's cache slots, masked out, whenever they gather the same blocks (a
+    block freed and handed to another sequence, a short sequence's padding in a batched
+    decode): a masked weight is an exact 0, but 0 x NaN is NaN, and an infinite score q k^T
+    plus an additive -inf mask is NaN too. Only a row already ruined (an adapter of absurd
+    magnitude) reaches the bound, and what is kept stays finite through what follows the
+    clamp: RoPE (up to x sqrt 2), an int8 cache's Hadamard rotation (up to x sqrt head_dim)
+    and float16 scale (max|x| / 127 <= 65504), and another row's q k^T over head_dim terms.
+    Real keys and values are orders of magnitude below each bound."""
+    if cache_dtype == torch.int8:
+        return 2.0**18
+    if dtype == torch.float16:
+        return 2.0**14
+    return 2.0**64
+
+
 class Attention(UsesBackend, nn.Module):
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
@@ -327,6 +345,9 @@ class Attention(UsesBackend, nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         s = self.spec
         qkv = self.qkv_proj(x, ctx.lora)
+        # k|v as one view: bounded before anything else reads them (see kv_bound)
+        bound = kv_bound(self.k_cache.dtype, qkv.dtype)
+        qkv.narrow(-1, s.q_size, 2 * s.kv_size).nan_to_num_(0.0).clamp_(-bound, bound)
         rows = ctx.rope_rows.get(self.rotary.key)
         if rows is not None and self.kv_rotation is None and self.k_scale is None:
             return self._forward_fused(qkv, rows, ctx)
