@@ -1,0 +1,240 @@
+"""The server through a database outage (a TCP proxy the test cuts between it and PostgreSQL),
+a kill during one, and an engine that stops reading under a burst: every request billed as its
+client received it, request by request; never a 500; readiness that follows the database;
+health routes that answer while the engine is stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from sqlalchemy import make_url, select
+
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import UsageRecord
+from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+from loraplex.platform.state import JOURNAL_FILE
+from tests.platform.conftest import _empty_pg_schema
+from tests.platform.test_quickstart import Serve
+from tests.utils.server import ADMIN_KEY, run_server
+from tests.utils.sse_client import stream_completion
+from tests.utils.tcp_proxy import tcp_proxy
+
+OUTAGE_S = 10  # the shortest outage the issue names
+READY_WITHIN_S = 5  # /readyz false after the database goes, true after it returns
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@dataclass
+class Traffic:
+    """What the clients saw: per request id, the tokens received; and every other answer."""
+
+    received: dict[str, int] = field(default_factory=dict)
+    refused: list[tuple[int, str | None, str | None]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def answer(self, response: httpx.Response) -> None:
+        with self.lock:
+            if response.status_code == 200:
+                body = response.json()
+                self.received[body["id"]] = len(body["choices"][0]["logprobs"]["tokens"])
+            else:
+                code = response.json()["error"]["code"]
+                self.refused.append(
+                    (response.status_code, code, response.headers.get("retry-after"))
+                )
+
+
+def _until(condition: Callable[[], bool], within_s: float, what: str) -> float:
+    """Seconds until `condition()` held; fails after `within_s`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < within_s, f"{what}: not within {within_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _status(url: str, path: str) -> int:
+    try:
+        return httpx.get(f"{url}{path}", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _ledger(db_url: str) -> dict[str, tuple[str, int]]:
+    """request id -> (status, completion tokens), read straight from PostgreSQL."""
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            rows = s.execute(select(UsageRecord.request_id, UsageRecord.status,
+                                    UsageRecord.completion_tokens))  # fmt: skip
+            return {rid: (status, tokens) for rid, status, tokens in rows}
+    finally:
+        engine.dispose()
+
+
+def _proxied(db_url: str, port: int) -> str:
+    url = make_url(db_url).set(host="127.0.0.1", port=port)
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def pg_url(pg_database_url):
+    _empty_pg_schema(pg_database_url)
+    return pg_database_url
+
+
+def _pg_port(db_url: str) -> tuple[str, int]:
+    url = make_url(db_url)
+    return url.host or "127.0.0.1", url.port or 5432
+
+
+class HeldStreams:
+    """Streams that read their first tokens and then stop reading until `release()`: their
+    requests are admitted and running (held back by the stream window: the client's receive
+    buffer is small) when the database goes, and end while it is away. A thread each."""
+
+    def __init__(self, url: str, key: str, n: int, max_tokens: int = 480):
+        self.body = {"model": "llama", "prompt": "Once upon", "max_tokens": max_tokens,
+                     "temperature": 0, "ignore_eos": True, "logprobs": 5}  # fmt: skip
+        self.url, self.key = url, key
+        self.go = threading.Event()
+        self.started: set[int] = set()
+        self.results: list = [None] * n
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(n)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+        _until(lambda: len(self.started) == n, 60, "every held stream running")
+
+    def release(self) -> list:
+        self.go.set()
+        for t in self.threads:
+            t.join(60)
+            assert not t.is_alive(), "a held stream did not end"
+        return self.results
+
+    def _run(self, i: int) -> None:
+        def hold(_tokens: int) -> None:
+            self.started.add(i)
+            self.go.wait(60)
+
+        self.results[i] = asyncio.run(stream_completion(
+            self.url, self.key, self.body, on_tokens=hold, recv_buffer_bytes=4096
+        ))  # fmt: skip
+
+
+def _traffic(url: str, key: str, traffic: Traffic, stop: threading.Event) -> None:
+    """Short non-streamed requests, one after the other, until `stop`."""
+    body = {"model": "llama", "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    with httpx.Client(base_url=url, headers=_auth(key), timeout=30) as client:
+        while not stop.is_set():
+            traffic.answer(client.post("/v1/completions", json=body))
+            time.sleep(0.02)
+
+
+def _check_ledger(ledger: dict[str, tuple[str, int]], traffic: Traffic, streams: list) -> None:
+    expected = dict(traffic.received)
+    for s in streams:
+        assert s.status == 200 and s.finished and s.error is None, s
+        expected[s.request_id] = s.tokens
+    assert set(ledger) == set(expected), "billed requests differ from those answered"
+    wrong = {rid: (ledger[rid], n) for rid, n in expected.items() if ledger[rid] != ("ok", n)}
+    assert not wrong, f"billed differently from what the client received: {wrong}"
+
+
+def test_database_outage_mid_traffic(tiny_models, tmp_path, pg_url, caplog):
+    caplog.set_level(logging.WARNING)
+    with (
+        tcp_proxy(*_pg_port(pg_url)) as proxy,
+        run_server(tiny_models["llama"], tmp_path, max_model_len=512,
+                   database_url=_proxied(pg_url, proxy.port)) as srv,
+    ):  # fmt: skip
+        _, key = srv.new_tenant("acme", tokens_per_min=10**7)
+        traffic, stop = Traffic(), threading.Event()
+        client = threading.Thread(target=_traffic, args=(srv.url, key, traffic, stop))
+        client.start()
+        held = HeldStreams(srv.url, key, n=3)
+        _until(lambda: len(traffic.received) >= 3, 30, "traffic before the outage")
+
+        proxy.cut()
+        cut_at = time.monotonic()
+        went = _until(lambda: _status(srv.url, "/readyz") == 503, READY_WITHIN_S, "readyz")
+        assert _status(srv.url, "/healthz") == 200  # alive: nothing to restart
+        admin = httpx.get(f"{srv.url}/admin/api/tenants", headers=_auth(ADMIN_KEY))
+        assert admin.status_code == 503
+        assert admin.json()["error"]["code"] == "database_unavailable"
+        streams = held.release()  # they end while the database is away
+        # Billed nowhere yet but in the journal, on this server's disk.
+        assert len(srv.state.ledger.journal) >= 3
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - cut_at)))
+
+        proxy.restore()
+        back = _until(lambda: _status(srv.url, "/readyz") == 200, READY_WITHIN_S, "readyz")
+        _until(lambda: len(srv.state.ledger.journal) == 0, 10, "the journal written")
+        after = len(traffic.received)
+        _until(lambda: len(traffic.received) >= after + 3, 30, "traffic after the return")
+        stop.set()
+        client.join(30)
+
+    assert went < READY_WITHIN_S and back < READY_WITHIN_S
+    refused = {(status, code, retry) for status, code, retry in traffic.refused}
+    assert refused == {(503, "database_unavailable", "5")}, refused
+    _check_ledger(_ledger(pg_url), traffic, streams)
+    outages = [r for r in caplog.records if "the database is unreachable" in r.getMessage()]
+    assert len(outages) == 1, [r.getMessage() for r in outages]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_server_killed_during_an_outage_bills_after_its_restart(tiny_models, tmp_path, pg_url):
+    upgrade(pg_url)
+    engine = make_engine(pg_url)
+    with make_sessionmaker(engine)() as session:
+        tenant = crud.create_tenant(session, name="acme")
+        key, _ = crud.create_key(session, tenant_id=tenant.id)
+    engine.dispose()
+
+    with tcp_proxy(*_pg_port(pg_url)) as proxy:
+        env = {"LORAPLEX_DATABASE_URL": _proxied(pg_url, proxy.port),
+               "LORAPLEX_MAX_MODEL_LEN": "512"}  # fmt: skip
+        args = ("--model", str(tiny_models["llama"]))
+        first = Serve(tmp_path, *args, env=env)
+        try:
+            first.wait_ready()
+            held = HeldStreams(first.url, key, n=3)
+            proxy.cut()
+            _until(lambda: _status(first.url, "/readyz") == 503, READY_WITHIN_S, "readyz")
+            streams = held.release()  # delivered whole, billed nowhere but in the journal
+            body = {"model": "llama", "prompt": "hi", "max_tokens": 2}
+            refused = httpx.post(f"{first.url}/v1/completions", headers=_auth(key), json=body)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "database_unavailable"
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait(30)
+        finally:
+            first.close()
+        with sqlite3.connect(tmp_path / JOURNAL_FILE) as journal:
+            kept = {k for (k,) in journal.execute("SELECT key FROM entries")}
+        assert kept == {s.request_id for s in streams}
+        assert _ledger(pg_url) == {}
+
+        proxy.restore()
+        second = Serve(tmp_path, *args, env=env)
+        try:
+            second.wait_ready()
+            _until(lambda: len(_ledger(pg_url)) == 3, 10, "the journal written after the restart")
+        finally:
+            second.close()
+    _check_ledger(_ledger(pg_url), Traffic(), streams)
