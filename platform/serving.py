@@ -203,7 +203,8 @@ def engine_error(e: EngineError, job: Job) -> APIError:
     if retry is not None:
         log.warning("data plane unavailable: %s", e)  # names the servers: the log, not the tenant
         msg = "the data plane is not answering now; retry shortly"
-        return APIError(503, msg, "data_plane_unavailable", headers={"Retry-After": str(retry)})
+        # engine_unavailable: a batch line that meets it is retried, never failed
+        return APIError(503, msg, "engine_unavailable", headers={"Retry-After": str(retry)})
     return APIError(503, "the engine could not serve this request; retry", "engine_unavailable")
 
 
