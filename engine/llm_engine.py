@@ -466,6 +466,7 @@ class LLMEngine:
             output = self._output(group)
             if output is not None:
                 output.error = str(err)
+                output.prompt_logprobs = None  # they may hold the NaN that ended it
                 outputs.append(output)
         return outputs
 
