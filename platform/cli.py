@@ -197,7 +197,7 @@ def _agent(args: argparse.Namespace) -> int:
     from loraplex.platform.dataplane.agent_app import create_agent_app
     from loraplex.platform.settings import Settings
 
-    store = store_for(Settings())
+    store = store_for(Settings(dev_mode=True))  # the store settings only: no server secrets
     store.check()
     agent = Agent(args.vllm_url, store, args.cache_dir, max_bytes=args.max_bytes,
                   max_adapters=args.max_adapters)  # fmt: skip

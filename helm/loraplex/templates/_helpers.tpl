@@ -51,3 +51,42 @@ inference.loraplex.io/pool: {{ include "loraplex.fullname" . }}
 app.kubernetes.io/name: {{ include "loraplex.name" . }}-epp
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{- define "loraplex.vllmName" -}}
+{{- printf "%s-vllm" (include "loraplex.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "loraplex.vllmSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "loraplex.name" . }}-vllm
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- /* The vLLM servers' URLs (and their agents'), comma-separated: each StatefulSet pod by its
+stable name under the headless Service, or the URLs given. */ -}}
+{{- define "loraplex.vllmUrls" -}}
+{{- $v := .Values.dataPlane.vllm -}}
+{{- if $v.deploy -}}
+{{- $name := include "loraplex.vllmName" . -}}
+{{- $urls := list -}}
+{{- range $i := until (int $v.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $v.port)) -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- else -}}
+{{- join "," $v.urls -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.vllmAgentUrls" -}}
+{{- $v := .Values.dataPlane.vllm -}}
+{{- if $v.deploy -}}
+{{- $name := include "loraplex.vllmName" . -}}
+{{- $urls := list -}}
+{{- range $i := until (int $v.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $v.agent.port)) -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- else -}}
+{{- join "," $v.agentUrls -}}
+{{- end -}}
+{{- end -}}
