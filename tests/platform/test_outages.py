@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sqlite3
 import threading
@@ -238,3 +239,52 @@ def test_server_killed_during_an_outage_bills_after_its_restart(tiny_models, tmp
         finally:
             second.close()
     _check_ledger(_ledger(pg_url), Traffic(), streams)
+
+
+def test_a_stopped_engine_under_a_burst_freezes_no_route(tiny_models, tmp_path):
+    """Requests keep coming while the engine process is stopped: the pipe to it fills (its
+    add commands carry the prompts), a few more wait in the queue, the rest are refused."""
+    with run_server(tiny_models["llama"], tmp_path, max_model_len=512, engine_unresponsive_s=3.0,
+                    engine_queued_requests=4) as srv:  # fmt: skip
+        _, key = srv.new_tenant("acme")
+        pid = srv.state.engine._proc.pid
+        traffic = Traffic()
+        body = {"model": "llama", "prompt": [100 + i % 400 for i in range(480)], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+
+        def one() -> None:
+            traffic.answer(httpx.post(f"{srv.url}/v1/completions", headers=_auth(key),
+                                      json=body, timeout=120))  # fmt: skip
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            burst = []
+            for i in range(48):  # more than the pipe and the queue hold
+                burst.append(threading.Thread(target=one))
+                burst[-1].start()
+                time.sleep(0.03)
+                if i % 4 == 3:  # every probe and the admin API answer at once meanwhile
+                    for path in ("/healthz", "/metrics", "/admin/api/tenants"):
+                        r = httpx.get(f"{srv.url}{path}", headers=_auth(ADMIN_KEY), timeout=1)
+                        assert r.status_code == 200, (path, r.text)
+            unresponsive = lambda: httpx.get(f"{srv.url}/readyz", timeout=1).json()["status"]  # noqa: E731
+            _until(lambda: unresponsive() == "engine unresponsive", 5, "readyz")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for t in burst:
+            t.join(120)
+        _until(lambda: _status(srv.url, "/readyz") == 200, READY_WITHIN_S, "readyz")
+        with srv.sessions() as session:
+            rows = session.execute(select(UsageRecord.request_id, UsageRecord.status,
+                                          UsageRecord.completion_tokens)).all()  # fmt: skip
+
+    codes = {(status, code, retry) for status, code, retry in traffic.refused}
+    assert codes <= {(503, "engine_unresponsive", "5"), (503, "engine_busy", "2")}, codes
+    assert (503, "engine_busy", "2") in codes  # the queue's limit was reached
+    assert traffic.received, "nothing admitted before the limit was served"
+    billed = {rid: (status, n) for rid, status, n in rows if status == "ok"}
+    assert billed == {rid: ("ok", n) for rid, n in traffic.received.items()}
+    # A request the full queue refused is billed its prompt and no completion, as any
+    # request the engine refused; none other is in the ledger.
+    busy = sum(1 for _, code, _ in traffic.refused if code == "engine_busy")
+    assert sorted((s, n) for _, s, n in rows if s != "ok") == [("error", 0)] * busy
