@@ -38,6 +38,7 @@ from loraplex.platform.batch_runner import BatchRunner
 from loraplex.platform.db.session import ensure_at_head, make_engine, make_sessionmaker
 from loraplex.platform.ledger import watch_database
 from loraplex.platform.metrics import Metrics
+from loraplex.platform.openai.bill_on_send import BillOnSend
 from loraplex.platform.replicas import Heartbeat
 from loraplex.platform.security import new_admin_key
 from loraplex.platform.settings import Settings
@@ -196,4 +197,6 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     if settings.otlp_traces_endpoint:  # the SDK is imported only here
         provider = tracing.make_provider(settings.otlp_traces_endpoint)
         app.add_middleware(tracing.TracingMiddleware, provider=provider)
+    # Outermost: it must see the connection's own `send` (platform/openai/bill_on_send.py).
+    app.add_middleware(BillOnSend)
     return app

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from loraplex.engine import RequestOutput
 from loraplex.platform.api.errors import APIError, error_body
+from loraplex.platform.openai.bill_on_send import bill_on_send
 from loraplex.platform.openai.responses import PromptTokensDetails, Usage
 from loraplex.platform.openai.sse import MeteredEventStream
 from loraplex.platform.serving import InferenceService, Job, StreamCut
@@ -123,7 +124,10 @@ async def run_to_end(service: InferenceService, job: Job, request: Request) -> R
         raise
     # Every sample's tokens: best_of also bills the samples it did not return.
     job.sent_tokens = last.num_generated_tokens or sum(len(c.token_ids) for c in last.outputs)
-    await service.finish(job, "ok")
+    # Billed once the answer reaches the connection, or not (bill_on_send.py): the poll above
+    # only stops generating for a client that left.
+    if not bill_on_send(request, service, job):
+        await service.finish(job, "ok")
     return last
 
 

@@ -6,9 +6,11 @@ health routes that answer while the engine is stopped."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -288,3 +290,28 @@ def test_a_stopped_engine_under_a_burst_freezes_no_route(tiny_models, tmp_path):
     # request the engine refused; none other is in the ledger.
     busy = sum(1 for _, code, _ in traffic.refused if code == "engine_busy")
     assert sorted((s, n) for _, s, n in rows if s != "ok") == [("error", 0)] * busy
+
+
+def test_a_whole_answer_whose_client_left_is_billed_as_not_received(tiny_models, tmp_path):
+    """The client leaves while its answer is generated (the engine held so that it is still
+    running then); generation then ends before any look at the connection could stop it. The
+    answer is never written: billed as aborted, no completion tokens."""
+    with run_server(tiny_models["llama"], tmp_path) as srv:
+        _, key = srv.new_tenant("acme")
+        pid = srv.state.engine._proc.pid
+        body = json.dumps({"model": "llama", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
+                           "ignore_eos": True}).encode()  # fmt: skip
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with socket.create_connection(("127.0.0.1", srv.settings.port)) as client:
+                client.sendall(request.encode() + body)
+                _until(lambda: srv.state.inflight, 10, "the request running")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _until(lambda: not srv.state.inflight, 10, "the request billed")
+        with srv.sessions() as session:
+            (row,) = session.scalars(select(UsageRecord)).all()
+    assert (row.status, row.completion_tokens) == ("aborted", 0)
