@@ -1,12 +1,14 @@
-"""Non-streamed answers are billed by what reached the client's connection.
+"""Non-streamed answers are billed by whether they can still reach the client's connection.
 
 A whole answer is generated before any byte of it is sent, and its client may leave in
 between; billing it when generation ends would bill tokens nobody received. So the route
-leaves its jobs here (`bill_on_send`), and this ASGI middleware bills them once the answer's
-last body message was handed to the connection: as sent if the connection was still open then
-(the same look sse.py takes after each event: one loop turn, then whether uvicorn saw it
-close), else as aborted with no completion tokens. An answer that never got out (an error
-after generation) bills them as errors with none.
+leaves its jobs here (`bill_on_send`), and this ASGI middleware bills them when the answer's
+body is about to be handed to the connection: as sent if the connection is still open then
+(the look sse.py takes: one loop turn, so that a close already seen is handled, then whether
+uvicorn saw the connection close), else as aborted with no completion tokens; the body goes
+out right after, with the usage record already written (a client that reads the ledger once
+its answer came finds it there). An answer that never got out (an error after generation)
+bills them as errors with none.
 """
 
 from __future__ import annotations
@@ -40,24 +42,28 @@ class BillOnSend:
             return
         pending: list = []
         scope[_PENDING] = pending
-        status, delivered = 0, False
+        status = 0
 
-        async def metered(message: Message) -> None:
-            nonlocal status, delivered
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-            last = message["type"] == "http.response.body" and not message.get("more_body")
-            if pending and last:
-                await asyncio.sleep(0)  # a connection_lost already queued runs first
-                delivered = not connection_closed_now(receive)
-
-        try:
-            await self.app(scope, receive, metered)
-        finally:
-            for service, job in pending:
-                if status == 200 and delivered:
+        async def settle(delivered: bool) -> None:
+            jobs, pending[:] = list(pending), []
+            for service, job in jobs:
+                if delivered:
                     await service.finish(job, "ok")
                 else:
                     job.sent_tokens = 0
                     await service.finish(job, "aborted" if status == 200 else "error")
+
+        async def metered(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if pending and last:
+                await asyncio.sleep(0)  # a connection_lost already queued runs first
+                await settle(status == 200 and not connection_closed_now(receive))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, metered)
+        finally:
+            await settle(False)

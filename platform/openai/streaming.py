@@ -124,8 +124,8 @@ async def run_to_end(service: InferenceService, job: Job, request: Request) -> R
         raise
     # Every sample's tokens: best_of also bills the samples it did not return.
     job.sent_tokens = last.num_generated_tokens or sum(len(c.token_ids) for c in last.outputs)
-    # Billed once the answer reaches the connection, or not (bill_on_send.py): the poll above
-    # only stops generating for a client that left.
+    # Billed as its body is handed to the connection, open or not (bill_on_send.py): the poll
+    # above only stops generating for a client that left.
     if not bill_on_send(request, service, job):
         await service.finish(job, "ok")
     return last

@@ -28,6 +28,7 @@ from loraplex.platform.uploads import (
     validate_adapter,
 )
 from loraplex.platform.uploads.policy import expected_files
+from loraplex.platform.uploads.scratch import scratch_unavailable
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=API_ERRORS)
 log = logging.getLogger("loraplex.platform")
@@ -148,7 +149,6 @@ async def _received(request: Request, state, caller, ws, *, named: bool):
 async def _register(request: Request, state, caller, name: str | None, publish: bool):
     """Receive, validate, store and register one upload as a new version; its public view."""
     tmp_root = state.settings.data_dir / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
     try:
         with upload_workspace(tmp_root) as ws:
             named, promote, folder, info = await _received(
@@ -168,9 +168,12 @@ async def _register(request: Request, state, caller, name: str | None, publish: 
     except UploadError as e:
         state.metrics.uploads.labels("refused").inc()
         raise APIError(e.status_code, e.message, e.code) from None
-    except (StoreError, OSError) as e:  # store down, its folder gone, a full disk
+    except StoreError as e:  # store down, its folder gone, its disk full
         state.metrics.uploads.labels("refused").inc()
         raise store_unavailable(caller.tenant.id, name or "?", e) from None
+    except OSError as e:  # the stores wrap their own: this is the scratch folder's disk
+        state.metrics.uploads.labels("refused").inc()
+        raise scratch_unavailable(caller.tenant.id, name or "?", e) from None
     state.metrics.uploads.labels("ok").inc()
     with state.sessions() as session:
         rows = crud.list_adapters(session, tenant_id=caller.tenant.id, name=row.name)

@@ -42,6 +42,7 @@ from loraplex.platform.store import StoreError
 from loraplex.platform.uploads import UploadError, receive_files, upload_workspace
 from loraplex.platform.uploads import validate_adapter as validate
 from loraplex.platform.uploads.local import folder_parts, resolve_import_folder
+from loraplex.platform.uploads.scratch import scratch_unavailable
 
 OPERATOR_TENANT = "operator"
 
@@ -130,6 +131,9 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: StateDep):
     except StoreError as e:
         state.metrics.uploads.labels("refused").inc()
         raise store_unavailable(body.tenant or OPERATOR_TENANT, body.lora_name, e) from None
+    except OSError as e:  # the stores wrap their own: this is the scratch folder's disk
+        state.metrics.uploads.labels("refused").inc()
+        raise scratch_unavailable(body.tenant or OPERATOR_TENANT, body.lora_name, e) from None
     state.metrics.uploads.labels("ok").inc()
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
