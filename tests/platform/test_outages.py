@@ -1,14 +1,17 @@
 """The server through a database outage (a TCP proxy the test cuts between it and PostgreSQL),
-a kill during one, and an engine that stops reading under a burst: every request billed as its
-client received it, request by request; never a 500; readiness that follows the database;
-health routes that answer while the engine is stopped."""
+a kill during one, an engine that stops reading under a burst, the adapter store gone and the
+upload scratch space unusable: every request billed as its client received it, request by
+request; never a 500; readiness that follows the database; health routes that answer while
+the engine is stopped; errors that name what failed."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -25,11 +28,14 @@ from loraplex.platform.db import crud
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from loraplex.platform.state import JOURNAL_FILE
+from loraplex.platform.store import adapter_digest
+from loraplex.platform.uploads.scratch import scratch_unavailable
 from tests.platform.conftest import _empty_pg_schema
 from tests.platform.test_quickstart import Serve
 from tests.utils.server import ADMIN_KEY, run_server
 from tests.utils.sse_client import stream_completion
 from tests.utils.tcp_proxy import tcp_proxy
+from tests.utils.uploads import complete, folder_parts, upload
 
 OUTAGE_S = 10  # the shortest outage the issue names
 READY_WITHIN_S = 5  # /readyz false after the database goes, true after it returns
@@ -315,3 +321,56 @@ def test_a_whole_answer_whose_client_left_is_billed_as_not_received(tiny_models,
         with srv.sessions() as session:
             (row,) = session.scalars(select(UsageRecord)).all()
     assert (row.status, row.completion_tokens) == ("aborted", 0)
+
+
+def test_store_and_scratch_outages_fail_only_what_needs_them(tiny_models, tiny_adapters, tmp_path):
+    with run_server(tiny_models["llama"], tmp_path) as srv:
+        _, key = srv.new_tenant("acme")
+        warm, cold = tiny_adapters["llama"]["qv4"], tiny_adapters["llama"]["attn8"]
+        assert upload(srv.url, key, "warm", folder_parts(warm)).status_code == 201
+        assert upload(srv.url, key, "cold", folder_parts(cold)).status_code == 201
+        shutil.rmtree(srv.state.cache.dir / adapter_digest(cold), ignore_errors=True)
+        traffic = Traffic()
+
+        def ask(model: str) -> None:
+            traffic.answer(complete(srv.url, key, model, logprobs=0, ignore_eos=True))
+
+        ask("warm")  # now in this server's disk cache
+        root = srv.settings.local_store_dir
+        away = root.rename(root.with_name(root.name + "-away"))
+        try:
+            ask("warm")  # cached: served without the store
+            ask("llama")
+            ask("cold")  # needs the store
+            stored = upload(srv.url, key, "later", folder_parts(warm))
+        finally:
+            away.rename(root)
+        assert (stored.status_code, stored.json()["error"]["code"]) == (503, "store_unavailable")
+        ask("cold")
+
+        scratch = srv.settings.data_dir / "tmp"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.write_text("")  # no folder can be made there
+        try:
+            refused = upload(srv.url, key, "later", folder_parts(warm))
+        finally:
+            scratch.unlink()
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"]) == (503, "scratch_unavailable")
+        assert "scratch space" in error["message"] and "store" not in error["message"]
+        assert upload(srv.url, key, "later", folder_parts(warm)).status_code == 201
+        with srv.sessions() as session:
+            rows = session.execute(select(UsageRecord.request_id, UsageRecord.status,
+                                          UsageRecord.completion_tokens)).all()  # fmt: skip
+
+    assert traffic.refused == [(503, "adapter_unavailable", "5")]
+    assert len(traffic.received) == 4
+    assert {rid: (s, n) for rid, s, n in rows} == {
+        rid: ("ok", n) for rid, n in traffic.received.items()
+    }
+
+
+def test_a_full_scratch_space_is_named_as_such():
+    error = scratch_unavailable(1, "a", OSError(errno.ENOSPC, "No space left on device"))
+    assert (error.status, error.code) == (503, "scratch_space_full")
+    assert "full" in error.message and error.headers["Retry-After"]
