@@ -30,7 +30,7 @@ from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from loraplex.platform.state import JOURNAL_FILE
 from loraplex.platform.store import adapter_digest
 from loraplex.platform.uploads.scratch import scratch_unavailable
-from tests.platform.conftest import _empty_pg_schema
+from tests.platform.conftest import _empty_pg_schema, _pg_admin_connect
 from tests.platform.test_quickstart import Serve
 from tests.utils.server import ADMIN_KEY, run_server
 from tests.utils.sse_client import stream_completion
@@ -81,16 +81,25 @@ def _status(url: str, path: str) -> int:
         return 0
 
 
-def _ledger(db_url: str) -> dict[str, tuple[str, int]]:
-    """request id -> (status, completion tokens), read straight from PostgreSQL."""
+def _ledger(db_url: str, tenant_id: int) -> dict[str, tuple[str, int]]:
+    """request id -> (status, completion tokens) of a tenant, read straight from PostgreSQL."""
     engine = make_engine(db_url)
     try:
         with make_sessionmaker(engine)() as s:
             rows = s.execute(select(UsageRecord.request_id, UsageRecord.status,
-                                    UsageRecord.completion_tokens))  # fmt: skip
+                                    UsageRecord.completion_tokens)
+                             .where(UsageRecord.tenant_id == tenant_id))  # fmt: skip
             return {rid: (status, tokens) for rid, status, tokens in rows}
     finally:
         engine.dispose()
+
+
+def _rows(srv, tenant_id: int) -> list[tuple[str, str, int]]:
+    """(request id, status, completion tokens) of a tenant's usage records."""
+    with srv.sessions() as session:
+        return session.execute(select(UsageRecord.request_id, UsageRecord.status,
+                                      UsageRecord.completion_tokens)
+                               .where(UsageRecord.tenant_id == tenant_id)).all()  # fmt: skip
 
 
 def _proxied(db_url: str, port: int) -> str:
@@ -98,15 +107,39 @@ def _proxied(db_url: str, port: int) -> str:
     return url.render_as_string(hide_password=False)
 
 
-@pytest.fixture
-def pg_url(pg_database_url):
-    _empty_pg_schema(pg_database_url)
-    return pg_database_url
-
-
 def _pg_port(db_url: str) -> tuple[str, int]:
     url = make_url(db_url)
     return url.host or "127.0.0.1", url.port or 5432
+
+
+@pytest.fixture(scope="module")
+def outage_server(tiny_models, pg_database_url, tmp_path_factory):
+    """(proxy, server, database URL): one server for this module's in-process tests, on
+    PostgreSQL through a proxy they may cut (and must restore); each test has its tenant."""
+    _empty_pg_schema(pg_database_url)
+    with (
+        tcp_proxy(*_pg_port(pg_database_url)) as proxy,
+        run_server(tiny_models["llama"], tmp_path_factory.mktemp("outages"), max_model_len=512,
+                   database_url=_proxied(pg_database_url, proxy.port), engine_unresponsive_s=6.0,
+                   engine_queued_requests=4) as srv,
+    ):  # fmt: skip
+        yield proxy, srv, pg_database_url
+
+
+@pytest.fixture
+def own_database(pg_database_url):
+    """A PostgreSQL database of the test's own (migrated), dropped after it."""
+    name = f"{make_url(pg_database_url).database}_own"
+    admin = _pg_admin_connect()
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = make_url(pg_database_url).set(database=name)
+        url = url.render_as_string(hide_password=False)
+        upgrade(url)
+        yield url
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
 
 
 class HeldStreams:
@@ -164,55 +197,59 @@ def _check_ledger(ledger: dict[str, tuple[str, int]], traffic: Traffic, streams:
     assert not wrong, f"billed differently from what the client received: {wrong}"
 
 
-def test_database_outage_mid_traffic(tiny_models, tmp_path, pg_url, caplog):
+def test_database_outage_mid_traffic(outage_server, caplog):
+    proxy, srv, db_url = outage_server
     caplog.set_level(logging.WARNING)
-    with (
-        tcp_proxy(*_pg_port(pg_url)) as proxy,
-        run_server(tiny_models["llama"], tmp_path, max_model_len=512,
-                   database_url=_proxied(pg_url, proxy.port)) as srv,
-    ):  # fmt: skip
-        _, key = srv.new_tenant("acme", tokens_per_min=10**7)
-        traffic, stop = Traffic(), threading.Event()
-        client = threading.Thread(target=_traffic, args=(srv.url, key, traffic, stop))
-        client.start()
+    tenant, key = srv.new_tenant("outage", tokens_per_min=10**7)
+    traffic, stop = Traffic(), threading.Event()
+    client = threading.Thread(target=_traffic, args=(srv.url, key, traffic, stop))
+    client.start()
+    try:
         held = HeldStreams(srv.url, key, n=3)
         _until(lambda: len(traffic.received) >= 3, 30, "traffic before the outage")
 
         proxy.cut()
         cut_at = time.monotonic()
-        went = _until(lambda: _status(srv.url, "/readyz") == 503, READY_WITHIN_S, "readyz")
-        assert _status(srv.url, "/healthz") == 200  # alive: nothing to restart
-        admin = httpx.get(f"{srv.url}/admin/api/tenants", headers=_auth(ADMIN_KEY))
-        assert admin.status_code == 503
-        assert admin.json()["error"]["code"] == "database_unavailable"
-        streams = held.release()  # they end while the database is away
-        # Billed nowhere yet but in the journal, on this server's disk.
-        assert len(srv.state.ledger.journal) >= 3
-        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - cut_at)))
-
-        proxy.restore()
+        try:
+            went = _until(lambda: _status(srv.url, "/readyz") == 503, READY_WITHIN_S, "readyz")
+            assert _status(srv.url, "/healthz") == 200  # alive: nothing to restart
+            admin = httpx.get(f"{srv.url}/admin/api/tenants", headers=_auth(ADMIN_KEY))
+            assert admin.status_code == 503
+            assert admin.json()["error"]["code"] == "database_unavailable"
+            streams = held.release()  # they end while the database is away
+            # Billed nowhere yet but in the journal, on this server's disk.
+            assert len(srv.state.ledger.journal) >= 3
+            time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - cut_at)))
+        finally:
+            held.go.set()
+            proxy.restore()
         back = _until(lambda: _status(srv.url, "/readyz") == 200, READY_WITHIN_S, "readyz")
         _until(lambda: len(srv.state.ledger.journal) == 0, 10, "the journal written")
         after = len(traffic.received)
         _until(lambda: len(traffic.received) >= after + 3, 30, "traffic after the return")
+    finally:
         stop.set()
         client.join(30)
 
+    print(f"readyz false {went:.1f} s after the cut, true {back:.1f} s after the return; "
+          f"{len(traffic.received)} answered, {len(traffic.refused)} refused")  # fmt: skip
     assert went < READY_WITHIN_S and back < READY_WITHIN_S
     refused = {(status, code, retry) for status, code, retry in traffic.refused}
     assert refused == {(503, "database_unavailable", "5")}, refused
-    _check_ledger(_ledger(pg_url), traffic, streams)
+    _check_ledger(_ledger(db_url, tenant), traffic, streams)
     outages = [r for r in caplog.records if "the database is unreachable" in r.getMessage()]
     assert len(outages) == 1, [r.getMessage() for r in outages]
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
-def test_server_killed_during_an_outage_bills_after_its_restart(tiny_models, tmp_path, pg_url):
-    upgrade(pg_url)
+def test_server_killed_during_an_outage_bills_after_its_restart(
+    tiny_models, tmp_path, own_database
+):
+    pg_url = own_database
     engine = make_engine(pg_url)
     with make_sessionmaker(engine)() as session:
-        tenant = crud.create_tenant(session, name="acme")
-        key, _ = crud.create_key(session, tenant_id=tenant.id)
+        tenant = crud.create_tenant(session, name="acme").id
+        key, _ = crud.create_key(session, tenant_id=tenant)
     engine.dispose()
 
     with tcp_proxy(*_pg_port(pg_url)) as proxy:
@@ -237,54 +274,52 @@ def test_server_killed_during_an_outage_bills_after_its_restart(tiny_models, tmp
         with sqlite3.connect(tmp_path / JOURNAL_FILE) as journal:
             kept = {k for (k,) in journal.execute("SELECT key FROM entries")}
         assert kept == {s.request_id for s in streams}
-        assert _ledger(pg_url) == {}
+        assert _ledger(pg_url, tenant) == {}
 
         proxy.restore()
         second = Serve(tmp_path, *args, env=env)
         try:
             second.wait_ready()
-            _until(lambda: len(_ledger(pg_url)) == 3, 10, "the journal written after the restart")
+            _until(lambda: len(_ledger(pg_url, tenant)) == 3, 10, "the journal written again")
         finally:
             second.close()
-    _check_ledger(_ledger(pg_url), Traffic(), streams)
+    _check_ledger(_ledger(pg_url, tenant), Traffic(), streams)
 
 
-def test_a_stopped_engine_under_a_burst_freezes_no_route(tiny_models, tmp_path):
+def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server):
     """Requests keep coming while the engine process is stopped: the pipe to it fills (its
     add commands carry the prompts), a few more wait in the queue, the rest are refused."""
-    with run_server(tiny_models["llama"], tmp_path, max_model_len=512, engine_unresponsive_s=3.0,
-                    engine_queued_requests=4) as srv:  # fmt: skip
-        _, key = srv.new_tenant("acme")
-        pid = srv.state.engine._proc.pid
-        traffic = Traffic()
-        body = {"model": "llama", "prompt": [100 + i % 400 for i in range(480)], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    _, srv, _ = outage_server
+    tenant, key = srv.new_tenant("stopped")
+    pid = srv.state.engine._proc.pid
+    traffic = Traffic()
+    body = {"model": "llama", "prompt": [100 + i % 400 for i in range(480)], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
 
-        def one() -> None:
-            traffic.answer(httpx.post(f"{srv.url}/v1/completions", headers=_auth(key),
-                                      json=body, timeout=120))  # fmt: skip
+    def one() -> None:
+        traffic.answer(httpx.post(f"{srv.url}/v1/completions", headers=_auth(key),
+                                  json=body, timeout=120))  # fmt: skip
 
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            burst = []
-            for i in range(48):  # more than the pipe and the queue hold
-                burst.append(threading.Thread(target=one))
-                burst[-1].start()
-                time.sleep(0.03)
-                if i % 4 == 3:  # every probe and the admin API answer at once meanwhile
-                    for path in ("/healthz", "/metrics", "/admin/api/tenants"):
-                        r = httpx.get(f"{srv.url}{path}", headers=_auth(ADMIN_KEY), timeout=1)
-                        assert r.status_code == 200, (path, r.text)
-            unresponsive = lambda: httpx.get(f"{srv.url}/readyz", timeout=1).json()["status"]  # noqa: E731
-            _until(lambda: unresponsive() == "engine unresponsive", 5, "readyz")
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        for t in burst:
-            t.join(120)
-        _until(lambda: _status(srv.url, "/readyz") == 200, READY_WITHIN_S, "readyz")
-        with srv.sessions() as session:
-            rows = session.execute(select(UsageRecord.request_id, UsageRecord.status,
-                                          UsageRecord.completion_tokens)).all()  # fmt: skip
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        burst = []
+        for i in range(48):  # more than the pipe and the queue hold
+            burst.append(threading.Thread(target=one))
+            burst[-1].start()
+            time.sleep(0.03)
+            if i % 4 == 3:  # every probe and the admin API answer at once meanwhile
+                for path in ("/healthz", "/metrics", "/admin/api/tenants"):
+                    r = httpx.get(f"{srv.url}{path}", headers=_auth(ADMIN_KEY), timeout=1)
+                    assert r.status_code == 200, (path, r.text)
+        unresponsive = lambda: httpx.get(f"{srv.url}/readyz", timeout=1).json()["status"]  # noqa: E731
+        # Past the server's engine_unresponsive_s since the first request came.
+        _until(lambda: unresponsive() == "engine unresponsive", 10, "readyz")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for t in burst:
+        t.join(120)
+    _until(lambda: _status(srv.url, "/readyz") == 200, READY_WITHIN_S, "readyz")
+    rows = _rows(srv, tenant)
 
     codes = {(status, code, retry) for status, code, retry in traffic.refused}
     assert codes <= {(503, "engine_unresponsive", "5"), (503, "engine_busy", "2")}, codes
@@ -298,70 +333,67 @@ def test_a_stopped_engine_under_a_burst_freezes_no_route(tiny_models, tmp_path):
     assert sorted((s, n) for _, s, n in rows if s != "ok") == [("error", 0)] * busy
 
 
-def test_a_whole_answer_whose_client_left_is_billed_as_not_received(tiny_models, tmp_path):
+def test_a_whole_answer_whose_client_left_is_billed_as_not_received(outage_server):
     """The client leaves while its answer is generated (the engine held so that it is still
     running then); generation then ends before any look at the connection could stop it. The
     answer is never written: billed as aborted, no completion tokens."""
-    with run_server(tiny_models["llama"], tmp_path) as srv:
-        _, key = srv.new_tenant("acme")
-        pid = srv.state.engine._proc.pid
-        body = json.dumps({"model": "llama", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
-                           "ignore_eos": True}).encode()  # fmt: skip
-        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                   f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with socket.create_connection(("127.0.0.1", srv.settings.port)) as client:
-                client.sendall(request.encode() + body)
-                _until(lambda: srv.state.inflight, 10, "the request running")
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        _until(lambda: not srv.state.inflight, 10, "the request billed")
-        with srv.sessions() as session:
-            (row,) = session.scalars(select(UsageRecord)).all()
-    assert (row.status, row.completion_tokens) == ("aborted", 0)
+    _, srv, _ = outage_server
+    tenant, key = srv.new_tenant("left")
+    pid = srv.state.engine._proc.pid
+    body = json.dumps({"model": "llama", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.settings.port)) as client:
+            client.sendall(request.encode() + body)
+            _until(lambda: srv.state.inflight, 10, "the request running")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _until(lambda: not srv.state.inflight, 10, "the request billed")
+    ((_, status, tokens),) = _rows(srv, tenant)
+    assert (status, tokens) == ("aborted", 0)
 
 
-def test_store_and_scratch_outages_fail_only_what_needs_them(tiny_models, tiny_adapters, tmp_path):
-    with run_server(tiny_models["llama"], tmp_path) as srv:
-        _, key = srv.new_tenant("acme")
-        warm, cold = tiny_adapters["llama"]["qv4"], tiny_adapters["llama"]["attn8"]
-        assert upload(srv.url, key, "warm", folder_parts(warm)).status_code == 201
-        assert upload(srv.url, key, "cold", folder_parts(cold)).status_code == 201
-        shutil.rmtree(srv.state.cache.dir / adapter_digest(cold), ignore_errors=True)
-        traffic = Traffic()
+def test_store_and_scratch_outages_fail_only_what_needs_them(outage_server, tiny_adapters):
+    _, srv, _ = outage_server
+    tenant, key = srv.new_tenant("store")
+    warm, cold = tiny_adapters["llama"]["qv4"], tiny_adapters["llama"]["attn8"]
+    assert upload(srv.url, key, "warm", folder_parts(warm)).status_code == 201
+    assert upload(srv.url, key, "cold", folder_parts(cold)).status_code == 201
+    shutil.rmtree(srv.state.cache.dir / adapter_digest(cold), ignore_errors=True)
+    traffic = Traffic()
 
-        def ask(model: str) -> None:
-            traffic.answer(complete(srv.url, key, model, logprobs=0, ignore_eos=True))
+    def ask(model: str) -> None:
+        traffic.answer(complete(srv.url, key, model, logprobs=0, ignore_eos=True))
 
-        ask("warm")  # now in this server's disk cache
-        root = srv.settings.local_store_dir
-        away = root.rename(root.with_name(root.name + "-away"))
-        try:
-            ask("warm")  # cached: served without the store
-            ask("llama")
-            ask("cold")  # needs the store
-            stored = upload(srv.url, key, "later", folder_parts(warm))
-        finally:
-            away.rename(root)
-        assert (stored.status_code, stored.json()["error"]["code"]) == (503, "store_unavailable")
-        ask("cold")
+    ask("warm")  # now in this server's disk cache
+    root = srv.settings.local_store_dir
+    away = root.rename(root.with_name(root.name + "-away"))
+    try:
+        ask("warm")  # cached: served without the store
+        ask("llama")
+        ask("cold")  # needs the store
+        stored = upload(srv.url, key, "later", folder_parts(warm))
+    finally:
+        away.rename(root)
+    assert (stored.status_code, stored.json()["error"]["code"]) == (503, "store_unavailable")
+    ask("cold")
 
-        scratch = srv.settings.data_dir / "tmp"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.write_text("")  # no folder can be made there
-        try:
-            refused = upload(srv.url, key, "later", folder_parts(warm))
-        finally:
-            scratch.unlink()
-        error = refused.json()["error"]
-        assert (refused.status_code, error["code"]) == (503, "scratch_unavailable")
-        assert "scratch space" in error["message"] and "store" not in error["message"]
-        assert upload(srv.url, key, "later", folder_parts(warm)).status_code == 201
-        with srv.sessions() as session:
-            rows = session.execute(select(UsageRecord.request_id, UsageRecord.status,
-                                          UsageRecord.completion_tokens)).all()  # fmt: skip
+    scratch = srv.settings.data_dir / "tmp"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.write_text("")  # no folder can be made there
+    try:
+        refused = upload(srv.url, key, "later", folder_parts(warm))
+    finally:
+        scratch.unlink()
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"]) == (503, "scratch_unavailable")
+    assert "scratch space" in error["message"] and "store" not in error["message"]
+    assert upload(srv.url, key, "later", folder_parts(warm)).status_code == 201
+    rows = _rows(srv, tenant)
 
     assert traffic.refused == [(503, "adapter_unavailable", "5")]
     assert len(traffic.received) == 4
