@@ -48,11 +48,13 @@ _EXPORTS = {
     "Tokenizer": "tokenizer",
     "load_adapter": "lora",
     "read_adapter_config": "lora",
+    "check_adapter_layers": "lora",
     "prepare_demo": "demo",
     # errors (engine/errors.py)
     "EngineError": "errors",
     "BadRequestError": "errors",
     "AdapterError": "errors",
+    "NonFiniteOutput": "errors",
     "AdapterUnavailable": "errors",
     "EngineDeadError": "errors",
     "EngineBusy": "errors",

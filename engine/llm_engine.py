@@ -455,10 +455,13 @@ class LLMEngine:
             if group is None or group.finished:
                 continue
             seq = group.samples[0].seq
-            what = f"adapter '{seq.lora.lora_name}'" if seq.lora else "the base model"
+            why = (
+                "the adapter's weights are beyond what can be served"
+                if seq.lora
+                else ("the base model's activations overflowed its dtype")
+            )
             err = NonFiniteOutput(
-                f"{what} produced non-finite logits (NaN or infinity) for this request; its "
-                "weights are beyond what can be served"
+                f"the request's logits came out non-finite (NaN or infinity): {why}"
             )
             self.load_errors[rid] = err
             for req in group.samples:

@@ -110,14 +110,22 @@ def _check_patterns(cfg: dict, path: Path) -> None:
                 raise AdapterError(f"{path}: {key_name}[{key!r}] must be a positive number")
 
 
+# A peft config is about a kilobyte; the limit leaves room for long rank/alpha patterns.
+MAX_CONFIG_BYTES = 1024**2
+
+
 def read_adapter_config(folder: Path) -> dict:
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise AdapterError(f"{folder}: adapter_config.json is missing")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a peft config")
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # arrays/objects nested thousands deep
+        raise AdapterError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{path}: expected a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
@@ -179,6 +187,38 @@ def _layer_modules(spec: ModelSpec, layer: int) -> list[str]:
         if spec.shared_expert_size:
             names += [f"{pre}.mlp.{SHARED_EXPERT}.{p}" for p in EXPERT_PROJECTIONS]
     return names
+
+
+def check_adapter_layers(cfg: dict, spec: ModelSpec) -> frozenset[int] | None:
+    """peft's `layers_to_transform` (an index or a list of them) and `layers_pattern` (the name
+    of the model's list of layers) against the base model: the layers the adapter may hold
+    weights for, None for all. Raises AdapterError for an index the model does not have
+    (negative, or past its last layer) or a layer list it does not have."""
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        layers_set = None
+    else:
+        items = layers if isinstance(layers, list) else [layers]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise AdapterError("layers_to_transform must be a layer index or a list of them")
+        wrong = [i for i in items if not 0 <= i < spec.num_layers]
+        if wrong:
+            raise AdapterError(
+                f"layers_to_transform {wrong[:8]}: the base model ({spec.family}) has layers "
+                f"0 to {spec.num_layers - 1}"
+            )
+        layers_set = frozenset(items)
+    pattern = cfg.get("layers_pattern")
+    if pattern is not None and pattern != []:
+        names = pattern if isinstance(pattern, list) else [pattern]
+        if not all(isinstance(n, str) for n in names):
+            raise AdapterError("layers_pattern must be a name or a list of names")
+        if "layers" not in names:
+            raise AdapterError(
+                f"layers_pattern {names[:4]}: the base model's layers are model.layers, "
+                "so the only pattern it has is 'layers'"
+            )
+    return layers_set
 
 
 def declared_targets(cfg: dict, path: Path, spec: ModelSpec) -> list[str] | None:
@@ -308,6 +348,10 @@ def load_adapter(
             )
         raise AdapterError(f"{folder}: adapter_model.safetensors is missing")
 
+    try:
+        allowed_layers = check_adapter_layers(cfg, spec)
+    except AdapterError as e:
+        raise AdapterError(f"{folder / 'adapter_config.json'}: {e}") from None
     supported = ", ".join(spec.lora_targets)
     # (layer, kind, key) -> {"A": tensor, "B": tensor}; kinds as _classify returns them
     pairs: dict[tuple[int, str, object], dict[str, torch.Tensor]] = {}
@@ -324,6 +368,11 @@ def load_adapter(
                 if layer >= spec.num_layers:
                     raise AdapterError(
                         f"{key}: layer {layer} but the base model has {spec.num_layers} layers"
+                    )
+                if allowed_layers is not None and layer not in allowed_layers:
+                    raise AdapterError(
+                        f"{key}: layer {layer}, which adapter_config.json's "
+                        f"layers_to_transform {sorted(allowed_layers)} does not list"
                     )
                 kind, what = _classify(path, layer, spec, wpath.name)
                 pairs.setdefault((layer, kind, what), {})[ab] = f.get_tensor(key)

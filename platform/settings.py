@@ -187,6 +187,13 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         "by the server and printed once",
     )
     max_upload_bytes: int = Field(512 * 1024**2, ge=1)
+    max_adapter_weight: float = Field(
+        1000.0,
+        gt=0,
+        description="uploads whose largest |weight| (lora_alpha / r folded into lora_B) "
+        "passes this are refused (422 weights_too_large); trained adapters measure two "
+        "orders of magnitude below the default (docs/row-isolation.md)",
+    )
     adapter_import_roots: list[Path] = Field(
         default_factory=list,
         description="folders POST /v1/load_lora_adapter may read adapters from (its "

@@ -24,11 +24,19 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine import AdapterError, ModelSpec, load_adapter, read_adapter_config
+from loraplex.engine import (
+    AdapterError,
+    ModelSpec,
+    check_adapter_layers,
+    load_adapter,
+    read_adapter_config,
+)
+from loraplex.platform.openai.bodies import check_json_depth
 from loraplex.platform.store.base import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, adapter_digest
 from loraplex.platform.uploads.policy import UploadError, expected_files, too_large
 
 SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+MAX_CONFIG_BYTES = 1024**2  # as the engine's read_adapter_config
 MAX_HEADER_BYTES = 100_000_000
 # Substrings (distinctive) naming the families we can serve, keyed by ModelSpec.family.
 _FAMILIES = {
@@ -102,6 +110,9 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
                 f"header length {n} runs past the end of the {size}-byte file; truncated?"
             )
         raw = f.read(n)
+    deep = check_json_depth(raw)
+    if deep is not None:
+        raise _invalid("json_too_deep", f"{WEIGHTS_FILE}: the header: {deep}")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _Duplicate as e:
@@ -194,10 +205,40 @@ def check_base_model(declared: str | None, spec: ModelSpec, base_model_name: str
         )
 
 
+def _check_magnitude(adapter, limit: float) -> None:
+    """The largest |value| the adapter multiplies activations by (A, B with lora_alpha / r
+    folded in, DoRA's magnitude vectors) must stay within `limit` (docs/security.md says
+    how the default was measured)."""
+    pairs = [*adapter.weights.items(), *adapter.experts.items()]
+    tensors = [(key, t) for key, ab in pairs for t in ab]
+    tensors += list(adapter.magnitudes.items())
+    for (layer, target), t in tensors:
+        top = float(t.abs().max()) if t.numel() else 0.0
+        if top > limit:
+            raise _invalid(
+                "weights_too_large",
+                f"layers.{layer}.{target}: a weight of magnitude {top:.3g} (lora_alpha / r "
+                f"included) exceeds {limit:g}; trained adapters stay far below it. The "
+                "server's max_adapter_weight setting raises the limit",
+            )
+
+
+# The default bound on |weight| (lora_alpha / r folded into B): the largest value measured
+# in trained adapters (docs/security.md) is about two orders of magnitude below it.
+MAX_ADAPTER_WEIGHT = 1000.0
+
+
 def validate_adapter(
-    folder: str | Path, spec: ModelSpec, *, max_rank: int, base_model_name: str, max_bytes: int
+    folder: str | Path,
+    spec: ModelSpec,
+    *,
+    max_rank: int,
+    base_model_name: str,
+    max_bytes: int,
+    max_weight: float | None = MAX_ADAPTER_WEIGHT,
 ) -> ValidatedAdapter:
-    """Check everything the engine and the tenant's quota need; raise UploadError otherwise."""
+    """Check everything the engine and the tenant's quota need; raise UploadError otherwise.
+    `max_weight`: the bound on the adapter's weights (None: no bound)."""
     folder = Path(folder)
     missing = [n for n in ADAPTER_FILES if not (folder / n).is_file()]
     if missing:
@@ -214,11 +255,20 @@ def validate_adapter(
             text = text.replace(f"{name}/", "").replace(name, "adapter")
         return text
 
+    config = folder / CONFIG_FILE
+    if config.stat().st_size <= MAX_CONFIG_BYTES:  # larger: read_adapter_config refuses it
+        deep = check_json_depth(config.read_bytes())
+        if deep is not None:
+            raise _invalid("json_too_deep", f"{CONFIG_FILE}: {deep}")
     try:
         cfg = read_adapter_config(folder)
     except AdapterError as e:
         raise _invalid("bad_config", clean(e)) from None
     _check_config_types(cfg)
+    try:
+        check_adapter_layers(cfg, spec)
+    except AdapterError as e:
+        raise _invalid("bad_layers", f"{CONFIG_FILE}: {e}") from None
     tensors = read_safetensors_header(folder / WEIGHTS_FILE)
     # A fused expert adapter's lora_A (peft's target_parameters) stacks every expert's A:
     # rank x experts rows; gate|up may carry twice the rank (engine/lora.py checks exactly).
@@ -235,6 +285,8 @@ def validate_adapter(
         adapter = load_adapter(folder, spec, max_rank, torch.float32)
     except (AdapterError, TypeError, ValueError, re.error) as e:
         raise _invalid("invalid_adapter", clean(e)) from None
+    if max_weight is not None:
+        _check_magnitude(adapter, max_weight)
     return ValidatedAdapter(
         rank=adapter.rank,
         alpha=float(cfg.get("lora_alpha", cfg["r"])),

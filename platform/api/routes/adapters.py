@@ -140,6 +140,7 @@ async def _received(request: Request, state, caller, ws, *, named: bool):
             max_rank=max_rank,
             base_model_name=state.model_name,
             max_bytes=limit,
+            max_weight=settings.max_adapter_weight,
         )
         return name, promote in _TRUE, folder, info
     finally:

@@ -100,8 +100,9 @@ def _load(state, body: LoadLoRAAdapterRequest):
     with upload_workspace(tmp_root) as ws, folder_parts(folder, roots) as parts:
         copy = receive_files(parts, ws, max_bytes=limit)
         info = validate(
-            copy, state.spec, max_rank=max_rank, base_model_name=state.model_name, max_bytes=limit
-        )
+            copy, state.spec, max_rank=max_rank, base_model_name=state.model_name,
+            max_bytes=limit, max_weight=settings.max_adapter_weight,
+        )  # fmt: skip
         if body.load_inplace:
             keep = settings.adapter_versions_kept
             return publish_version(state, tenant_id, body.lora_name, copy, info, keep=keep)
