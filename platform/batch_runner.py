@@ -26,6 +26,7 @@ from loraplex.platform.batches import (
     validation_message,
     write_result_files,
 )
+from loraplex.platform.db.health import note_outage
 from loraplex.platform.db.models import (
     ApiKey,
     Batch,
@@ -101,7 +102,8 @@ class BatchRunner:
                     self.tasks[batch_id] = task
                     task.add_done_callback(lambda _, b=batch_id: self.tasks.pop(b, None))
             except Exception as e:  # the database away for a moment must not stop the loop
-                log.warning("looking for batches to run failed: %s", e)
+                if not note_outage(self.state, e):  # an outage is logged once, not each turn
+                    log.warning("looking for batches to run failed: %s", e)
             await asyncio.sleep(self.settings.batch_poll_interval_s)
 
     async def stop(self) -> None:

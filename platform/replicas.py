@@ -21,6 +21,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from loraplex.platform.db.health import note_outage
 from loraplex.platform.db.models import Replica, utcnow
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class Heartbeat:
             try:
                 await asyncio.to_thread(self.beat_once)
             except Exception as e:  # a database outage must not stop the server, nor this loop
-                log.warning("replica heartbeat failed: %s", e)
+                if not note_outage(self.state, e):  # an outage is logged once, not each beat
+                    log.warning("replica heartbeat failed: %s", e)
             await asyncio.sleep(self.interval_s)
 
     def stop(self) -> None:

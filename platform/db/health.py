@@ -78,3 +78,14 @@ class DatabaseHealth:
             return False
         self.reached()
         return True
+
+
+def note_outage(state, e: BaseException) -> bool:
+    """For background loops (heartbeat, batch polling): if `e` is the database being away,
+    tell `state.database` (one log line per outage) and say True, so that the loop logs
+    nothing of its own each turn; else False."""
+    health = getattr(state, "database", None)
+    if health is None or not is_unavailable(e):
+        return False
+    health.failed(e)
+    return True
