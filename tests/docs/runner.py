@@ -7,12 +7,15 @@
   and an object may hold more keys than shown.
 - `console`: each `$ command` runs (stdout and stderr together); its output must be the lines
   shown, except in table columns whose values differ from run to run (digests, sizes, times).
-- `python`: the block runs as a script and must exit 0.
+- `python`: the block runs as a script (in this process, a namespace of its own) and must not
+  raise.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -165,9 +168,20 @@ def run_console(text: str, cwd: Path, env: dict[str, str]) -> None:
         )
 
 
-def run_python(text: str, cwd: Path, env: dict[str, str], python: str, name: str) -> None:
-    script = cwd / f"{name}.py"
-    script.write_text(text)
-    done = subprocess.run([python, script.name], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)  # fmt: skip
-    assert done.returncode == 0, f"exit status {done.returncode}:\n{done.stdout}\n{done.stderr}"
+def run_python(text: str, cwd: Path, env: dict[str, str], name: str) -> None:
+    """Run the block in this process (its imports are the block's own: a fresh namespace),
+    from the page's folder, with `env` over this process's environment for the run: the
+    interpreter and torch are loaded once for every block, not once a block."""
+    code = compile(text, name, "exec")
+    saved_env, saved_cwd = dict(os.environ), Path.cwd()
+    namespace: dict = {"__name__": "__main__"}
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        exec(code, namespace)
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        namespace.clear()  # an LLM the block made goes now, not at the session's end
+        gc.collect()

@@ -10,13 +10,15 @@ why it does not run here (`skip (...)`).
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from loraplex.platform.logs import PlainFormatter
 from tests.docs import runner
 from tests.docs.blocks import Block, all_blocks
 from tests.docs.conftest import OUTCOMES, DocsServer
@@ -24,6 +26,9 @@ from tests.utils.factories import make_adapter
 from tests.utils.uploads import auth
 
 BLOCKS = [b for b in all_blocks() if b.runnable]
+# What a Python block gets of the environment shell blocks run with (conftest.py).
+_BLOCK_ENV = ("LORAPLEX_DATA_DIR", "LORAPLEX_DATABASE_URL", "LORAPLEX_ADMIN_KEY", "URL",
+              "ADMIN_KEY")  # fmt: skip
 
 
 def _sql_split(docs: DocsServer, key: str, subs: dict[str, str]) -> None:
@@ -103,7 +108,8 @@ def test_block_runs_as_its_page_shows(block: Block, docs_server: DocsServer) -> 
     if block.lang == "console":
         runner.run_console(text, folder, env)
     elif block.lang == "python":
-        runner.run_python(text, folder, env, sys.executable, f"block_{block.line}")
+        # This process's settings stay (tests/conftest.py's); the server's come over them.
+        runner.run_python(text, folder, {k: env[k] for k in _BLOCK_ENV}, block.id)
     else:
         runner.run_shell(text, folder, env)
     OUTCOMES.append((block.id, None))
@@ -126,3 +132,63 @@ def test_every_405_names_the_methods_served(docs_server: DocsServer) -> None:
             assert allow == served, (method, path, r.headers["allow"])
             tried += 1
     assert tried > 20
+
+
+def test_metrics_name_no_tenant(docs_server: DocsServer) -> None:
+    """docs/security.md and docs/observability.md: `/metrics` carries no tenant name or id;
+    which version answered is there by served name and version. After the blocks above, the
+    server has answered adapter requests of several tenants."""
+    tenant_id, key, name = docs_server.tenant(None)
+    _sql_split(docs_server, key, {})
+    body = {"model": "sql@v2", "prompt": "SELECT", "max_tokens": 2}
+    r = httpx.post(f"{docs_server.url}/v1/completions", headers=auth(key), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    families = list(text_string_to_metric_families(httpx.get(f"{docs_server.url}/metrics").text))
+    labels = {label for f in families for s in f.samples for label in s.labels}
+    assert not {label for label in labels if "tenant" in label}, labels
+    values = {v for f in families for s in f.samples for v in s.labels.values()}
+    assert name not in values
+    versions = [
+        s.labels
+        for f in families
+        if f.name == "loraplex_adapter_version_requests"
+        for s in f.samples
+        if s.name.endswith("_total")
+    ]
+    assert {"adapter": "sql", "version": "v2"} in versions
+
+
+def test_the_request_log_line_says_what_security_md_lists(docs_server: DocsServer) -> None:
+    """docs/security.md: one line per request with its id, tenant, model, status and token
+    counts, in the default (plain) logs."""
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Lines()
+    handler.setFormatter(PlainFormatter())
+    logger = logging.getLogger("loraplex.requests")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        tenant_id, key, _ = docs_server.tenant(None)
+        # A tenant without adapters is offered the base model alone.
+        (base,) = httpx.get(f"{docs_server.url}/v1/models", headers=auth(key)).json()["data"]
+        body = {"model": base["id"], "prompt": "Hello", "max_tokens": 3}
+        r = httpx.post(f"{docs_server.url}/v1/completions", headers=auth(key), json=body,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    usage = r.json()["usage"]
+    (line,) = [line for line in lines if f"request_id={r.json()['id']}" in line]
+    assert "request finished" in line and "\n" not in line
+    for field in (f"tenant_id={tenant_id}", "status=ok",
+                  f"prompt_tokens={usage['prompt_tokens']}",
+                  f"completion_tokens={usage['completion_tokens']}"):  # fmt: skip
+        assert f" {field} " in f"{line} ", (field, line, r.text)
+    assert " model=" in line
