@@ -87,6 +87,11 @@ class StreamingEngine:
         """The engine showed it runs (called from its engine-facing thread)."""
         self._heard = time.monotonic()
 
+    def takes_requests(self) -> bool:
+        """Whether a new request would be taken now (False: `generate` would raise
+        EngineBusy); a server asks before it charges a request's quota."""
+        return True
+
     def unresponsive_s(self) -> float:
         """How long the engine has held requests without a sign of life; 0 while it holds
         none (an idle engine sends nothing, and need not). A busy engine gives one each step

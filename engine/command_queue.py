@@ -51,6 +51,10 @@ class CommandQueue:
             self._queue.append(command)
             self._cv.notify()
 
+    def has_room(self) -> bool:
+        """Whether one more AddRequest would be taken now."""
+        return self._adds < self.max_adds
+
     def blocked_s(self) -> float:
         """How long the write in progress has waited for the engine to read (0: none waits)."""
         since = self._writing_since

@@ -252,6 +252,9 @@ class EngineProcess(StreamingEngine):
         # Never a pipe write here: the caller is the server's event loop (command_queue.py).
         self._commands.put(command)
 
+    def takes_requests(self) -> bool:
+        return self._commands.has_room()
+
     def _write(self, command: Command) -> None:  # the command queue's thread
         _send(self._cmd_send, _encode_command(command))
 

@@ -157,7 +157,7 @@ def _engine_dead(e: Exception, job: Job) -> APIError:
     return APIError(503, msg, "engine_unavailable")
 
 
-def _engine_busy(e: Exception, job: Job) -> APIError:
+def _engine_busy(e: Exception | None, job: Job | None) -> APIError:
     # The engine reads no commands (stopped, stuck in a step): an admission limit, not a queue
     # that grows while every later route waits.
     msg = "the engine is not taking requests now; retry shortly"
@@ -224,6 +224,8 @@ class InferenceService:
                 "not_ready",
                 headers={"Retry-After": "5"},
             )
+        if not getattr(engine, "takes_requests", lambda: True)():  # before any charge
+            raise _engine_busy(None, None)
         if self.state.engine_stalled_s() is not None:
             # Its requests may still finish; new ones would only wait behind them.
             msg = "the engine has not answered for a while; retry shortly"

@@ -331,10 +331,12 @@ def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server):
     assert traffic.received, "nothing admitted before the limit was served"
     billed = {rid: (status, n) for rid, status, n in rows if status == "ok"}
     assert billed == {rid: ("ok", n) for rid, n in traffic.received.items()}
-    # A request the full queue refused is billed its prompt and no completion, as any
-    # request the engine refused; none other is in the ledger.
+    # The full queue refuses before the quota is charged: no record. One that filled between
+    # that look and its hand-over is billed its prompt and no completion, as any request the
+    # engine refused.
     busy = sum(1 for _, code, _ in traffic.refused if code == "engine_busy")
-    assert sorted((s, n) for _, s, n in rows if s != "ok") == [("error", 0)] * busy
+    others = [(s, n) for _, s, n in rows if s != "ok"]
+    assert set(others) <= {("error", 0)} and len(others) <= busy, others
 
 
 def test_a_whole_answer_whose_client_left_is_billed_as_not_received(outage_server):
