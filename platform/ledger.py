@@ -77,7 +77,9 @@ class Ledger:
     def write(self, entry: Entry) -> bool:
         """Write `entry` now, or keep it in the journal; True if the database has it. Never
         raises: called where a request ends, whose answer must end cleanly whatever this does."""
-        if len(self.journal):  # behind the entries that wait (see the module doc)
+        # Behind the entries that wait (see the module doc); and while the database is known
+        # to be away, without a connection attempt that could only wait for its timeout.
+        if len(self.journal) or not self.health.up:
             self._keep(entry)
             return False
         try:
@@ -120,6 +122,8 @@ class Ledger:
                             self.health.failed(e)
                             return written
                         self._refused(entry, e)
+                    else:
+                        self.health.reached()
                     self.journal.remove(entry.key)
                     written += 1
             return written
