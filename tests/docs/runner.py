@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,10 @@ def run_console(text: str, cwd: Path, env: dict[str, str]) -> None:
         )
 
 
+def _too_long(signum, frame) -> None:
+    raise TimeoutError(f"the block ran past {TIMEOUT_S} s")
+
+
 def run_python(text: str, cwd: Path, env: dict[str, str], name: str) -> None:
     """Run the block in this process (its imports are the block's own: a fresh namespace),
     from the page's folder, with `env` over this process's environment for the run: the
@@ -177,9 +182,14 @@ def run_python(text: str, cwd: Path, env: dict[str, str], name: str) -> None:
     namespace: dict = {"__name__": "__main__"}
     os.environ.update(env)
     os.chdir(cwd)
+    # A block that never ends (a batch that never completes) fails instead of hanging CI.
+    previous = signal.signal(signal.SIGALRM, _too_long)
+    signal.alarm(TIMEOUT_S)
     try:
         exec(code, namespace)
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)

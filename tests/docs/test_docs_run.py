@@ -42,6 +42,14 @@ def _sql_canary(docs: DocsServer, key: str, subs: dict[str, str]) -> None:
     docs.alias(key, "sql", "canary", {"version": "v2"})
 
 
+def _sql_traffic(docs: DocsServer, key: str, subs: dict[str, str]) -> None:
+    """Requests the ledger keeps: sql@v1 three times, sql@v2 once, 8 tokens each."""
+    for model in ("sql@v1", "sql@v1", "sql@v1", "sql@v2"):
+        body = {"model": model, "prompt": "SELECT", "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(f"{docs.url}/v1/completions", headers=auth(key), json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def _my_adapter(docs: DocsServer, key: str, subs: dict[str, str]) -> None:
     docs.upload(key, "my-adapter", "qv4")
 
@@ -64,6 +72,7 @@ def _demo_model(docs: DocsServer, key: str, subs: dict[str, str]) -> None:
 SETUPS: dict[str, Callable[[DocsServer, str, dict[str, str]], None]] = {
     "sql-split": _sql_split,  # sql v1 and v2, `default` split v1 90 / v2 10
     "sql-canary": _sql_canary,  # the same, and alias `canary` on v2
+    "sql-traffic": _sql_traffic,  # after sql-split: 3 requests to sql@v1, 1 to sql@v2
     "my-adapter": _my_adapter,  # an adapter named my-adapter
     "demo-model": _demo_model,  # the demo model, and a PEFT adapter of it
 }
