@@ -57,6 +57,13 @@ def test_cli_commands_named_exist_with_the_flags_named():
     assert not problems, "\n".join(problems)
 
 
+def test_the_command_check_names_what_the_parser_lacks():
+    assert _unknown(["usage", "summary", "--group-by", "version", "--tenant", "acme"]) is None
+    assert _unknown(["adapters"]) is None  # a group, named alone
+    assert _unknown(["usage", "summarise"]) == "loraplex usage has no command 'summarise'"
+    assert _unknown(["usage", "summary", "--by=v"]) == "loraplex usage summary has no flag --by"
+
+
 def test_relative_links_resolve():
     broken, checked = [], 0
     for page in pages():
