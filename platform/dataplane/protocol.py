@@ -5,6 +5,7 @@ engine's error types, and the few /metrics gauges the platform reads."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import httpx
 
@@ -89,7 +90,9 @@ class Assembler:
             text.append(c.get("text") or "")
             ids.extend(new_ids)
         o = self.out
-        o.outputs = [self.choices[i] for i in sorted(self.choices)]
+        # Copies: an output handed out must not change while its reader works on it (the
+        # lists are rebound, never extended, so a shallow copy is a snapshot).
+        o.outputs = [replace(self.choices[i]) for i in sorted(self.choices)]
         o.delta_text, o.delta_token_ids = "".join(text), ids
         o.num_generated_tokens = usage.get("completion_tokens") or sum(
             len(c.token_ids) for c in o.outputs

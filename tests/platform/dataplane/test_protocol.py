@@ -1,0 +1,86 @@
+"""The vLLM data plane's wire format and routing, without a vLLM: requests as vLLM takes them,
+its chunks back as the engine's outputs (token ids, deltas, n > 1, usage), refusals by name,
+and requests sent where their adapter is already loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine import SamplingParams
+from loraplex.platform.dataplane import DataPlaneUnavailable, Unsupported
+from loraplex.platform.dataplane.protocol import Assembler, metric, request_body
+from loraplex.platform.dataplane.vllm import VllmDataPlane
+
+
+def test_request_body_carries_the_sampling_and_asks_for_ids_and_usage():
+    params = SamplingParams(max_tokens=5, temperature=0.0, top_k=0, stop="\n", seed=7,
+                            logit_bias={3: -1.0})  # fmt: skip
+    body = request_body("lpx-x", [1, 2, 3], params, priority=1)
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "lpx-x"
+    assert body["return_token_ids"] and body["stream_options"]["continuous_usage_stats"]
+    assert body["top_k"] == -1 and body["stop"] == ["\n"] and body["seed"] == 7
+    assert body["logit_bias"] == {"3": -1.0}
+    assert body["priority"] > 0  # batch lines after interactive ones
+    assert "priority" not in request_body("m", [1], params, priority=0)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (SamplingParams(logprobs=2), "logprobs"),
+        (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+        (SamplingParams(n=1, best_of=3), "best_of"),
+        (SamplingParams(logits_processors=[{"kind": "json_schema", "schema": {}}]),
+         "response_format"),
+    ],
+)  # fmt: skip
+def test_what_vllm_cannot_do_is_refused_by_name(params, param):
+    with pytest.raises(Unsupported) as e:
+        request_body("m", [1], params, priority=0)
+    assert e.value.param == param and "vllm data plane" in str(e.value)
+
+
+def chunk(index: int, text: str, ids: list[int], finish=None, completion=None) -> dict:
+    usage = {"prompt_tokens": 3, "completion_tokens": completion} if completion else None
+    return {"choices": [{"index": index, "text": text, "token_ids": ids,
+                         "finish_reason": finish}], "usage": usage}  # fmt: skip
+
+
+def test_chunks_become_outputs_with_deltas_for_each_choice():
+    asm = Assembler("r1", [1, 2, 3], n=2, lora_name="t/a@v1")
+    first = asm.add(chunk(0, "He", [10], completion=1))
+    assert (first.delta_text, first.delta_token_ids, first.finished) == ("He", [10], False)
+    asm.add(chunk(1, "Yo", [20], completion=2))
+    asm.add(chunk(0, "llo", [11], finish="length", completion=3))
+    last = asm.add(chunk(1, "!", [21], finish="stop", completion=4))
+    assert last.finished and last.num_generated_tokens == 4
+    assert [(c.text, c.token_ids, c.finish_reason) for c in last.outputs] == [
+        ("Hello", [10, 11], "length"),
+        ("Yo!", [20, 21], "stop"),
+    ]
+    assert first.outputs[0].token_ids == [10]  # an output handed out earlier does not change
+    assert asm.add({"choices": [], "usage": {"completion_tokens": 4}}) is None
+    with pytest.raises(DataPlaneUnavailable):
+        asm.add({"error": {"message": "engine dead"}})
+
+
+def test_metric_sums_every_label_set():
+    text = 'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 3.0\n'
+    text += "vllm:num_requests_running_total 9\n# HELP vllm:num_requests_running x\n"
+    assert metric(text, "vllm:num_requests_running") == 5.0
+
+
+def test_requests_go_where_their_adapter_is_loaded(plane_model):
+    plane = VllmDataPlane(["http://a:8000", "http://b:8000", "http://c:8000"], plane_model,
+                          loader=lambda *_: None)  # fmt: skip
+    a, b, c = plane.endpoints
+    with pytest.raises(DataPlaneUnavailable):
+        plane._route("lpx-1")  # none answers yet
+    a.healthy = b.healthy = True
+    c.loaded = {"lpx-1"}  # c has it but does not answer: never chosen
+    b.loaded = {"lpx-1"}
+    assert plane._route("lpx-1") is b
+    assert plane._route("lpx-2") in (a, b)
+    assert plane.unavailable() is None
+    a.healthy = b.healthy = False
+    assert "no vLLM endpoint" in plane.unavailable()
