@@ -79,6 +79,7 @@ class DocsServer:
             LORAPLEX_ADMIN_KEY=ADMIN_KEY,
             ADMIN_KEY=ADMIN_KEY,
             URL=self.url,
+            LORAPLEX_URL=self.url,  # the batches commands' server, for their default address
             HF_HUB_OFFLINE="1",
         )
         return env
