@@ -7,14 +7,12 @@ the database answers again, by `watch_database`, also after this server was kill
 started again. Exactly once: the record's request id is unique in `usage_records`, and the
 quota correction is applied only in the transaction that inserted the record, so replaying an
 entry the database already holds (a crash between the commit and the journal's delete)
-changes nothing.
+changes nothing. A release (the reservation of a request that never ran, given back) is keyed
+the same way by a `quota_releases` row written in its transaction.
 
 While the journal holds entries, new ones go behind them rather than straight to the
 database, so the first record of a request id is the one billed whatever the outage did to
-the order (batch lines reuse their id on a retry). A release (a reservation given back by a
-request that never ran) has no record to key it: replayed after a crash between its commit
-and its delete, it gives the reservation back twice, to a per-minute counter whose minute has
-passed by then.
+the order (batch lines reuse their id on a retry).
 """
 
 from __future__ import annotations
@@ -22,17 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import delete
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform import quotas, usage
 from loraplex.platform.db.health import DatabaseHealth, is_unavailable, one_line
+from loraplex.platform.db.models import QuotaRelease
 from loraplex.platform.journal import Entry, Journal
 
 log = logging.getLogger("loraplex.platform")
 REPLAY_BATCH = 100
+RELEASES_KEPT = timedelta(days=7)
 
 
 def usage_entry(
@@ -60,11 +62,25 @@ def apply(session: Session, entry: Entry) -> None:
     charged = datetime.fromisoformat(p["charged_at"])
     if entry.kind == "usage":
         record = {**p["record"], "created_at": datetime.fromisoformat(p["record"]["created_at"])}
-        if not usage.record_usage(session, commit=False, **record):
-            session.commit()  # the database has this request's record: its charge is settled
-            return
-    quotas.adjust_tokens(session, p["tenant_id"], p["adjust"], now=charged, commit=False)
+        first = usage.record_usage(session, commit=False, **record)
+    else:
+        first = _first_release(session, entry.key.removeprefix("release:"), charged)
+    if first:  # else the database has it already, and its quota correction with it
+        quotas.adjust_tokens(session, p["tenant_id"], p["adjust"], now=charged, commit=False)
     session.commit()
+
+
+def _first_release(session: Session, request_id: str, charged: datetime) -> bool:
+    insert = (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
+    done = session.execute(
+        insert(QuotaRelease)
+        .values(request_id=request_id)
+        .on_conflict_do_nothing(index_elements=[QuotaRelease.request_id])
+        .returning(QuotaRelease.request_id)
+    ).scalar_one_or_none()
+    # A replay comes within an outage's length of its release: older rows have done their part.
+    session.execute(delete(QuotaRelease).where(QuotaRelease.created_at < charged - RELEASES_KEPT))
+    return done is not None
 
 
 class Ledger:

@@ -268,6 +268,16 @@ class RateCounter(Base):
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class QuotaRelease(Base):
+    """A reservation given back for a request that never ran (platform/ledger.py): its row
+    makes the release happen once, however often the usage journal replays it."""
+
+    __tablename__ = "quota_releases"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
 class StoredFile(Base):
     """A tenant's file of the Files API (batch input, batch output and errors); its bytes are
     an object of the adapter store (platform/files.py)."""

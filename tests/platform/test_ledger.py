@@ -19,12 +19,13 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from loraplex.platform import ledger
 from loraplex.platform.db import crud
 from loraplex.platform.db.health import DatabaseHealth, is_unavailable
-from loraplex.platform.db.models import RateCounter, UsageRecord
+from loraplex.platform.db.models import QuotaRelease, RateCounter, UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
 from loraplex.platform.journal import Journal
 
 CHARGED = datetime(2026, 3, 1, 12, 0, 30, tzinfo=UTC)
 REQUEST_IDS = [f"cmpl-{i}" for i in range(5)]
+RELEASED_IDS = [f"cmpl-r{i}" for i in range(3)]  # requests that never ran: reservations back
 
 
 def _refused(what: str) -> OperationalError:
@@ -74,6 +75,7 @@ class LedgerThroughOutages(RuleBasedStateMachine):
         with sessions() as s:
             s.execute(delete(UsageRecord))
             s.execute(delete(RateCounter))
+            s.execute(delete(QuotaRelease))
             s.commit()
         journal_path.unlink(missing_ok=True)
         for suffix in ("-wal", "-shm"):
@@ -81,6 +83,7 @@ class LedgerThroughOutages(RuleBasedStateMachine):
         self.db = FlakyDatabase(sessions)
         self.ledger = self._open()
         self.first: dict[str, tuple[int, int]] = {}  # request id -> (tokens, adjust) billed
+        self.released: dict[str, int] = {}  # request id -> tokens given back
 
     def _open(self) -> ledger.Ledger:
         return ledger.Ledger(self.db, Journal(self.journal_path), DatabaseHealth())
@@ -92,6 +95,13 @@ class LedgerThroughOutages(RuleBasedStateMachine):
                                    charged_at=CHARGED)  # fmt: skip
         self.ledger.write(entry)  # never raises, whatever the database does
         self.first.setdefault(rid, (tokens, adjust))
+
+    @rule(rid=st.sampled_from(RELEASED_IDS), tokens=st.integers(0, 9))
+    def reservation_given_back(self, rid, tokens):
+        # Positive here, so that the counter's floor at zero never hides a double release.
+        self.ledger.write(ledger.release_entry(rid, tenant_id=self.tenant_id, adjust=tokens,
+                                               charged_at=CHARGED))  # fmt: skip
+        self.released.setdefault(rid, tokens)
 
     @rule()
     def database_goes(self):
@@ -123,6 +133,10 @@ class LedgerThroughOutages(RuleBasedStateMachine):
             rows = s.execute(select(UsageRecord.request_id, UsageRecord.completion_tokens))
             return {rid: tokens for rid, tokens in rows}
 
+    def _releases(self) -> set[str]:
+        with self.sessions() as s:
+            return set(s.scalars(select(QuotaRelease.request_id)))
+
     def _counter(self) -> int:
         with self.sessions() as s:
             return s.scalar(select(RateCounter.tokens)) or 0
@@ -131,18 +145,24 @@ class LedgerThroughOutages(RuleBasedStateMachine):
     def billed_once_first_record_wins(self):
         rows = self._db_rows()
         journaled = {e.key for e in self.ledger.journal.oldest(1000)}
-        assert set(rows) | journaled == set(self.first)
+        releases = self._releases()
+        assert set(rows) | {k for k in journaled if not k.startswith("release:")} == set(self.first)
+        assert releases | {k.removeprefix("release:") for k in journaled
+                           if k.startswith("release:")} == set(self.released)  # fmt: skip
         for rid, tokens in rows.items():
             assert tokens == self.first[rid][0], rid
-        # Each record's correction applied with it: never one without, never twice.
-        assert self._counter() == sum(self.first[rid][1] for rid in rows)
+        # Each record's correction applied with it, each release once: never twice.
+        applied = sum(self.first[rid][1] for rid in rows)
+        assert self._counter() == applied + sum(self.released[rid] for rid in releases)
 
     def teardown(self):
         self.db.down, self.db.down_after, self.db.lose_reply = False, None, False
         self.ledger.replay()
         assert len(self.ledger.journal) == 0
         assert self._db_rows() == {rid: t for rid, (t, _) in self.first.items()}
-        assert self._counter() == sum(a for _, a in self.first.values())
+        assert self._releases() == set(self.released)
+        given_back = sum(self.released.values())
+        assert self._counter() == sum(a for _, a in self.first.values()) + given_back
         self.ledger.close()
 
 
