@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -32,10 +33,19 @@ async def stream_completion(
     body: dict,
     hang_up_after: int | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    recv_buffer_bytes: int | None = None,
 ) -> StreamResult:
-    """`on_tokens(total)` runs after each event that carried tokens."""
+    """`on_tokens(total)` runs after each event that carried tokens. `recv_buffer_bytes`: a
+    small receive buffer, so that a client that stops reading holds the stream back (the
+    server's buffers are small too) instead of the kernel taking all of it."""
     u = urlsplit(url)
-    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    if recv_buffer_bytes is None:
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    else:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer_bytes)  # before connect
+        sock.connect((u.hostname, u.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
     conn = h11.Connection(h11.CLIENT)
     payload = json.dumps({**body, "stream": True}).encode()
     headers = [
