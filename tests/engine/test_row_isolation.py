@@ -138,6 +138,7 @@ def _run(case: dict, setup: dict, poison_dir: Path, finished_at: dict | None):
             max_model_len=MAX_LEN, max_num_batched_tokens=case["budget"],
             enable_prefix_caching=case["prefix_caching"],
             cpu_attention="matmul" if case["path"] == "matmul" else "sdpa", seed=0,
+            num_speculative_tokens=case.get("speculative", 0),
         )  # fmt: skip
     finally:
         dispatch.set_mode("auto")
@@ -204,7 +205,7 @@ def _check_against_twin(
             record(f"poisoned row: {out.outputs[0].finish_reason}")
             assert out.outputs[0].finish_reason in ("length", "error")
             if out.outputs[0].finish_reason == "error":
-                assert "non-finite logits" in out.error
+                assert "came out non-finite" in out.error
     ended = {r: at[r] for r, row in rows.items() if row["kind"] == "poison" and r in at}
     twin, *_ = _run(case, setup, setup["twin"], ended)
     for rid, row in rows.items():
@@ -253,3 +254,13 @@ def test_triton_kernels_keep_rows_apart(setup):
     case = _held_case("triton", 1, 3)
     poisoned, _ = _check_against_twin(case, setup, setup["poisons"][("1e30", "all")], print)
     assert poisoned["r0"].outputs[0].finish_reason == "error"
+
+
+def test_speculative_rows_keep_apart(setup):
+    """With prompt-lookup proposals (repetitive prompts, so they are made and verified)."""
+    case = _held_case("sdpa", 2, 10)
+    for i, row in enumerate(case["rows"]):
+        row["prompt"] = [11 + i, 12, 13, 14] * 4
+    case["speculative"] = 3
+    poisoned, _ = _check_against_twin(case, setup, setup["poisons"][("1e30", "all")], print)
+    assert [r for r, o in poisoned.items() if o.outputs[0].finish_reason == "error"] == ["r0", "r3"]
