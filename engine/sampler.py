@@ -115,7 +115,7 @@ class Sampler:
                 rows_t, cols_t = torch.tensor(masked, device=x.device)  # [2, num_masked]
                 x[rows_t, cols_t] = _NEG_INF
             token_ids = _argmax(x)  # [rows]
-            sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+            sample_rows = [i for i, p in enumerate(params) if not p.greedy and i not in bad]
             if sample_rows:
                 idx = torch.tensor(sample_rows, device=x.device)
                 token_ids[idx] = self._sample(
