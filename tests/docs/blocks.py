@@ -32,7 +32,7 @@ def pages() -> list[Path]:
 class Marker:
     skip: str | None = None  # the reason, when the block does not run here
     tenant: str | None = None  # the name of the fresh tenant the block runs as
-    setup: list[str] = field(default_factory=list)  # named states (tests/docs/setups.py)
+    setup: list[str] = field(default_factory=list)  # named states: SETUPS, test_docs_run.py
     file: str | None = None  # a data block written into the page's folder under this name
 
     @classmethod
