@@ -7,6 +7,7 @@ client was actually sent, whether it finished, was cancelled or failed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -262,9 +263,13 @@ class InferenceService:
                 tracing.phase("adapter_fetch", fetched, time.monotonic(), source=source)
         except Exception as e:  # store down or object gone: this request fails, not the server
             # The cause names store paths, buckets and endpoints: the operator's log gets it,
-            # the tenant a message that says what to do.
+            # the tenant a message that says what to do, and which side failed.
             log.warning("adapter %s (tenant %s) could not be fetched: %s", key, caller.tenant.id, e)
-            msg = f"adapter '{model}' could not be fetched from the adapter store; retry later"
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                where = "this server's adapter cache is out of disk space"
+            else:
+                where = "it could not be fetched from the adapter store"
+            msg = f"adapter '{model}' is unavailable: {where}; retry later"
             raise APIError(503, msg, "adapter_unavailable", headers={"Retry-After": "5"}) from None
         engine_name = f"{caller.tenant.id}/{use.name}@v{use.version}"
         lora = LoRARequest(engine_name, engine_adapter_id(digest), str(path))

@@ -363,7 +363,9 @@ def test_a_whole_answer_whose_client_left_is_billed_as_not_received(outage_serve
     assert (status, tokens) == ("aborted", 0)
 
 
-def test_store_and_scratch_outages_fail_only_what_needs_them(outage_server, tiny_adapters):
+def test_store_and_scratch_outages_fail_only_what_needs_them(
+    outage_server, tiny_adapters, monkeypatch
+):
     _, srv, _ = outage_server
     tenant, key = srv.new_tenant("store")
     warm, cold = tiny_adapters["llama"]["qv4"], tiny_adapters["llama"]["attn8"]
@@ -399,6 +401,16 @@ def test_store_and_scratch_outages_fail_only_what_needs_them(outage_server, tiny
     assert (refused.status_code, error["code"]) == (503, "scratch_unavailable")
     assert "scratch space" in error["message"] and "store" not in error["message"]
     assert upload(srv.url, key, "later", folder_parts(warm)).status_code == 201
+
+    def disk_full(key: str, digest: str):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # the adapter cache's disk full: not the store's fault
+        m.setattr(srv.state.cache, "get", disk_full)
+        uncached = complete(srv.url, key, "cold")
+    error = uncached.json()["error"]
+    assert (uncached.status_code, error["code"]) == (503, "adapter_unavailable")
+    assert "out of disk space" in error["message"] and "store" not in error["message"]
     rows = _rows(srv, tenant)
 
     assert traffic.refused == [(503, "adapter_unavailable", "5")]
