@@ -10,8 +10,8 @@
    vLLM alone (both tenants straight to it: first come first served) and through the
    platform (its fair-share window, `vllm_window` in flight).
 
-The platform runs in this process (a uvicorn thread, as tests/utils/server.py runs it), so
-its hop also pays for the load generator's share of the GIL. Writes
+The platform runs as `loraplex serve` in a process of its own; the load generator, vLLM and
+the platform share the machine's cores. Writes
 `results/dataplane-<tag>.json` and `docs/dataplane-<tag>.png`.
 """
 
@@ -19,17 +19,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from benchmarks.assets import REPO_ROOT, RESULTS_DIR, make_adapters, tiny_llama
-from tests.utils.server import ADMIN_KEY, free_port, serve_in_thread, upload_adapter
+from tests.utils.server import ADMIN_KEY, free_port, upload_adapter
 from tests.utils.vllm_peer import vllm_server
 
 VLLM_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16",
@@ -132,6 +137,47 @@ async def flood(url: str, heavy_key: str | None, light_key: str | None, heavy_mo
             "heavy_tokens_per_s": heavy_tokens / args.flood_s}  # fmt: skip
 
 
+@contextmanager
+def platform_server(data_dir: Path, model: Path, vllm: str, window: int):
+    """`loraplex serve --data-plane vllm` in a process of its own (the load generator's Python
+    work stays out of it): its URL, and sessions on its database."""
+    from loraplex.platform.db.session import make_engine, make_sessionmaker
+
+    port = free_port()
+    env = {**os.environ, "LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
+           "LORAPLEX_VLLM_WINDOW": str(window)}  # fmt: skip
+    cmd = [sys.executable, "-m", "loraplex.platform.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--model", str(model), "--data-plane", "vllm", "--vllm-url",
+           vllm, "--log-level", "warning"]  # fmt: skip
+    with open(data_dir.parent / "platform.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=data_dir.parent)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    db = None
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "the platform did not start"
+            time.sleep(0.2)
+        db = make_engine(f"sqlite:///{data_dir / 'loraplex.db'}")
+        yield url, make_sessionmaker(db)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if db is not None:
+            db.dispose()
+
+
+def machine() -> dict:
+    """What the numbers were taken on: a shared machine's load says how far to trust them."""
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "?")
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg()}
+
+
 def load_direct(vllm: str, adapters: list[Path]) -> list[str]:
     names = [f"direct-{i}" for i in range(len(adapters))]
     for name, path in zip(names, adapters, strict=True):
@@ -156,59 +202,57 @@ def main() -> None:
     model = tiny_llama()
     adapters = make_adapters(model, "tiny-llama", 4)
     tmp = Path(tempfile.mkdtemp(prefix="dataplane-"))
-    results: dict = {"args": vars(args), "hop": {"direct": [], "platform": []}}
-    with vllm_server(Path(args.venv) / "bin", model, tmp / "vllm.log", *VLLM_FLAGS) as vllm:
-        from loraplex.platform.settings import Settings
+    results: dict = {"args": vars(args), "hop": {"direct": [], "platform": []},
+                     "machine": machine()}  # fmt: skip
+    vllm_bin = Path(args.venv) / "bin"
+    with (
+        vllm_server(vllm_bin, model, tmp / "vllm.log", *VLLM_FLAGS) as vllm,
+        platform_server(tmp / "data", model, vllm, args.window) as (url, sessions),
+    ):
+        from loraplex.platform.db import crud
 
-        settings = Settings(data_dir=tmp / "data", model=str(model), host="127.0.0.1",
-                            port=free_port(), admin_key=ADMIN_KEY, data_plane="vllm",
-                            vllm_urls=vllm, vllm_window=args.window)  # fmt: skip
-        with serve_in_thread(settings) as (app, url):
-            from loraplex.platform.db import crud
-
-            state = app.state.lp
-            keys = {}
+        keys = {}
+        for tenant in ("bench", "heavy", "light"):
+            with sessions() as session:
+                t = crud.create_tenant(session, name=tenant)
+                keys[tenant] = crud.create_key(session, tenant_id=t.id)[0]
+        for i, folder in enumerate(adapters):
             for tenant in ("bench", "heavy", "light"):
-                with state.sessions() as session:
-                    t = crud.create_tenant(session, name=tenant)
-                    keys[tenant] = crud.create_key(session, tenant_id=t.id)[0]
-            for i, folder in enumerate(adapters):
-                for tenant in ("bench", "heavy", "light"):
-                    r = upload_adapter(url, keys[tenant], f"a{i}", folder)
-                    assert r.status_code == 201, r.text
-            direct_names = load_direct(vllm, adapters)
-            rng = random.Random(0)
-            trace = [(i % len(adapters), prompt(rng, 48)) for i in range(args.requests)]
+                r = upload_adapter(url, keys[tenant], f"a{i}", folder)
+                assert r.status_code == 201, r.text
+        direct_names = load_direct(vllm, adapters)
+        rng = random.Random(0)
+        trace = [(i % len(adapters), prompt(rng, 48)) for i in range(args.requests)]
 
-            def bodies(names: list[str]) -> list[dict]:
-                return [{"model": names[a], "prompt": text, "max_tokens": 64,
-                         "ignore_eos": True, "temperature": 0} for a, text in trace]  # fmt: skip
+        def bodies(names: list[str]) -> list[dict]:
+            return [{"model": names[a], "prompt": text, "max_tokens": 64,
+                     "ignore_eos": True, "temperature": 0} for a, text in trace]  # fmt: skip
 
-            ours = [f"a{i}" for i in range(len(adapters))]
-            # Warm both paths (adapters loaded in vLLM under both names, connections open).
-            asyncio.run(run_trace(vllm, None, bodies(direct_names)[:8], 4))
-            asyncio.run(run_trace(url, keys["bench"], bodies(ours)[:8], 4))
-            # One whole run each first, not counted: connection pools, vLLM's caches.
-            asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
-            asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
-            for _ in range(args.repeats):
-                results["hop"]["direct"].append(
-                    asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
-                )
-                results["hop"]["platform"].append(
-                    asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
-                )
-                print("hop", results["hop"]["direct"][-1], results["hop"]["platform"][-1],
-                      flush=True)  # fmt: skip
-            results["flood"] = {
-                "vllm_alone": asyncio.run(
-                    flood(vllm, None, None, direct_names[0], direct_names[1], args)
-                ),  # fmt: skip
-                "platform": asyncio.run(
-                    flood(url, keys["heavy"], keys["light"], "a0", "a1", args)
-                ),  # fmt: skip
-            }
-            print("flood", results["flood"], flush=True)
+        ours = [f"a{i}" for i in range(len(adapters))]
+        # Warm both paths (adapters loaded in vLLM under both names, connections open).
+        asyncio.run(run_trace(vllm, None, bodies(direct_names)[:8], 4))
+        asyncio.run(run_trace(url, keys["bench"], bodies(ours)[:8], 4))
+        # One whole run each first, not counted: connection pools, vLLM's caches.
+        asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
+        asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
+        for _ in range(args.repeats):
+            results["hop"]["direct"].append(
+                asyncio.run(run_trace(vllm, None, bodies(direct_names), args.concurrency))
+            )
+            results["hop"]["platform"].append(
+                asyncio.run(run_trace(url, keys["bench"], bodies(ours), args.concurrency))
+            )
+            print("hop", results["hop"]["direct"][-1], results["hop"]["platform"][-1],
+                  flush=True)  # fmt: skip
+        results["flood"] = {
+            "vllm_alone": asyncio.run(
+                flood(vllm, None, None, direct_names[0], direct_names[1], args)
+            ),  # fmt: skip
+            "platform": asyncio.run(
+                flood(url, keys["heavy"], keys["light"], "a0", "a1", args)
+            ),  # fmt: skip
+        }
+        print("flood", results["flood"], flush=True)
     summarize(results, args.tag)
 
 
