@@ -290,10 +290,13 @@ def test_server_killed_during_an_outage_bills_after_its_restart(
     _check_ledger(_ledger(pg_url, tenant), Traffic(), streams)
 
 
-def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server):
+def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server, monkeypatch):
     """Requests keep coming while the engine process is stopped: the pipe to it fills (its
     add commands carry the prompts), a few more wait in the queue, the rest are refused."""
     _, srv, _ = outage_server
+    # The burst meets the queue's limit alone, however long a loaded machine takes to send it;
+    # the unresponsive limit is then lowered for /readyz to report it.
+    monkeypatch.setattr(srv.state.settings, "engine_unresponsive_s", 600.0)
     tenant, key = srv.new_tenant("stopped")
     pid = srv.state.engine._proc.pid
     traffic = Traffic()
@@ -315,9 +318,11 @@ def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server):
                 for path in ("/healthz", "/metrics", "/admin/api/tenants"):
                     r = httpx.get(f"{srv.url}{path}", headers=_auth(ADMIN_KEY), timeout=1)
                     assert r.status_code == 200, (path, r.text)
+        everyone = lambda: len(traffic.refused) + len(srv.state.inflight) == 48  # noqa: E731
+        _until(everyone, 60, "every request admitted or refused")
+        monkeypatch.setattr(srv.state.settings, "engine_unresponsive_s", 1.0)
         unresponsive = lambda: httpx.get(f"{srv.url}/readyz", timeout=1).json()["status"]  # noqa: E731
-        # Past the server's engine_unresponsive_s since the first request came.
-        _until(lambda: unresponsive() == "engine unresponsive", 10, "readyz")
+        _until(lambda: unresponsive() == "engine unresponsive", READY_WITHIN_S, "readyz")
     finally:
         os.kill(pid, signal.SIGCONT)
     for t in burst:
@@ -326,8 +331,7 @@ def test_a_stopped_engine_under_a_burst_freezes_no_route(outage_server):
     rows = _rows(srv, tenant)
 
     codes = {(status, code, retry) for status, code, retry in traffic.refused}
-    assert codes <= {(503, "engine_unresponsive", "5"), (503, "engine_busy", "2")}, codes
-    assert (503, "engine_busy", "2") in codes  # the queue's limit was reached
+    assert codes == {(503, "engine_busy", "2")}, codes  # the queue's limit was reached
     assert traffic.received, "nothing admitted before the limit was served"
     billed = {rid: (status, n) for rid, status, n in rows if status == "ok"}
     assert billed == {rid: ("ok", n) for rid, n in traffic.received.items()}
