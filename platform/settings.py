@@ -153,7 +153,8 @@ class Settings(_engine_settings()):  # type: ignore[misc]
         8,
         ge=1,
         description="requests in flight per vLLM server; more wait here and are admitted in "
-        "the tenants' fair-share order",
+        "the tenants' fair-share order (a quarter more places go at once to tenants with "
+        "nothing in flight there)",
     )
     vllm_max_adapters: int = Field(
         64, ge=1, description="adapters one vLLM keeps registered (least recently used unloaded)"

@@ -11,6 +11,12 @@ divided by the tenant's weight. Interactive requests go before batch lines.
     counter[t] -= unused tokens / weight[t]              when it ends early
     a tenant that had nothing queued or running is lifted to the least counter of those that
     have (VTC's lift): idleness earns no credit to flood with later.
+
+A window fills with requests that started together and, being alike, end together: a place
+may not free for a whole request's time. So a few places beyond `size` (`spare`) go, at once,
+to an interactive request of a tenant with nothing in flight on the endpoint: a light tenant
+never waits for a heavy tenant's requests to end, and a heavy one, always in flight, never
+gets them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class _Waiter:
     counter: float  # the tenant's counter when it queued (re-read at each admission)
     seq: int
     tenant: str = field(compare=False)
+    cost: float = field(compare=False)
     future: asyncio.Future = field(compare=False)
 
 
@@ -36,7 +43,9 @@ class FairWindow:
     def __init__(self, size: int) -> None:
         assert size >= 1
         self.size = size
+        self.spare = max(1, size // 4)
         self.running = 0
+        self._in: dict[str, int] = {}  # tenant -> requests admitted and not yet released
         self.counters: dict[str, float] = {}
         self._active: dict[str, int] = {}  # tenant -> requests queued or running
         self._waiting: list[_Waiter] = []
@@ -58,25 +67,31 @@ class FairWindow:
         (however it ends)."""
         self._lift(tenant)
         self._active[tenant] = self._active.get(tenant, 0) + 1
-        if self.running < self.size and not self.queued:
+        idle = not self._in.get(tenant) and priority == 0
+        if (self.running < self.size and not self.queued) or (
+            idle and self.running < self.size + self.spare
+        ):
             return self._grant(tenant, cost)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, self.counters[tenant], next(self._seq), tenant,
+        waiter = _Waiter(priority, self.counters[tenant], next(self._seq), tenant, cost,
                          loop.create_future())  # fmt: skip
         heapq.heappush(self._waiting, waiter)
         try:
             await waiter.future
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled():
-                self.running -= 1  # granted as it was cancelled: give the place on
+                # Granted as it was cancelled: give the place and the charge back.
+                self.running -= 1
+                self._in[tenant] -= 1
+                self.counters[tenant] -= cost
                 self._wake()
             self._done(tenant)
             raise
-        return self._grant(tenant, cost, counted=True)
+        return Admission(self, tenant, cost)  # counted and charged when granted (_wake)
 
-    def _grant(self, tenant: str, cost: float, counted: bool = False) -> Admission:
-        if not counted:
-            self.running += 1
+    def _grant(self, tenant: str, cost: float) -> Admission:
+        self.running += 1
+        self._in[tenant] = self._in.get(tenant, 0) + 1
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
         return Admission(self, tenant, cost)
 
@@ -96,13 +111,19 @@ class FairWindow:
             w = heapq.heappop(self._waiting)
             if w.future.done():
                 continue
-            self.running += 1  # taken on the waiter's behalf: no one else gets it meanwhile
+            # Taken and charged on the waiter's behalf now, not when its task next runs:
+            # places freed together (requests of one length end together) must see each
+            # grant's charge, or one tenant's backlog takes them all.
+            self.running += 1
+            self._in[w.tenant] = self._in.get(w.tenant, 0) + 1
+            self.counters[w.tenant] = self.counters.get(w.tenant, 0.0) + w.cost
             w.future.set_result(None)
 
     def release(self, admission: Admission, used: float) -> None:
         refund = max(0.0, admission.cost - used)
         self.counters[admission.tenant] -= refund
         self.running -= 1
+        self._in[admission.tenant] -= 1
         self._done(admission.tenant)
         self._wake()
 

@@ -18,6 +18,8 @@ async def _admit_order(window: FairWindow, arrivals: list[tuple[str, float, int]
     """Requests arrive while the window is full; release one place at a time and return the
     order in which the queued ones are admitted."""
     held = [await window.admit("first", 1.0) for _ in range(window.size)]
+    # The spare places go to tenants with nothing in flight: taken, so the arrivals queue.
+    held += [await window.admit(f"idle{i}", 1.0) for i in range(window.spare)]
     order: list[str] = []
 
     async def one(tenant: str, cost: float, priority: int) -> None:
@@ -29,7 +31,7 @@ async def _admit_order(window: FairWindow, arrivals: list[tuple[str, float, int]
     for tenant, cost, priority in arrivals:
         tasks.append(asyncio.create_task(one(tenant, cost, priority)))
         await asyncio.sleep(0)
-    assert window.running == window.size and window.queued == len(arrivals)
+    assert window.running == window.size + window.spare and window.queued == len(arrivals)
     while len(order) < len(arrivals):
         held.pop(0).release(used=1.0)
         await asyncio.sleep(0)
@@ -60,12 +62,40 @@ def test_batch_waits_for_interactive():
     assert order[:2] == ["live", "live"], order
 
 
+def test_a_tenant_with_nothing_in_flight_goes_in_at_once():
+    async def main() -> None:
+        window = FairWindow(4)  # one spare place
+        heavy = [await window.admit("heavy", 100.0) for _ in range(4)]
+        queued = asyncio.create_task(window.admit("heavy", 100.0))
+        await asyncio.sleep(0)
+        light = await asyncio.wait_for(window.admit("light", 10.0), 1)  # no release needed
+        assert window.running == 5 and not queued.done()
+        # Its next request, while the first is in flight, waits its turn like any other.
+        second = asyncio.create_task(window.admit("light", 10.0))
+        await asyncio.sleep(0)
+        assert not second.done()
+        light.release(used=10.0)
+        heavy[0].release(used=100.0)
+        await asyncio.sleep(0)
+        # VTC: the light tenant was lifted to the heavy one's counter and its first request
+        # counted, so the heavy one's waiting request goes first, then the light one's.
+        assert queued.done() and not second.done()
+        heavy[1].release(used=100.0)
+        await asyncio.sleep(0)
+        assert second.done()
+        for a in [*heavy[2:], second.result(), queued.result()]:
+            a.release(used=1.0)
+        assert window.running == 0
+
+    run(main())
+
+
 def test_cancelled_waiter_gives_its_place_on():
     async def main() -> None:
         window = FairWindow(1)
-        first = await window.admit("a", 1.0)
-        waiting = asyncio.create_task(window.admit("b", 1.0))
-        third = asyncio.create_task(window.admit("c", 1.0))
+        first = await window.admit("a", 1.0)  # "a" in flight: its next requests queue
+        waiting = asyncio.create_task(window.admit("a", 1.0))
+        third = asyncio.create_task(window.admit("a", 1.0))
         await asyncio.sleep(0)
         waiting.cancel()
         await asyncio.sleep(0)
