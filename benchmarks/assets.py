@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from contextlib import suppress
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from safetensors.torch import save_file
+
+from testkit.hf_kernels import import_installed_kernels  # the lab's modules import it from here
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -48,25 +48,12 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DONE = ".complete"
 
 
-def import_installed_kernels() -> None:
-    """Import Hugging Face's `kernels` package (transformers >= 5.25 imports it on first use)
-    with the checkout's root off sys.path, where our kernels/ folder would stand in for it;
-    later imports then get the installed one. Nothing happens where it is not installed."""
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
-    try:
-        with suppress(ImportError):  # older transformers do without it
-            import kernels  # noqa: F401
-    finally:
-        sys.path[:] = saved
-
-
 def factories() -> ModuleType:
-    """tests/utils/factories (the tiny random models and tokenizers): the lab runs from the
+    """testkit/factories (the tiny random models and tokenizers): the lab runs from the
     checkout, whose root is on sys.path as it is for `benchmarks` itself; HF's `kernels` is
     imported first, so our kernels/ folder never stands in for it."""
     import_installed_kernels()
-    from tests.utils import factories as module
+    from testkit import factories as module
 
     return module
 

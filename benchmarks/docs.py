@@ -254,7 +254,7 @@ def quant_section(doc: dict, path: Path, out: Path) -> str:
 
     text = (
         f"### Weight-only formats: `{path.name}`\n\n"
-        "Held-out prose (tests/engine/heldout_texts.py), float32 activations on each format's "
+        "Held-out prose (testkit/heldout_texts.py), float32 activations on each format's "
         "dequantized weights; greedy agreement: argmax equal to "
         "float32's at every position. Bytes: ours measured (float32 also holds a "
         "packed copy of the tied embedding), peers computed (4-bit codes, fp16 scale and zero "
@@ -309,7 +309,7 @@ def kv_int8_section(doc: dict, path: Path, out: Path) -> str:
         f"### `{path.name}`: {Path(doc['model']).name}\n\n"
         "The same kv_cache_bytes for both caches; max concurrent requests: of "
         f"{doc['rows'][0]['request_tokens']} tokens each, all held at once. Perplexity on the "
-        "held-out prose of tests/engine/heldout_texts.py; greedy agreement: teacher-forced "
+        "held-out prose of testkit/heldout_texts.py; greedy agreement: teacher-forced "
         "(argmax equal at every position of those texts) and free-running (greedy tokens equal "
         "position by position; one near-tie parts a row for good).\n\n"
     )
@@ -437,16 +437,18 @@ OWN_PAGES = "\n".join(
         "| The same at Qwen3-30B-A3B's own widths (2 routed layers) | `python -m benchmarks.moe "
         "--widths a3b --doc docs/moe-a3b.md` | [moe-a3b.md](moe-a3b.md) |",
         "| Host time and ops per decode step, this tree against a baseline commit | "
-        "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) (AMD EPYC, "
-        "Zen 4), [step-overhead-xeon.md](step-overhead-xeon.md) (Intel Xeon with AMX), "
-        "[step-overhead-zen3.md](step-overhead-zen3.md) (AMD EPYC, Zen 3, AVX2 only); both "
-        "with the floor under any step made of torch's CPU kernels |",
-        "| The same on bench peers' tiny Llama in bf16, where the products are most of a step "
+        "`python -m benchmarks.step` | [step-overhead.md](step-overhead.md) (the latest run, "
+        "AMD EPYC, Zen 4, with the floor under any step made of torch's CPU kernels; earlier "
+        "runs on an Intel Xeon with AMX, a Zen 3 EPYC and with matmul attention linked from "
+        "it) |",
+        "| The same on the peer comparisons' tiny Llama (`python -m benchmarks.peers`) in bf16, "
+        "where the products are most of a step "
         "| `python -m benchmarks.step --model tiny-llama --dtype bfloat16 --batches 1,16,64 "
         "--adapters 0,4 --rank 8 --prompt-len 40` | [step-tiny-llama-bf16-xeon.md]"
         "(step-tiny-llama-bf16-xeon.md) (Intel Xeon with AMX) |",
-        "| The fastest GEMM per batch size against the peak that bench peers takes as the "
-        "compute ceiling | `python -m benchmarks.roofline --model tiny-llama --dtype bfloat16 "
+        "| The fastest GEMM per batch size against the peak that "
+        "`python -m benchmarks.peers` takes as the compute ceiling | "
+        "`python -m benchmarks.roofline --model tiny-llama --dtype bfloat16 "
         "--threads 1 --rows 1,16,64,256` | printed |",
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
         "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
@@ -532,8 +534,9 @@ CODE_FIGURES = [  # code, what was measured, the figure when the choice was made
      "10–15 % of the engine's speed (docs/cpu-path.md)",
      "`python -m benchmarks.long_outputs --cases issue --repeats 3`"),
     ("kernels/cpu.py `lora_apply` (batched expand)",
-     "the LoRA expand of a decode step at batch 64 with 32 adapters on `bench step`'s skinny "
-     "model, a step's B stacks from memory: `baddbmm_` vs `bmm` + `add_`, mul + sum, "
+     "the LoRA expand of a decode step at batch 64 with 32 adapters on the skinny model of "
+     "`python -m benchmarks.step`, a step's B stacks from memory: `baddbmm_` vs `bmm` + "
+     "`add_`, mul + sum, "
      "`F.embedding_bag`, inductor's C++ for the mul + sum",
      "float32 (2-core Zen 4): 16.4 / 17.2 / 17.0 / 12.1 / 18.5 ms against 3.95 ms to read the "
      "117 MB; bf16: 13.1 / 13.0 / 19.3 / 6.4 / 13.5 ms against 1.90 (docs/cpu-path.md: why "

@@ -41,7 +41,7 @@ def _args(p) -> None:
 
 def adapters(base) -> dict[str, object]:
     """name -> folder: lora0..3 and dora0..3 (dora<i> has lora<i>'s A and B)."""
-    from tests.utils.dora import make_dora_adapter
+    from testkit.dora import make_dora_adapter
 
     root = CACHE_DIR / "dora-adapters"
     out = {}

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from benchmarks.moto_server import ACCESS_KEY, REGION, SECRET_KEY, moto_server
+from testkit.moto_server import ACCESS_KEY, REGION, SECRET_KEY, moto_server
 
 BUCKET = "loraplex-bench"
 

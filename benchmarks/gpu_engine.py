@@ -31,7 +31,7 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 
 def make_folder(shape: dict, name: str) -> Path:
-    from tests.utils.factories import make_tokenizer
+    from testkit.factories import make_tokenizer
 
     out = CACHE_DIR / name
     if not (out / "tokenizer.json").is_file():

@@ -4,7 +4,7 @@ Figures, each int8 against the float cache in the same compute dtype:
 
 - capacity: KV blocks the engine's pool gets from the same kv_cache_bytes, and from them the
   most requests of `--request-tokens` (prompt + output) that fit at once;
-- held-out perplexity (tests/engine/heldout_texts.py, one forward per text as benchmarks.quant
+- held-out perplexity (testkit/heldout_texts.py, one forward per text as benchmarks.quant
   measures it; the keys and values are read back from the cache, so int8 shows) and its
   ratio, and teacher-forced greedy agreement (argmax equal at every position);
 - free-running greedy agreement: `--prompts` prompts cut from those texts, `--max-tokens`
@@ -43,7 +43,7 @@ def _free_running(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[l
 
 def run(model: Path, dtypes: list[str], kv_bytes: int, request_tokens: int, n_prompts: int,
         max_tokens: int) -> list[dict]:  # fmt: skip
-    from tests.engine.heldout_texts import HELDOUT_TEXTS  # checkout only: the tests' texts
+    from testkit.heldout_texts import HELDOUT_TEXTS  # checkout only: the held-out texts
 
     texts = list(HELDOUT_TEXTS)
     rows, float_argmax = [], {}

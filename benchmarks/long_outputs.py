@@ -1,7 +1,7 @@
 """`python -m benchmarks.long_outputs`: long outputs through the engine process — bytes per step
 message and tokens/s against the offline `LLM` doing the same work.
 
-One tiny random Llama (tests/utils/factories), `--concurrency` requests of `--tokens` greedy
+One tiny random Llama (testkit/factories), `--concurrency` requests of `--tokens` greedy
 tokens each (ignore_eos). Prints the bytes the engine process sent the server per step
 (median around token 100 and around token `--late`; a step message carries every running
 request's output, and now and then a stats snapshot, hence medians; a message that covers k

@@ -1,6 +1,6 @@
 """`python -m benchmarks.quant`: weight-only formats side by side on the demo model (Gemma 3 270M).
 
-Per format: held-out perplexity (tests/engine/heldout_texts.py, the texts the int4/int8 tests
+Per format: held-out perplexity (testkit/heldout_texts.py, the texts the int4/int8 tests
 bound), its ratio to float, greedy (argmax) agreement with float at every position, and the
 resident weight bytes. Everything runs in float32 on the exact reference path (dispatch
 "reference"): the figures measure the weights' quantization error alone. Then the demo
@@ -145,7 +145,7 @@ def measure(llm: LLM, texts: list[str]) -> tuple[float, torch.Tensor]:
 
 def _heldout_texts() -> list[str]:
     """The held-out texts the int4/int8 tests bound (the lab runs from the checkout)."""
-    from tests.engine.heldout_texts import HELDOUT_TEXTS
+    from testkit.heldout_texts import HELDOUT_TEXTS
 
     return list(HELDOUT_TEXTS)
 

@@ -9,10 +9,64 @@ benchmarks/results/engine[-<tag>].json (+ .png).
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
 from benchmarks.assets import RESULTS_DIR
+from loraplex.bench.metrics import RequestResult
 from loraplex.bench.serve import add_trace_args, model_vocab, report, trace_config
-from loraplex.bench.trace import make_trace
+from loraplex.bench.trace import TraceRequest, make_trace
+
+
+class EngineTarget:
+    """Our AsyncLLMEngine in this process: the same trace without HTTP, auth or the registry
+    (the `send` / `close` of `loraplex.bench.targets.HTTPTarget`)."""
+
+    kind = "engine"
+
+    def __init__(self, engine, adapter_dirs: list[Path]):
+        from loraplex.engine import LoRARequest
+
+        self.engine = engine
+        self.loras = [LoRARequest(f"a{i:04d}", i + 1, str(p)) for i, p in enumerate(adapter_dirs)]
+
+    @classmethod
+    def build(cls, model_dir: Path, adapter_dirs: list[Path], **config) -> EngineTarget:
+        """`config`: EngineConfig options (dtype, max_loras, max_num_seqs, …)."""
+        from loraplex.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
+        return cls(engine, adapter_dirs)
+
+    async def send(self, req: TraceRequest, t0: float) -> RequestResult:
+        from loraplex.engine import SamplingParams
+
+        def clock() -> float:
+            return time.perf_counter() - t0
+
+        result = RequestResult.sent(req, clock())
+        params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+        lora = None if req.adapter is None else self.loras[req.adapter]
+        last = None
+        try:
+            async for out in self.engine.generate(list(req.prompt), params, lora_request=lora):
+                now = clock()
+                if out.delta_token_ids:
+                    if result.first_token_s is None:
+                        result.first_token_s = now
+                    result.token_times.append(now)
+                last = out
+        except Exception as e:  # a bad request must not end the run: it is counted instead
+            result.error = f"{type(e).__name__}: {e}"
+        result.end_s = clock()
+        if last is not None:
+            result.output_tokens = len(last.outputs[0].token_ids)
+            result.finish_reason = last.outputs[0].finish_reason
+            result.usage_prompt_tokens = len(req.prompt)
+        return result
+
+    async def close(self) -> None:
+        self.engine.shutdown()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +86,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run_engine_replay(args: argparse.Namespace) -> dict:
     from benchmarks import assets
     from loraplex.bench.replay import run_replay
-    from loraplex.bench.targets import EngineTarget
 
     if args.threads:
         import torch

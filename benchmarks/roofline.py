@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(
         description="The fastest GEMM at a model's shapes per batch size, against the peak "
-        "that `bench peers` takes as the compute ceiling."
+        "that `python -m benchmarks.peers` takes as the compute ceiling."
     )
     ap.add_argument("--model", default="tiny-llama", help="tiny-llama, demo or a model folder")
     ap.add_argument("--dtype", default="bfloat16")

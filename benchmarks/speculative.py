@@ -5,7 +5,7 @@ Goal (issue 27): >= 1.5x tokens/s on a copy-heavy workload, <= 5 % slower where 
 nothing to copy. Workloads, with `ignore_eos` so both sides produce as many tokens:
 
 - copy (greedy: both sides produce the same tokens): each request gives a paragraph of
-  held-out prose (tests/engine/heldout_texts.py) and asks for it again (requests alternate:
+  held-out prose (testkit/heldout_texts.py) and asks for it again (requests alternate:
   "repeat it word for word", "the corrected text" of a copy with a few words misspelt), the
   answer's first words given, as a base model needs;
 - nocopy (sampled, temperature 0.9, top_p 0.95, seeded): open-ended prompts of a few words,
@@ -55,7 +55,7 @@ def _misspell(text: str) -> str:
 
 
 def copy_prompts(n: int, chars: int) -> list[str]:
-    from tests.engine.heldout_texts import HELDOUT_TEXTS  # checkout only: the tests' texts
+    from testkit.heldout_texts import HELDOUT_TEXTS  # checkout only: the held-out texts
 
     out = []
     for i in range(n):

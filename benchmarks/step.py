@@ -14,9 +14,10 @@ and what each op costs whatever its size (per call, and the adapters' stacks it 
 sampled split below says how much of a step each is). Adapters are
 PEFT LoRA of rank 16 on all seven projections (q/k/v/o/gate/up/down); row i of a batch uses
 adapter i mod N (N = 0: every row on the base model, LoRA still enabled with 32 slots).
-`--model tiny-llama` measures `bench peers`' tiny Llama instead (benchmarks/assets.py; 4
-layers, hidden 512, vocab 32k), in `--dtype`: there the step's products dominate, and the
-page's floor says how much of a step torch's kernels leave to everything else.
+`--model tiny-llama` measures the peer comparisons' tiny Llama instead (`python -m
+benchmarks.peers`, benchmarks/assets.py; 4 layers, hidden 512, vocab 32k), in `--dtype`: there
+the step's products dominate, and the page's floor says how much of a step torch's kernels
+leave to everything else.
 
 Each configuration and each source tree runs in its own subprocess with one compute thread
 (`torch.set_num_threads(1)`, OMP/MKL threads 1), so the two trees get the same machine and
@@ -82,7 +83,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Llama-3-8B's layout at widths where compute is negligible
 SKINNY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=32,
               num_key_value_heads=8, head_dim=8, vocab_size=512)  # fmt: skip
-MODELS = ("skinny", "tiny-llama")  # --model: the skinny layout, or bench peers' tiny Llama
+MODELS = ("skinny", "tiny-llama")  # --model: the skinny layout, or the peers' tiny Llama
 DTYPES = ("float32", "bfloat16")
 STEP_DIRS = ("engine", "kernels")  # the folders whose code a decode step runs
 SLOTS = 32  # adapter slots of every engine here, whatever the traffic uses
@@ -95,12 +96,12 @@ RESULT_TAG = "STEP-RESULT "  # the worker's one line of JSON on stdout
 
 def build_assets(layers: int, adapters: int, rank: int, cache: Path = CACHE_DIR,
                  model_name: str = "skinny"):  # fmt: skip
-    """The model folder (the skinny one of `layers` layers, or bench peers' tiny Llama) and
+    """The model folder (the skinny one of `layers` layers, or the peer comparisons' tiny Llama) and
     `adapters` PEFT folders for it (built once, cached)."""
     from benchmarks.assets import import_installed_kernels, tiny_llama
 
     import_installed_kernels()  # transformers' `kernels`, not this checkout's kernels/ folder
-    from tests.utils.factories import make_adapter, make_tiny_model
+    from testkit.factories import make_adapter, make_tiny_model
 
     if model_name == "tiny-llama":
         root = cache / "step-tiny-llama"
@@ -698,10 +699,11 @@ SwiGLU) at tiny widths (hidden 64, head_dim 8, FFN 128, vocab 512, {a.get("dtype
         layers = f" {a['layers']} layers,"
     else:
         m = report["model"]
-        model = f"""on `bench peers`' tiny Llama ({m.get("num_hidden_layers")} layers,
-hidden {m.get("hidden_size")}, {m.get("num_attention_heads")} query /
-{m.get("num_key_value_heads")} KV heads, FFN {m.get("intermediate_size")}, vocab
-{m.get("vocab_size")}), {a.get("dtype", "float32")}, where the products are most of a step"""
+        model = f"""on the peer comparisons' tiny Llama (`python -m benchmarks.peers`;
+{m.get("num_hidden_layers")} layers, hidden {m.get("hidden_size")},
+{m.get("num_attention_heads")} query / {m.get("num_key_value_heads")} KV heads,
+FFN {m.get("intermediate_size")}, vocab {m.get("vocab_size")}), {a.get("dtype", "float32")},
+where the products are most of a step"""
         target = "The floor below says how much of a step torch's kernels leave to the rest."
         layers = ""
     sampled = (
@@ -740,8 +742,37 @@ Command: `{report["command"]}`
 {fig}
 On a shared machine the milliseconds move by tens of per cent between runs (the load average
 above says how busy it was); the op counts do not depend on load.
-{time_section(results, report["trees"])}{floor_section(results)}"""
+{time_section(results, report["trees"])}{floor_section(results)}{earlier_runs(report, path)}"""
     path.write_text(text)
+
+
+def earlier_runs(report: dict, path: Path) -> str:
+    """The other runs of the same question (the same model; another machine, attention form or
+    tree) kept as results files: one page per question shows the latest run, these stay
+    linked, and `--render` makes a page of any of them."""
+    model = report["args"].get("model", "skinny")
+    runs = []
+    for file in sorted(RESULTS_JSON.parent.glob("step-*.json")):
+        other = json.loads(file.read_text())
+        if other.get("args", {}).get("model", "skinny") != model or other["date"] == report["date"]:
+            continue
+        current = other["trees"][-1]["commit"]
+        cpu = other["cpu"].split(", load")[0]
+        link = os.path.relpath(file, path.parent)
+        attention = other["args"]["cpu_attention"]
+        runs.append((other["date"], f"- [{file.name}]({link}): {cpu}, {other['date']}, "
+                     f"tree {current}, cpu_attention={attention}"))  # fmt: skip
+    if not runs:
+        return ""
+    lines = "\n".join(line for _, line in sorted(runs, reverse=True))
+    return f"""
+## Earlier runs
+
+Runs of the same question on other machines, attention forms or trees, each in its results
+file; `python -m benchmarks.step --render FILE --doc PAGE` writes a page like this one of any.
+
+{lines}
+"""
 
 
 def time_section(results: list[dict], trees: list[dict]) -> str:
@@ -919,7 +950,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=parse_ints, default=[1, 16, 64])
     ap.add_argument("--adapters", type=parse_ints, default=[0, 4, 32])
     ap.add_argument("--model", choices=MODELS, default="skinny",
-                    help="the skinny 8B layout (default) or bench peers' tiny Llama")  # fmt: skip
+                    help="the skinny 8B layout (default) or the peers' tiny Llama")  # fmt: skip
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32, help="the skinny model's layers")

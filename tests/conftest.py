@@ -18,7 +18,7 @@ if not os.path.exists("/dev/nvidiactl"):
 
 from pathlib import Path  # noqa: E402
 
-from benchmarks.assets import import_installed_kernels  # noqa: E402
+from testkit.hf_kernels import import_installed_kernels  # noqa: E402
 
 # pytest puts the checkout's root on sys.path, where our kernels/ folder (loraplex.kernels)
 # would stand in for Hugging Face's `kernels` package: import the installed one first.
@@ -27,8 +27,8 @@ import_installed_kernels()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from testkit.factories import make_adapter, make_tiny_model  # noqa: E402
 from tests.utils.demo import get_demo_adapters_dir, get_demo_model_dir  # noqa: E402
-from tests.utils.factories import make_adapter, make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import select
 
 from benchmarks.docs import write_docs
+from benchmarks.replay_engine import EngineTarget
 from loraplex.bench.replay import run_replay
-from loraplex.bench.targets import EngineTarget
 from loraplex.bench.trace import LengthDist, TraceConfig, make_trace
 from loraplex.platform.cli import main
 from loraplex.platform.db.models import UsageRecord

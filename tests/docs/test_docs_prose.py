@@ -120,3 +120,29 @@ def test_markers_are_on_blocks_they_fit():
     assert not misplaced, "file= goes on data blocks, the others on runnable ones: " + (
         ", ".join(misplaced)
     )
+
+
+def test_every_page_is_in_the_index():
+    index = ROOT / "docs" / "README.md"
+    linked = {m.group(1) for m in LINK.finditer(index.read_text())}
+    missing = [p.name for p in pages()[1:] if p != index and p.name not in linked]
+    assert not missing, "docs/README.md's index lacks: " + ", ".join(missing)
+
+
+def test_lab_commands_named_exist():
+    """`python -m benchmarks.NAME` in the pages names a module of the lab (never a made-up
+    `bench NAME`: `loraplex bench serve` is the only installed bench command)."""
+    named = {
+        (page.name, name)
+        for page in pages()
+        for name in re.findall(r"python -m benchmarks\.(\w+)", page.read_text())
+    }
+    lab = ROOT / "benchmarks"
+    missing = [
+        f"{page}: benchmarks.{name}"
+        for page, name in sorted(named)
+        if not (lab / f"{name}.py").is_file() and not (lab / name / "__main__.py").is_file()
+    ]
+    assert not missing, "no such lab module: " + ", ".join(missing)
+    made_up = [p.name for p in pages() if re.search(r"`bench (?!serve)\w+", p.read_text())]
+    assert not made_up, "name the lab's commands `python -m benchmarks.NAME`: " + ", ".join(made_up)

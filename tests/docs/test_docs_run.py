@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.platform.logs import PlainFormatter
+from testkit.factories import make_adapter
 from tests.docs import runner
 from tests.docs.blocks import Block, all_blocks
 from tests.docs.conftest import OUTCOMES, DocsServer
-from tests.utils.factories import make_adapter
 from tests.utils.uploads import auth
 
 BLOCKS = [b for b in all_blocks() if b.runnable]

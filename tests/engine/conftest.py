@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.kernels import dispatch
+from testkit.factories import FAMILY_KINDS, make_adapter, make_tiny_model
 from tests.conftest import ADAPTER_SPECS
-from tests.utils.factories import FAMILY_KINDS, make_adapter, make_tiny_model
 
 
 @pytest.fixture(scope="session")

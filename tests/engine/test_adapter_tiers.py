@@ -18,7 +18,7 @@ from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine import adapter_manager as am
 from loraplex.engine.adapter_manager import AdapterUnavailable
 from loraplex.engine.async_engine import AsyncLLMEngine
-from tests.utils.factories import make_adapter
+from testkit.factories import make_adapter
 
 PROMPT = [1, 17, 42, 99, 250, 7]
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

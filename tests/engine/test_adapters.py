@@ -13,7 +13,7 @@ import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import AdapterError
-from tests.utils.factories import BAD_ADAPTER_KINDS, HUGE_RANK, make_adapter, make_bad_adapters
+from testkit.factories import BAD_ADAPTER_KINDS, HUGE_RANK, make_adapter, make_bad_adapters
 
 MAX_RANK = 16
 PROMPT = [1, 17, 42, 99, 250, 7]

@@ -44,8 +44,8 @@ from hypothesis import HealthCheck, event, example, given, seed, settings
 from hypothesis import strategies as st
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from tests.utils.dora import make_dora_adapter
-from tests.utils.factories import (
+from testkit.dora import make_dora_adapter
+from testkit.factories import (
     EOS_ID,
     FAMILY_KINDS,
     IM_END_ID,

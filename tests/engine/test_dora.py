@@ -16,10 +16,10 @@ from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.lora import AdapterError, load_adapter
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.kernels import dispatch
+from testkit.dora import broken_dora_copy, make_dora_adapter
+from testkit.factories import _config
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.engine.test_quantization import dequantized_folder
-from tests.utils.dora import broken_dora_copy, make_dora_adapter
-from tests.utils.factories import _config
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -51,7 +51,7 @@ def test_lora_off_serves_the_base_model_alone(tiny_models, tiny_adapters):
 
 
 def test_lora_off_on_a_mixture_of_experts_keeps_no_expert_stacks(tmp_path):
-    from tests.utils.factories import make_tiny_model
+    from testkit.factories import make_tiny_model
 
     model = make_tiny_model("qwen3_moe", tmp_path / "moe", num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=16, mlp_only_layers=[])  # fmt: skip

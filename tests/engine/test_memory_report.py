@@ -9,8 +9,8 @@ import pytest
 
 from loraplex.engine import LLM
 from loraplex.engine.quantization import resident_weight_bytes
+from testkit.factories import make_tiny_model
 from tests.engine.test_quant_checkpoints import WIDE
-from tests.utils.factories import make_tiny_model
 from tests.utils.quant_checkpoints import write_quantized
 
 BUDGET = 2 << 20

@@ -19,15 +19,15 @@ from loraplex.engine.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.quantization import QuantizedExperts, QuantizedLoRALinear
-from tests.engine.test_parity import check_rows, hf_reference, run_rows
-from tests.engine.test_quantization import dequantized_folder
-from tests.utils.factories import (
+from testkit.factories import (
     EXPERT_PARAMETERS,
     MOE_KINDS,
     make_adapter,
     make_tiny_model,
     split_expert_adapter,
 )
+from tests.engine.test_parity import check_rows, hf_reference, run_rows
+from tests.engine.test_quantization import dequantized_folder
 
 EXPERTS = ("gate_up_proj", "down_proj")
 # name -> make_adapter arguments. Every target_parameters adapter in one peft model must name

@@ -20,7 +20,7 @@ from loraplex.engine.models.packing import (
     prepack_cpu_lm_head,
 )
 from loraplex.engine.quantization import resident_weight_bytes
-from tests.utils.factories import make_tiny_model
+from testkit.factories import make_tiny_model
 from tests.utils.outputs import assert_same_outputs
 
 needs_packing = pytest.mark.skipif(

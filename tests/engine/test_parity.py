@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from tests.utils.dora import make_dora_adapter
+from testkit.dora import make_dora_adapter
 from tests.utils.hf_reference import greedy_decode, peft_reference
 
 STEPS, LOGIT_STEPS = 32, 16
@@ -110,7 +110,7 @@ def check_rows(rows, ref, full_prefill: bool = True, names=ROW_ADAPTERS):
 
 
 # qwen3 (q/k norms), qwen3_yarn, phi3 (fused checkpoint and adapter modules, partial rotary),
-# phi3_longrope and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): tests/utils/factories.py
+# phi3_longrope and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): testkit/factories.py
 FAMILIES = ["llama", "qwen2", "gemma3", "mistral",
             "qwen3", "qwen3_yarn", "phi3", "phi3_longrope", "llama3"]  # fmt: skip
 # LongRoPE is served up to its original context (engine/loader.py)

@@ -23,9 +23,9 @@ from loraplex.engine.quantization import (
     WeightOnlyInt4Linear,
     resident_weight_bytes,
 )
+from testkit.factories import make_adapter, make_tiny_model
 from tests.conftest import ADAPTER_SPECS
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
-from tests.utils.factories import make_adapter, make_tiny_model
 from tests.utils.quant_checkpoints import (
     assert_fast_path_close,
     dequantize_folder,

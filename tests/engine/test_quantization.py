@@ -44,7 +44,7 @@ from loraplex.engine.quantization import (
 )
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
-from tests.engine.heldout_texts import HELDOUT_TEXTS
+from testkit.heldout_texts import HELDOUT_TEXTS
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
 from tests.utils.quant_checkpoints import assert_fast_path_close
 

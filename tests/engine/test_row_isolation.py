@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.errors import AdapterError
 from loraplex.kernels import dispatch
-from tests.utils.factories import make_adapter, make_tiny_model
+from testkit.factories import make_adapter, make_tiny_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POISONS = ("1e30", "3e38", "-3e38", "subnormal", "mixed", "one_huge")

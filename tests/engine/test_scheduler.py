@@ -20,7 +20,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceStatus
-from tests.utils.factories import make_adapter
+from testkit.factories import make_adapter
 
 
 @pytest.fixture(scope="module")

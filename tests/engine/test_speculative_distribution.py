@@ -26,7 +26,7 @@ import torch
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.engine import llm_engine as llm_engine_module
-from tests.utils.factories import make_tiny_model
+from testkit.factories import make_tiny_model
 
 V = 8  # vocabulary
 L = 5  # generated tokens per request

@@ -9,7 +9,7 @@ import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.stats import EngineStats, engine_stats
-from tests.utils.factories import make_adapter
+from testkit.factories import make_adapter
 
 PROMPT = [1, 17, 42, 99, 250, 7]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
-from tests.utils.factories import (
+from testkit.factories import (
     BAD_ADAPTER_KINDS,
     BOS_ID,
     CHAT_TEMPLATE,

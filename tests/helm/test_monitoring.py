@@ -18,8 +18,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.server import stop_process
+from testkit.factories import make_adapter, make_tiny_model
 from tests.helm.chart import SECRETS, kinds, prometheus, render
-from tests.utils.factories import make_adapter, make_tiny_model
 from tests.utils.server import free_port, run_server, upload_adapter
 
 ON = {

@@ -7,8 +7,8 @@ import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.kernels import dispatch
+from testkit.factories import make_adapter, make_tiny_model
 from tests.kernels.conftest import DEVICE
-from tests.utils.factories import make_adapter, make_tiny_model
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ from sqlalchemy import select
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+from testkit.factories import make_adapter
 from tests.platform.test_faults import _engine_child
 from tests.platform.test_quickstart import Serve
-from tests.utils.factories import make_adapter
 from tests.utils.server import ADMIN_KEY, run_server, upload_adapter
 from tests.utils.sse_client import StreamResult, stream_completion
 

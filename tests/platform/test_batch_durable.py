@@ -23,8 +23,8 @@ from sqlalchemy import make_url, select
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import BatchLine, UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker
+from testkit.factories import make_adapter
 from tests.platform.conftest import PG_SERVER, _pg_admin_connect
-from tests.utils.factories import make_adapter
 from tests.utils.moto import free_port
 from tests.utils.replicas import fleet_settings
 from tests.utils.server import upload_adapter

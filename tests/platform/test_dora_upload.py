@@ -9,8 +9,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from testkit.dora import broken_dora_copy, make_dora_adapter
 from tests.platform.test_upload_api import _refused, _snapshot
-from tests.utils.dora import broken_dora_copy, make_dora_adapter
 from tests.utils.server import run_server
 from tests.utils.uploads import folder_parts, upload
 

@@ -26,7 +26,7 @@ from sqlalchemy import select
 
 from loraplex.platform.db.models import Adapter
 from loraplex.platform.serving import engine_adapter_id
-from tests.utils.factories import make_bad_adapters
+from testkit.factories import make_bad_adapters
 from tests.utils.server import run_server
 from tests.utils.uploads import (
     auth,

@@ -22,8 +22,8 @@ from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.platform.openai.logprobs import token_text
 from loraplex.platform.uploads.validate import validate_adapter
+from testkit.factories import make_adapter, make_tiny_model
 from tests.platform.test_quickstart import Serve
-from tests.utils.factories import make_adapter, make_tiny_model
 from tests.utils.hf_reference import greedy_decode, peft_reference
 from tests.utils.server import upload_adapter
 

@@ -25,8 +25,8 @@ from loraplex.platform.ray_serve import (
     application,
 )
 from loraplex.platform.settings import Settings
+from testkit.factories import make_adapter
 from tests.platform.conftest import _empty_pg_schema
-from tests.utils.factories import make_adapter
 from tests.utils.fleet import complete, new_tenant, received_usage
 from tests.utils.moto import free_port
 from tests.utils.server import ADMIN_KEY

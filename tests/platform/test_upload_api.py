@@ -15,7 +15,7 @@ from sqlalchemy import select
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import Adapter
 from loraplex.platform.store import AdapterCache, adapter_digest
-from tests.utils.factories import HUGE_RANK, make_bad_adapters
+from testkit.factories import HUGE_RANK, make_bad_adapters
 from tests.utils.server import run_server
 from tests.utils.uploads import (
     ADAPTER_FILES,

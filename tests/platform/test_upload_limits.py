@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.platform.openai.bodies import MAX_JSON_BODY_BYTES, MAX_JSON_DEPTH, json_depth
-from tests.utils.factories import make_adapter
+from testkit.factories import make_adapter
 from tests.utils.server import run_server, upload_adapter
 from tests.utils.uploads import auth, folder_parts, upload
 

@@ -28,7 +28,7 @@ from loraplex.platform.uploads import (
     upload_workspace,
     validate_adapter,
 )
-from tests.utils.factories import HUGE_RANK, make_adapter, make_bad_adapters, make_tiny_model
+from testkit.factories import HUGE_RANK, make_adapter, make_bad_adapters, make_tiny_model
 
 MiB = 1024 * 1024
 LIMIT = 4 * MiB

@@ -1,5 +1,5 @@
-"""The tests' S3 server: `benchmarks/moto_server.py` (the fleet benchmark starts the same)."""
+"""The tests' S3 server: `testkit/moto_server.py` (the fleet benchmark starts the same)."""
 
-from benchmarks.moto_server import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
+from testkit.moto_server import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
 
 __all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "free_port", "moto_server"]

@@ -17,7 +17,7 @@ import httpx
 
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.store import AdapterStore, make_store
-from tests.utils.factories import make_adapter
+from testkit.factories import make_adapter
 from tests.utils.moto import ACCESS_KEY, REGION, SECRET_KEY, free_port, moto_server
 from tests.utils.server import ADMIN_KEY
 

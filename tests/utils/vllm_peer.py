@@ -41,7 +41,7 @@ VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
 }
-# The tiny Llama of tests/utils/factories.py, with 64-wide heads.
+# The tiny Llama of testkit/factories.py, with 64-wide heads.
 VLLM_MODEL = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                   intermediate_size=256)  # fmt: skip
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils.dora import make_dora_adapter
-from tests.utils.factories import make_adapter, make_tiny_model
+from testkit.dora import make_dora_adapter
+from testkit.factories import make_adapter, make_tiny_model
 from tests.utils.server import run_server
 from tests.utils.vllm_peer import VLLM_MODEL, start_vllm_venv, vllm_server
 

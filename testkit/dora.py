@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.utils.factories import _FUSED_TARGETS, _load_base
+from testkit.factories import _FUSED_TARGETS, _load_base
 
 MAGNITUDE = "lora_magnitude_vector"
 

@@ -1,5 +1,5 @@
 """Run moto's standalone S3 server as a real process on 127.0.0.1: the tests' S3 over HTTP and
-`python -m benchmarks.fleet --store moto`. Needs `moto[server]` (the test extra)."""
+`python -m benchmarks.fleet_store --store moto`'s. Needs `moto[server]` (the test extra)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Factories for tests: a tiny tokenizer, tiny random-weight models, PEFT adapters, bad adapters.
+"""Factories the tests and the lab share: a tiny tokenizer, tiny random-weight models, PEFT
+adapters, bad adapters.
 
 Everything is built offline in well under a second or two. Shapes (the engine's parity tests
 rely on them):

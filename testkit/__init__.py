@@ -1,0 +1,7 @@
+"""What the tests and the lab (benchmarks/) both build on: tiny random models, tokenizers and
+PEFT adapters (`factories`), held-out prose (`heldout_texts`).
+
+It belongs to neither, so neither imports the other's fixtures. Imported from a checkout (the
+repository root on sys.path, as for `tests` and `benchmarks`), never shipped: pyproject's
+package list leaves it out.
+"""
