@@ -223,7 +223,7 @@ def main(out: str, device: str) -> int:
     else:
         from prometheus_client.parser import text_string_to_metric_families
 
-        from tests.utils.factories import make_tiny_model
+        from testkit.factories import make_tiny_model
         from tests.utils.server import run_server
 
         root = Path(tempfile.mkdtemp(prefix="gpu-check-serve-"))

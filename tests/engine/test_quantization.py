@@ -409,9 +409,9 @@ def demo_float(demo_model_dir):
 def test_demo_perplexity_close_to_float(method, bound, demo_model_dir, demo_float, reference_mode):
     """Quantization error alone: float32 activations on the dequantized weights (reference).
 
-    The bound applies to held-out prose (heldout_texts.py); int8 must hold its bound on the
+    The bound applies to held-out prose (testkit/heldout_texts.py); int8 must hold its bound on the
     memorized Dickens passage too (reported beside it). int4 is not run on Dickens: nothing is
-    asserted there (memorization is what 4-bit rounding loses first, heldout_texts.py).
+    asserted there (memorization is what 4-bit rounding loses first, testkit/heldout_texts.py).
     """
     if bound is None:
         bound = _peer_int4_bound() - 1
