@@ -341,8 +341,6 @@ class Attention(UsesBackend, nn.Module):
         self.kv_rotation: torch.Tensor | None = None
         # (k_cache, its flat view, v_cache's flat view): remade when the caches are replaced
         self._flat_caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # -kv_bound, kv_bound as 0-dim tensors in the activations' dtype (no conversion per call)
-        self._kv_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         s = self.spec
@@ -396,13 +394,10 @@ class Attention(UsesBackend, nn.Module):
 
     def _bound_kv(self, qkv: torch.Tensor) -> None:
         """NaN -> 0 and every value into +-kv_bound, in place, over the whole projection (q is
-        the row's own, and one op over all of it is cheaper than views of k and v)."""
-        lo_hi = self._kv_bounds
-        if lo_hi is None or lo_hi[0].dtype != qkv.dtype or lo_hi[0].device != qkv.device:
-            b = kv_bound(self.k_cache.dtype, qkv.dtype)
-            hi = torch.tensor(b, dtype=qkv.dtype, device=qkv.device)
-            lo_hi = self._kv_bounds = (-hi, hi)
-        torch.nan_to_num_(qkv, 0.0).clamp_(*lo_hi)
+        the row's own, and one op over all of it is cheaper than views of k and v). Python
+        float bounds: clamp_ with 0-dim tensor bounds takes a slower, broadcasting path."""
+        b = kv_bound(self.k_cache.dtype, qkv.dtype)
+        torch.nan_to_num_(qkv, 0.0).clamp_(-b, b)
 
     def _forward_fused(self, qkv: torch.Tensor, rows: torch.Tensor, ctx: ForwardContext):
         """A float KV cache and no rotation: q, k and v stay views of the projection, RoPE
