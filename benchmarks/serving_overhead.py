@@ -58,6 +58,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="torch threads of the engine, every side (as `loraplex serve`: all cores but one)",
     )  # fmt: skip
     ap.add_argument("--no-traced", action="store_true", help="skip the traced server")
+    ap.add_argument("--no-served", action="store_true", help="skip both servers")
     ap.add_argument("--out", type=Path, default=None, help="the figures as JSON")
     ap.add_argument("--md", type=Path, default=None, help="the table as markdown")
     ap.add_argument("--png", type=Path, default=None, help="the plot")
@@ -86,17 +87,16 @@ def _params(tokens: int):
 # ------------------------------------------------------------------ offline and its split
 
 
-def _llm(model: str, tokens: int, args):
+def _llm(model: str, context: int, args):
     from loraplex.engine import LLM
 
-    llm = LLM(model, dtype="float32", num_threads=args.threads, max_model_len=_context(tokens),
+    llm = LLM(model, dtype="float32", num_threads=args.threads, max_model_len=context,
               max_num_seqs=args.max_num_seqs)  # fmt: skip
     llm.generate([PROMPT], _params(4))
     return llm
 
 
-def _offline(model: str, n: int, tokens: int, args) -> dict:
-    llm = _llm(model, tokens, args)
+def _offline(llm, n: int, tokens: int) -> dict:
     cpu0, t0 = time.process_time(), time.perf_counter()
     outs = llm.generate([PROMPT] * n, _params(tokens))
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -115,11 +115,10 @@ def _sse_chunk(out) -> str:
     return event(chunk)
 
 
-def _split(model: str, n: int, tokens: int, args) -> dict[str, float]:
+def _split(llm, n: int, tokens: int) -> dict[str, float]:
     """Microseconds per generated token of each stage, on one instrumented offline run."""
     from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 
-    llm = _llm(model, tokens, args)
     engine = llm.engine
     spent = dict.fromkeys(STAGES, 0.0)
     run, step = engine.runner.run, engine.step
@@ -153,14 +152,13 @@ def _split(model: str, n: int, tokens: int, args) -> dict[str, float]:
         spent["SSE chunk"] += time.perf_counter() - t3
         return outs
 
-    # Imports and first calls out of the figures: each stage once on a warm-up output.
-    (warm,) = llm.generate([PROMPT], _params(2))
-    _sse_chunk(warm)
-    StepMessage.from_json(StepMessage(outputs=[OutputEncoder().encode(warm)]).to_json())
     engine.runner.run, engine.step = timed_run, timed_step
     try:
+        llm.generate([PROMPT], _params(2))  # imports and first calls out of the figures
+        spent.update(dict.fromkeys(STAGES, 0.0))
         outs = llm.generate([PROMPT] * n, _params(tokens))
     finally:
+        engine.runner.run, engine.step = run, step
         recv.close()
         send.close()
     assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
@@ -171,15 +169,16 @@ def _split(model: str, n: int, tokens: int, args) -> dict[str, float]:
 # ------------------------------------------------------------------ the engine process
 
 
-def _engine_process(model: str, n: int, tokens: int, args) -> dict:
+def _engine_process(model: str, context: int, args):
     from loraplex.engine import EngineConfig
     from loraplex.engine.engine_process import EngineProcess
 
-    config = EngineConfig(
-        model, dtype="float32", num_threads=args.threads, max_model_len=_context(tokens),
-        max_num_seqs=args.max_num_seqs,
-    )  # fmt: skip
-    engine = EngineProcess(config)
+    config = EngineConfig(model, dtype="float32", num_threads=args.threads,
+                          max_model_len=context, max_num_seqs=args.max_num_seqs)  # fmt: skip
+    return EngineProcess(config)
+
+
+def _through(engine, n: int, tokens: int, args) -> dict:
     gate = asyncio.Semaphore(args.max_num_seqs)
 
     async def one(max_tokens: int) -> int:
@@ -192,13 +191,10 @@ def _engine_process(model: str, n: int, tokens: int, args) -> dict:
     async def all_of(count: int, max_tokens: int) -> list[int]:
         return await asyncio.gather(*(one(max_tokens) for _ in range(count)))
 
-    try:
-        asyncio.run(all_of(1, 4))
-        t0 = time.perf_counter()
-        counts = asyncio.run(all_of(n, tokens))
-        seconds = time.perf_counter() - t0
-    finally:
-        engine.shutdown()
+    asyncio.run(all_of(1, 4))
+    t0 = time.perf_counter()
+    counts = asyncio.run(all_of(n, tokens))
+    seconds = time.perf_counter() - t0
     assert counts == [tokens] * n, counts
     return {"tok_s": n * tokens / seconds}
 
@@ -316,14 +312,21 @@ def run(args: argparse.Namespace) -> dict:
         longest = max(t for _, t in cases.values())
         model = str(factories().make_tiny_model("llama", Path(tmp) / "llama",
                                                 max_position_embeddings=longest + 64))  # fmt: skip
+        llm = _llm(model, _context(longest), args)
         for case, (n, tokens) in cases.items():
             doc["cases"][case] = {
                 "requests": n, "tokens": tokens,
-                "sides": {"offline": _offline(model, n, tokens, args),
-                          "engine process": _engine_process(model, n, tokens, args)},
-                "split_us_per_token": _split(model, n, tokens, args),
+                "sides": {"offline": _offline(llm, n, tokens)},
+                "split_us_per_token": _split(llm, n, tokens),
             }  # fmt: skip
-        for traced in (False,) if args.no_traced else (False, True):
+        del llm
+        engine = _engine_process(model, _context(longest), args)
+        try:
+            for case, (n, tokens) in cases.items():
+                doc["cases"][case]["sides"]["engine process"] = _through(engine, n, tokens, args)
+        finally:
+            engine.shutdown()
+        for traced in () if args.no_served else (False,) if args.no_traced else (False, True):
             for case, sides in _server_runs(model, cases, args, traced, Path(tmp)).items():
                 doc["cases"][case]["sides"].update(sides)
     doc["loadavg_after"] = os.getloadavg()

@@ -1,0 +1,48 @@
+"""`python -m benchmarks.serving_overhead` at a tiny size: every side generates every token,
+the table has its columns, and each stage's share of a token is a real, non-negative figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from benchmarks import serving_overhead as so
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    so.add_args(p)
+    return p.parse_args(["--long", "2,12", "--short", "4,4", "--max-num-seqs", "2",
+                         "--out", str(tmp_path / "so.json"), "--md", str(tmp_path / "so.md"),
+                         *extra])  # fmt: skip
+
+
+def test_bench_serving_overhead_smoke(tmp_path, capsys):
+    doc = so.run(_args(tmp_path, "--no-served"))
+    assert set(doc["cases"]) == {"long", "short"}
+    for case in doc["cases"].values():
+        assert set(case["sides"]) == {"offline", "engine process"}
+        for side in case["sides"].values():
+            assert side["tok_s"] > 0 and side["over_offline"] > 0
+        split = case["split_us_per_token"]
+        assert set(split) == set(so.STAGES)
+        assert all(v >= 0 for v in split.values()) and split["forward"] > 0
+    assert json.loads((tmp_path / "so.json").read_text()) == json.loads(json.dumps(doc))
+    table = (tmp_path / "so.md").read_text()
+    assert table in capsys.readouterr().out
+    assert "| case | side | tok/s | / offline |" in table
+    assert "| long | " in table and "| short | " in table
+
+
+def test_table_has_a_row_per_side_and_a_column_per_stage():
+    side = {"tok_s": 90.0, "over_offline": 0.9, "server_cpu_per_1k": 0.2,
+            "engine_cpu_per_1k": 1.5}  # fmt: skip
+    case = {"requests": 8, "tokens": 3072,
+            "sides": {s: dict(side) for s in so.SIDES},
+            "split_us_per_token": dict.fromkeys(so.STAGES, 1.0)}  # fmt: skip
+    table = so.markdown({"cases": {"long": case}})
+    rows = [ln for ln in table.splitlines() if ln.startswith("| long: 8 x 3,072 |")]
+    assert [r.split(" | ")[1] for r in rows] == list(so.SIDES)
+    assert rows[0].endswith("| 90.0 | 0.90 | 200.0 | 1,500.0 |")
+    header = next(ln for ln in table.splitlines() if "µs/tok" in ln)
+    assert all(f"{s} µs/tok" in header for s in so.STAGES)
