@@ -160,7 +160,7 @@ def _left(limit: int | None, used: int) -> int | None:
 @api.get("/account")
 def account(state: StateDep, caller: PortalCaller) -> AccountPublic:
     """The tenant, its prices, its quotas and how much of each is left now."""
-    now = service.account(state, caller)
+    acct = service.account(state, caller)
     t = caller.tenant
     return AccountPublic(
         tenant=PortalTenant(
@@ -171,10 +171,10 @@ def account(state: StateDep, caller: PortalCaller) -> AccountPublic:
             batch_price_factor=format(t.batch_price_factor, "f"),
         ),
         key=PortalKeyRef(id=caller.key.id, name=caller.key.name, prefix=caller.key.prefix),
-        limits=now.limits,
-        used=now.used,
-        left={k: _left(now.limits[k], v) for k, v in now.used.items()},
-        month_resets_at=now.month_resets_at.isoformat(),
+        limits=acct.limits,
+        used=acct.used,
+        left={k: _left(acct.limits[k], v) for k, v in acct.used.items()},
+        month_resets_at=acct.month_resets_at.isoformat(),
     )
 
 
