@@ -4,7 +4,10 @@ A step message carries, for each request the step advanced, the new token ids, t
 the new logprobs entries and the finish; the prompt goes once, with a request's first output,
 and its prompt logprobs once, with the first output that has them (all positions scored).
 So its size stays flat however long a generation runs (sending whole outputs made a long
-generation cost O(n^2) bytes and JSON work on both sides).
+generation cost O(n^2) bytes and JSON work on both sides). On the pipe each record is a JSON
+array of its fields in declaration order, not an object: no key repeated per request per
+step, and the C JSON encoder takes it whole, with no Python callback per dataclass
+(benchmarks/serving_overhead.py measures both).
 
     engine process                                   server process
     RequestOutput ─ OutputEncoder ─ StepMessage (JSON) ─▶ OutputDecoder ─ RequestOutput
@@ -63,21 +66,30 @@ class OutputDelta:
     prompt_logprobs: PromptLogprobs | None = None  # sent once
     metrics: RequestMetrics | None = None
 
+    def row(self) -> list:
+        return [
+            self.request_id, self.finished, self.delta_text, self.num_cached_tokens,
+            [_row(c) for c in self.completions],
+            None if self.start is None else _row(self.start),
+            self.error, self.num_generated_tokens,
+            None if self.prompt_logprobs is None else _row(self.prompt_logprobs),
+            None if self.metrics is None else _row(self.metrics),
+        ]  # fmt: skip
+
     @classmethod
-    def from_dict(cls, d: dict) -> OutputDelta:
-        start, completions = d.pop("start"), d.pop("completions")
-        m = d.pop("metrics", None)
-        pl = d.pop("prompt_logprobs")
+    def from_row(cls, r: list) -> OutputDelta:
+        rid, finished, delta_text, cached, completions, start, error, generated, pl, m = r
         if pl is not None:  # JSON made the (token id, logprob) pairs lists
-            top = [None if t is None else [(i, v) for i, v in t] for t in pl["top"]]
-            pl = PromptLogprobs(pl["token_logprobs"], pl["ranks"], top)
+            token_logprobs, ranks, top = pl
+            top = [None if t is None else [(i, v) for i, v in t] for t in top]
+            pl = PromptLogprobs(token_logprobs, ranks, top)
         return cls(
-            **d,
-            completions=[CompletionDelta(**c) for c in completions],
-            start=None if start is None else RequestStart(**start),
-            prompt_logprobs=pl,
-            metrics=None if m is None else RequestMetrics(**m),
-        )
+            rid, finished, delta_text, cached,
+            [CompletionDelta(*c) for c in completions],
+            None if start is None else RequestStart(*start),
+            error, generated, pl,
+            None if m is None else RequestMetrics(*m),
+        )  # fmt: skip
 
 
 @dataclass
@@ -97,21 +109,22 @@ class StepMessage:
     stats: dict | None = None  # an EngineStats snapshot, now and then
 
     def to_json(self) -> bytes:
-        return json.dumps(self, default=_fields, separators=(",", ":")).encode()
+        msg = [[o.row() for o in self.outputs], [_row(e) for e in self.errors], self.stats]
+        return json.dumps(msg, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> StepMessage:
-        d = json.loads(raw)
+        outputs, errs, stats = json.loads(raw)
         return cls(
-            outputs=[OutputDelta.from_dict(o) for o in d["outputs"]],
-            errors=[RequestError(**e) for e in d["errors"]],
-            stats=d["stats"],
+            outputs=[OutputDelta.from_row(o) for o in outputs],
+            errors=[RequestError(*e) for e in errs],
+            stats=stats,
         )
 
 
-def _fields(obj) -> dict:
-    # Shallow: json.dumps calls this again for nested dataclasses.
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+def _row(obj) -> list:
+    """A flat dataclass's fields in declaration order: its constructor's positional order."""
+    return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
 
 
 def _kept(old: str, new: str) -> int:
