@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+
+import pytest
 
 from benchmarks import serving_overhead as so
 
@@ -46,3 +49,21 @@ def test_table_has_a_row_per_side_and_a_column_per_stage():
     assert rows[0].endswith("| 90.0 | 0.90 | 200.0 | 1,500.0 |")
     header = next(ln for ln in table.splitlines() if "µs/tok" in ln)
     assert all(f"{s} µs/tok" in header for s in so.STAGES)
+
+
+def test_delta_codec_compares_two_revisions_on_the_same_outputs(capsys):
+    from benchmarks import delta_codec
+
+    head = subprocess.run(["git", "-C", str(delta_codec.REPO), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)  # fmt: skip
+    if head.returncode != 0:
+        pytest.skip("needs the checkout's git history")
+    p = argparse.ArgumentParser()
+    delta_codec.add_args(p)
+    args = p.parse_args(["--against", head.stdout.strip(), "--requests", "2", "--tokens", "8",
+                         "--repeats", "2"])  # fmt: skip
+    doc = delta_codec.run(args)  # asserts both rebuild the same outputs
+    assert len(doc) == 2
+    for figures in doc.values():
+        assert figures["bytes_per_step"] > 0 and figures["encode_us_per_token"] >= 0
+    assert "bytes per step message" in capsys.readouterr().out
