@@ -254,7 +254,7 @@ class VllmDataPlane:
         request_id: str | None = None,
         tenant: str | None = None,
         weight: float = 1.0,
-        window: int | None = None,  # noqa: ARG002 - TCP backpressure reaches vLLM directly
+        window: int | None = None,
         priority: int = 0,
         headers: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
@@ -278,7 +278,9 @@ class VllmDataPlane:
         max_new = params.max_tokens or max(0, self.config.max_model_len - len(ids))
         cost = (len(ids) + max_new * params.num_samples) / max(weight, 1e-6)
         admission = await endpoint.window.admit(tenant or "", cost, priority=priority)
-        live = _Live(asyncio.get_running_loop(), asyncio.Queue())
+        # A reader that lags `window` outputs behind stops the reading from vLLM: the stream
+        # waits in vLLM's socket (TCP backpressure), not in this process's memory.
+        live = _Live(asyncio.get_running_loop(), asyncio.Queue(maxsize=window or 0))
         self._live[rid] = live
         assembler = Assembler(rid, ids, params.n, lora_request and lora_request.lora_name)
         sent = {"X-Request-Id": rid, **(headers or {})}
@@ -319,7 +321,7 @@ class VllmDataPlane:
                         break
                     out = asm.add(json.loads(data))
                     if out is not None:
-                        queue.put_nowait(out)
+                        await queue.put(out)
                         if out.finished:
                             return
             raise DataPlaneUnavailable(f"vLLM at {e.url} ended the stream before it finished")
@@ -327,9 +329,9 @@ class VllmDataPlane:
             raise
         except httpx.HTTPError as err:
             e.healthy = False  # the poller says when it is back
-            queue.put_nowait(DataPlaneUnavailable(f"vLLM at {e.url} went away: {err}"))
+            await queue.put(DataPlaneUnavailable(f"vLLM at {e.url} went away: {err}"))
         except BaseException as err:  # noqa: BLE001 - handed to the reader, who raises it
-            queue.put_nowait(err)
+            await queue.put(err)
 
     def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -345,6 +347,8 @@ class VllmDataPlane:
         def wake() -> None:
             if live.task is not None:
                 live.task.cancel()
+            while not live.queue.empty():  # raised before any output still queued
+                live.queue.get_nowait()
             live.queue.put_nowait(error)
 
         live.loop.call_soon_threadsafe(wake)

