@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform.db.models import StoredFile
 from loraplex.platform.errors import APIError
+from loraplex.platform.openai.bodies import check_json_depth
 from loraplex.platform.store import LocalStore, StoreError
 from loraplex.platform.store.base import AdapterStore, check_key, new_key
 
@@ -137,6 +138,10 @@ def parse_batch_input(data: bytes, *, max_lines: int) -> list[BatchRequestLine]:
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
+        # json.loads recurses per nesting level: a deep enough line would raise RecursionError
+        deep = check_json_depth(raw)
+        if deep:
+            raise _bad_line(number, deep)
         try:
             item = json.loads(raw)
         except json.JSONDecodeError as e:

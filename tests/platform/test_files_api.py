@@ -105,6 +105,9 @@ def test_another_tenant_sees_nothing(server):
          b'"m"}, "extra": 1}', 1, "unknown field"),
         (batch_lines(21), 21, "at most 20"),
         (b"\xff\xfe", 1, "utf-8"),
+        # Deeper than json.loads can recurse: refused by depth, not a RecursionError's 500.
+        (batch_lines(1) + b'{"custom_id": "b", "body": ' + b"[" * 3_500 + b"]" * 3_500
+         + b"}\n", 2, "nests 3501"),
     ],
 )  # fmt: skip
 def test_bad_lines_are_refused_with_their_number(server, content, line, words):
