@@ -699,11 +699,11 @@ SwiGLU) at tiny widths (hidden 64, head_dim 8, FFN 128, vocab 512, {a.get("dtype
         layers = f" {a['layers']} layers,"
     else:
         m = report["model"]
-        model = f"""on the peer comparisons' tiny Llama (`python -m benchmarks.peers`;
-{m.get("num_hidden_layers")} layers, hidden {m.get("hidden_size")},
-{m.get("num_attention_heads")} query / {m.get("num_key_value_heads")} KV heads,
-FFN {m.get("intermediate_size")}, vocab {m.get("vocab_size")}), {a.get("dtype", "float32")},
-where the products are most of a step"""
+        model = f"""on the peer comparisons' tiny Llama ({m.get("num_hidden_layers")} layers,
+hidden {m.get("hidden_size")}, {m.get("num_attention_heads")} query /
+{m.get("num_key_value_heads")} KV heads, FFN {m.get("intermediate_size")}, vocab
+{m.get("vocab_size")}; `python -m benchmarks.peers`), {a.get("dtype", "float32")}, where the
+products are most of a step"""
         target = "The floor below says how much of a step torch's kernels leave to the rest."
         layers = ""
     sampled = (
