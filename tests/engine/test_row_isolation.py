@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.errors import AdapterError
 from loraplex.kernels import dispatch
-from testkit.factories import make_adapter, make_tiny_model
+from testkit.factories import EXPERT_PARAMETERS, make_adapter, make_tiny_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POISONS = ("1e30", "3e38", "-3e38", "subnormal", "mixed", "one_huge")
@@ -139,6 +139,7 @@ def _run(case: dict, setup: dict, poison_dir: Path, finished_at: dict | None):
             enable_prefix_caching=case["prefix_caching"],
             cpu_attention="matmul" if case["path"] == "matmul" else "sdpa", seed=0,
             num_speculative_tokens=case.get("speculative", 0),
+            quantization=case.get("quantization"),
         )  # fmt: skip
     finally:
         dispatch.set_mode("auto")
@@ -189,8 +190,19 @@ HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate]
 
 
+def _close(a, b) -> bool:
+    """Logprob structures equal but for float rounding (1e-5)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    return a == b
+
+
 def _check_against_twin(
-    case: dict, setup: dict, poison_dir: Path, record=event
+    case: dict, setup: dict, poison_dir: Path, record=event, exact: bool = True
 ) -> tuple[dict, int]:
     """Run `case` with the poisoned adapter, then with its twin; every row not on the poisoned
     adapter must see the same in both. Returns the poisoned run's outputs and preemptions.
@@ -211,8 +223,12 @@ def _check_against_twin(
     for rid, row in rows.items():
         if rid in poisoned:
             _finite_json(poisoned[rid])
-        if row["kind"] != "poison":
+        if row["kind"] != "poison" and exact:
             assert _seen(poisoned[rid]) == _seen(twin[rid]), f"{rid} ({row['kind']}) differs"
+        elif row["kind"] != "poison":
+            mine, theirs = _seen(poisoned[rid]), _seen(twin[rid])
+            assert mine[0] == theirs[0] and mine[2] == theirs[2], f"{rid} ({row['kind']}) differs"
+            assert _close(mine[1], theirs[1]) and _close(mine[3], theirs[3]), rid
     return poisoned, preempted
 
 
@@ -263,4 +279,38 @@ def test_speculative_rows_keep_apart(setup):
         row["prompt"] = [11 + i, 12, 13, 14] * 4
     case["speculative"] = 3
     poisoned, _ = _check_against_twin(case, setup, setup["poisons"][("1e30", "all")], print)
+    assert [r for r, o in poisoned.items() if o.outputs[0].finish_reason == "error"] == ["r0", "r3"]
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory) -> dict:
+    """A Qwen3-MoE base; the adapters reach attention, the fused experts and the router."""
+    root = tmp_path_factory.mktemp("isolation-moe")
+    base = make_tiny_model("qwen3_moe", root / "moe", seed=3)
+    kwargs = dict(targets=("q_proj", "v_proj"), target_parameters=EXPERT_PARAMETERS)
+    good = make_adapter(base, root / "good", r=8, alpha=16, seed=4, **kwargs)
+    twin = make_adapter(base, root / "twin", r=4, alpha=8, seed=5, **kwargs)
+    poison = root / "poison"
+    shutil.copytree(twin, poison)
+    weights = load_file(twin / "adapter_model.safetensors")
+    save_file({k: torch.full_like(t, 1e30) for k, t in weights.items()},
+              poison / "adapter_model.safetensors")  # fmt: skip
+    return {"base": base, "good": good, "twin": twin, "poison": poison}
+
+
+def test_moe_rows_keep_apart(moe_setup):
+    """A mixture of experts: the poisoned row's experts and routing stay its own (a top-k
+    over its own router logits, expert products gathered per token). Other rows' tokens are
+    identical and their logprobs equal but for rounding, not bit for bit: which tokens an
+    expert's product gathers follows every row's routing, and the product's row count
+    changes how its sums are blocked (docs/row-isolation.md)."""
+    case = _held_case("sdpa", 2, 6)
+    poisoned, _ = _check_against_twin(case, moe_setup, moe_setup["poison"], print, exact=False)
+    assert [r for r, o in poisoned.items() if o.outputs[0].finish_reason == "error"] == ["r0", "r3"]
+
+
+def test_int8_base_rows_keep_apart(setup):
+    """An int8 base (per-channel weights dequantized in the product): the same."""
+    case = {**_held_case("sdpa", 2, 6), "quantization": "int8"}
+    poisoned, _ = _check_against_twin(case, setup, setup["poisons"][("mixed", "all")], print)
     assert [r for r, o in poisoned.items() if o.outputs[0].finish_reason == "error"] == ["r0", "r3"]
