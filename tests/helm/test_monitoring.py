@@ -386,7 +386,8 @@ def prometheus_query(server, tmp_path_factory):
                 assert proc.poll() is None, (root / "prometheus.log").read_text()[-2000:]
                 try:
                     seen = query('count_over_time(up{job="prod-loraplex"}[5m])')
-                except httpx.TransportError:
+                # ValueError: a plain-text 503 "Service Unavailable" while its storage starts
+                except (httpx.TransportError, ValueError):
                     seen = []
                 if seen and float(seen[0]["value"][1]) >= 3:
                     break

@@ -1,7 +1,9 @@
 """A TCP proxy a test controls, between a server and a service it needs (PostgreSQL): `cut()`
 drops every connection and refuses new ones, as a database that went away does; `restore()`
 listens again on the same port. The service itself is never touched, so a test cannot leave
-the machine's PostgreSQL stopped."""
+the machine's PostgreSQL stopped. `delay_s` holds each piece the service sends back for that
+long: a stream then reaches the server over seconds, so a cut lands in its middle, not after
+a fast service has already handed all of it to the socket buffers."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from contextlib import contextmanager
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int):
+    def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0):
         self.target = (target_host, target_port)
+        self.delay_s = delay_s
         with socket.socket() as s:  # a free port, kept across cut and restore
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -63,11 +66,18 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer, self.delay_s)
+        )
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0
+    ):
+        size = 1024 if delay_s else 65536  # small pieces: a delay per piece paces the stream
         try:
-            while data := await reader.read(65536):
+            while data := await reader.read(size):
+                if delay_s:
+                    await asyncio.sleep(delay_s)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -79,8 +89,8 @@ class TcpProxy:
 
 
 @contextmanager
-def tcp_proxy(host: str, port: int) -> Iterator[TcpProxy]:
-    proxy = TcpProxy(host, port)
+def tcp_proxy(host: str, port: int, delay_s: float = 0.0) -> Iterator[TcpProxy]:
+    proxy = TcpProxy(host, port, delay_s)
     proxy.start()
     try:
         yield proxy
