@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -238,14 +239,15 @@ class ModelRunner:
 
 def _nonfinite_prompts(batch: PromptRows) -> list[Sequence]:
     """The sequences whose prompt logprobs scored this step are not finite. A logprob of
-    -inf alone (a prompt token the model rules out) is reported as LOGPROB_FLOOR."""
+    -inf alone (a prompt token the model rules out) is reported as LOGPROB_FLOOR. Only the
+    entries this step appended are read: earlier ones were checked in their own step."""
     bad: list[Sequence] = []
-    for seq in dict.fromkeys(batch.seqs):
+    for seq, n in Counter(batch.seqs).items():  # n: entries appended this step
         pl = seq.prompt_logprobs
-        values = pl.token_logprobs[1:] + [v for top in pl.top[1:] for _, v in top]
+        values = pl.token_logprobs[-n:] + [v for top in pl.top[-n:] for _, v in top]
         if not all(math.isfinite(v) or v == -math.inf for v in values):
             bad.append(seq)
         elif -math.inf in values:
-            pl.token_logprobs[1:] = [max(v, LOGPROB_FLOOR) for v in pl.token_logprobs[1:]]
-            pl.top[1:] = [[(t, max(v, LOGPROB_FLOOR)) for t, v in top] for top in pl.top[1:]]
+            pl.token_logprobs[-n:] = [max(v, LOGPROB_FLOOR) for v in pl.token_logprobs[-n:]]
+            pl.top[-n:] = [[(t, max(v, LOGPROB_FLOOR)) for t, v in top] for top in pl.top[-n:]]
     return bad
