@@ -351,3 +351,60 @@ class Replica(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     state: Mapped[dict] = mapped_column(JSON)  # the engine stats snapshot the overview shows
+
+
+class GuardrailPolicy(Base):
+    """A tenant's input/output policy (platform/guardrails/): deterministic checks (terms,
+    regexes, PII kinds) and/or a guard adapter, and what a hit does. A policy with a key
+    applies to that key's requests only."""
+
+    __tablename__ = "guardrail_policies"
+    __table_args__ = (
+        CheckConstraint("stages IN ('input', 'output', 'both')", name="stages_valid"),
+        CheckConstraint("action IN ('block', 'redact', 'flag')", name="action_valid"),
+        CheckConstraint("fail_mode IN ('open', 'closed')", name="fail_mode_valid"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    stages: Mapped[str] = mapped_column(String(8))
+    action: Mapped[str] = mapped_column(String(8))
+    terms: Mapped[list] = mapped_column(JSON, default=list)
+    patterns: Mapped[list] = mapped_column(JSON, default=list)  # regexes (Python `re`)
+    pii: Mapped[list] = mapped_column(JSON, default=list)  # "email", "phone", "card"
+    # The guard adapter: an adapter name (or name@vN) of `guard_tenant_id` (the operator's
+    # shared one) or, when that is None, of the policy's tenant.
+    guard_adapter: Mapped[str | None] = mapped_column(String(160))
+    guard_tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="SET NULL")
+    )
+    guard_threshold: Mapped[float] = mapped_column(Float, default=0.5)
+    fail_mode: Mapped[str] = mapped_column(String(8), default="closed")
+    record_text: Mapped[bool] = mapped_column(default=False)  # the tenant's opt-in
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class GuardrailEvent(Base):
+    """One block, redaction, flag or fail-open of a policy: the audit trail. `text` (the span
+    or window that hit) only where the policy records text."""
+
+    __tablename__ = "guardrail_events"
+    __table_args__ = (Index("ix_guardrail_events_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BIGID, primary_key=True)
+    # No cascade from tenants: the audit trail outlives keys and policies, as the ledger does.
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    policy_id: Mapped[int | None] = mapped_column(
+        ForeignKey("guardrail_policies.id", ondelete="SET NULL")
+    )
+    policy_name: Mapped[str] = mapped_column(String(64))
+    rule: Mapped[str] = mapped_column(String(200))  # "term", "regex:0", "pii:email", "guard:…"
+    stage: Mapped[str] = mapped_column(String(8))  # input | output
+    action: Mapped[str] = mapped_column(String(16))  # block | redact | flag | fail_open
+    request_id: Mapped[str] = mapped_column(String(80))
+    route: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
