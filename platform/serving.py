@@ -118,6 +118,11 @@ class Job:
     status: str = "ok"
     recorded: bool = False
     request_class: str = RequestClass.interactive.value
+    # The tenant's output guardrails (platform/guardrails/stream.py): engine outputs in,
+    # the outputs the client may see out; None without output policies.
+    output_filter: Callable[[AsyncIterator[RequestOutput]], AsyncIterator[RequestOutput]] | None = (
+        None
+    )
 
     @property
     def adapter_name(self) -> str | None:
@@ -394,7 +399,12 @@ class InferenceService:
             )
 
     # ---------------------------------------------------------------- running
-    async def outputs(self, job: Job, stream: bool = False) -> AsyncIterator[RequestOutput]:
+    def outputs(self, job: Job, stream: bool = False) -> AsyncIterator[RequestOutput]:
+        """`engine_outputs`, through the job's output guardrails where it has any."""
+        raw = self.engine_outputs(job, stream)
+        return raw if job.output_filter is None else job.output_filter(raw)
+
+    async def engine_outputs(self, job: Job, stream: bool = False) -> AsyncIterator[RequestOutput]:
         """Engine outputs for the job. The caller reports delivery via `job.sent_tokens` and
         must call `finish(job)` in a `finally`: the job stays in `state.inflight` (what a
         shutdown's drain waits for) until its usage record is written. A `stream` pauses in

@@ -15,6 +15,7 @@ import time
 from fastapi import Request
 
 from loraplex.engine import RequestOutput
+from loraplex.platform.guardrails.hooks import guard_input, guard_output
 from loraplex.platform.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loraplex.platform.openai.protocol import ChatCompletionRequest
 from loraplex.platform.openai.responses import (
@@ -57,6 +58,9 @@ async def serve_chat(
     mode = body.tool_mode
     tools = body.tools if mode else None
     text, fallback = service.chat_prompt(body.chat_messages(), tools)
+    (text,), gate = await guard_input(
+        state, caller, "chat", [text], stream=body.stream, n=body.n, logprobs=body.logprobs
+    )
     prompt_ids = body.truncated(service.encode_prompt(text, templated=True))
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs or 0
@@ -66,6 +70,7 @@ async def serve_chat(
     job = await service.start(
         caller, "chat", body.model, prompt_ids, params, lora, adapter, body.user
     )
+    await guard_output(gate, [job], job.request_id)
     tok = state.engine.tokenizer
     created = int(time.time())
     if body.stream:

@@ -10,6 +10,7 @@ import time
 from fastapi import Request
 
 from loraplex.engine import RequestOutput
+from loraplex.platform.guardrails.hooks import guard_input, guard_output
 from loraplex.platform.openai.logprobs import LegacyLogprobs, joined, vllm_prompt_logprobs
 from loraplex.platform.openai.prompt_batch import JobGroup, Tagged, run_all, start_jobs
 from loraplex.platform.openai.protocol import CompletionRequest
@@ -40,7 +41,11 @@ async def serve_completion(
     service = InferenceService(state)
     body.check_supported()
     lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model, body.user)
-    prompts = body.prompts()
+    samples = max(body.n, body.best_of or 1)
+    prompts, gate = await guard_input(
+        state, caller, "completions", body.prompts(), stream=body.stream, n=samples,
+        logprobs=body.logprobs,
+    )  # fmt: skip
     ids = [_encode(service, body, p) for p in prompts]
     if len(prompts) > 1:
         # Checked once for all (a bad value is the request's fault, not one prompt's).
@@ -60,6 +65,7 @@ async def serve_completion(
         job = group = JobGroup(service, jobs, jobs[0].request_id)
         for p, one in enumerate(jobs):  # the usage records name the answer's id and the prompt
             one.request_id = f"{group.request_id}-{p}"
+    await guard_output(gate, jobs, job.request_id)
     tok = state.engine.tokenizer
     choices = [
         CompletionChoices(tok, body, prompt, prompt_ids, p * body.n)

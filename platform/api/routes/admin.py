@@ -31,6 +31,7 @@ from loraplex.platform.db.schemas import (
     TenantPublic,
     TenantUpdate,
 )
+from loraplex.platform.guardrails import routes as guardrail_routes
 from loraplex.platform.serving import InferenceService
 
 router = APIRouter(
@@ -299,3 +300,4 @@ def delete_adapter(tenant_id: int, name: str, session: SessionDep, state: StateD
 
 
 router.include_router(admin_usage.router)
+router.include_router(guardrail_routes.admin_router)  # platform/guardrails/routes.py

@@ -22,6 +22,7 @@ from loraplex.platform.api.deps import SessionDep, StateDep
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
+from loraplex.platform.guardrails import audit as guardrail_audit
 from loraplex.platform.periods import last_day, period
 from loraplex.platform.replicas import STALE_BEATS, fleet, replica_id, snapshot
 from loraplex.platform.usage import BillingRow, GroupBy, UsageSummary
@@ -110,6 +111,9 @@ def billing(
     # The rows go through the ledger's own serializer, so this JSON and `loraplex usage export
     # --format json` always agree to the character.
     body = report.model_dump(mode="json") | {"data": json.loads(usage.to_json(rows))}
+    # Blocks, redactions, flags and fail-opens per tenant (platform/guardrails/audit.py).
+    found = guardrail_audit.counts(session, start=lo, end=hi, tenant_id=tenant_id)
+    body["guardrail_counts"] = [{"tenant_id": t, **c} for t, c in sorted(found.items())]
     return JSONResponse(body)
 
 

@@ -16,6 +16,7 @@ from loraplex.platform.api.deps import CallerDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus
+from loraplex.platform.guardrails import routes as guardrail_routes
 from loraplex.platform.openai.chat import serve_chat
 from loraplex.platform.openai.completions import serve_completion
 from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -109,3 +110,6 @@ async def completions(body: CompletionRequest, request, state, caller) -> dict:
 
 async def chat_completions(body: ChatCompletionRequest, request, state, caller) -> dict:
     return (await serve_chat(body, request, state, caller)).model_dump()
+
+
+router.include_router(guardrail_routes.tenant_router)  # /v1/guardrails: read-only

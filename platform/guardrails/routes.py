@@ -1,0 +1,190 @@
+"""Guardrail policies and their audit trail over HTTP.
+
+Admin (under /admin/api, the admin check of `admin.py`): create, list and delete a tenant's
+policies; the events of every tenant; the per-tenant counts of a period. Tenant (under /v1,
+its API key): its own policies, read-only, and its own events.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.platform.api.deps import CallerDep, SessionDep
+from loraplex.platform.db import crud
+from loraplex.platform.db.models import ApiKey, GuardrailPolicy
+from loraplex.platform.errors import APIError
+from loraplex.platform.guardrails import audit
+from loraplex.platform.guardrails.checks import check_rules
+from loraplex.platform.periods import period
+
+admin_router = APIRouter(tags=["guardrails"])
+tenant_router = APIRouter(tags=["guardrails"])
+
+
+class PolicyIn(BaseModel):
+    # Unknown fields refused: a misspelt "action" must not leave a policy that enforces nothing.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    stages: Literal["input", "output", "both"] = "both"
+    action: Literal["block", "redact", "flag"] = "block"
+    terms: list[Annotated[str, Field(max_length=200)]] = Field(default=[], max_length=1000)
+    patterns: list[Annotated[str, Field(max_length=500)]] = Field(default=[], max_length=100)
+    pii: list[str] = []
+    guard_adapter: str | None = Field(default=None, max_length=160)
+    guard_tenant_id: int | None = None  # the operator's tenant that shares the guard adapter
+    guard_threshold: float = Field(default=0.5, gt=0.0, le=1.0)
+    fail_mode: Literal["open", "closed"] = "closed"
+    record_text: bool = False
+    api_key_id: int | None = None  # one key's requests only
+
+
+class PolicyOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    object: Literal["guardrail_policy"] = "guardrail_policy"
+    tenant_id: int
+    api_key_id: int | None
+    name: str
+    stages: str
+    action: str
+    terms: list[str]
+    patterns: list[str]
+    pii: list[str]
+    guard_adapter: str | None
+    guard_tenant_id: int | None
+    guard_threshold: float
+    fail_mode: str
+    record_text: bool
+    created_at: datetime
+
+
+class EventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    object: Literal["guardrail_event"] = "guardrail_event"
+    tenant_id: int
+    api_key_id: int | None
+    policy_id: int | None
+    policy_name: str
+    rule: str
+    stage: str
+    action: str
+    request_id: str
+    route: str
+    text: str | None
+    created_at: datetime
+
+
+class Listing(BaseModel):
+    object: Literal["list"] = "list"
+    data: list
+
+
+def _tenant(session: Session, tenant_id: int):
+    tenant = crud.get_tenant(session, tenant_id=tenant_id)
+    if tenant is None:
+        raise APIError(404, f"no tenant with id {tenant_id}", "tenant_not_found", "tenant_id")
+    return tenant
+
+
+def _policies(session: Session, tenant_id: int) -> list[PolicyOut]:
+    rows = session.scalars(
+        select(GuardrailPolicy)
+        .where(GuardrailPolicy.tenant_id == tenant_id)
+        .order_by(GuardrailPolicy.id)
+    )
+    return [PolicyOut.model_validate(r) for r in rows]
+
+
+@admin_router.post("/tenants/{tenant_id}/guardrails", status_code=201)
+def create_policy(tenant_id: int, body: PolicyIn, session: SessionDep) -> PolicyOut:
+    """A policy for the tenant (or one of its keys); it applies from the next request."""
+    _tenant(session, tenant_id)
+    why = check_rules(body.terms, body.patterns, body.pii)
+    if why is not None:
+        raise APIError(400, why, "invalid_policy")
+    if not (body.terms or body.patterns or body.pii or body.guard_adapter):
+        raise APIError(400, "a policy needs terms, patterns, pii or a guard_adapter",
+                       "invalid_policy")  # fmt: skip
+    if body.api_key_id is not None:
+        key = session.get(ApiKey, body.api_key_id)
+        if key is None or key.tenant_id != tenant_id:
+            raise APIError(404, f"tenant {tenant_id} has no key {body.api_key_id}",
+                           "key_not_found", "api_key_id")  # fmt: skip
+    if body.guard_tenant_id is not None:
+        _tenant(session, body.guard_tenant_id)
+    if body.guard_tenant_id is not None and not body.guard_adapter:
+        raise APIError(400, "guard_tenant_id needs a guard_adapter", "invalid_policy")
+    row = GuardrailPolicy(tenant_id=tenant_id, **body.model_dump())
+    session.add(row)
+    session.commit()
+    return PolicyOut.model_validate(row)
+
+
+@admin_router.get("/tenants/{tenant_id}/guardrails")
+def list_policies(tenant_id: int, session: SessionDep) -> Listing:
+    _tenant(session, tenant_id)
+    return Listing(data=_policies(session, tenant_id))
+
+
+@admin_router.delete("/tenants/{tenant_id}/guardrails/{policy_id}", status_code=204)
+def delete_policy(tenant_id: int, policy_id: int, session: SessionDep) -> Response:
+    row = session.get(GuardrailPolicy, policy_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise APIError(404, f"tenant {tenant_id} has no guardrail policy {policy_id}",
+                       "policy_not_found")  # fmt: skip
+    session.delete(row)  # its events stay, their policy_id set to null (the name stays)
+    session.commit()
+    return Response(status_code=204)
+
+
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
+@admin_router.get("/guardrails/events")
+def admin_events(session: SessionDep, tenant_id: int | None = None,
+                 request_id: str | None = None, limit: Limit = 100) -> Listing:  # fmt: skip
+    """The newest events first, of every tenant or one."""
+    rows = audit.list_events(session, tenant_id=tenant_id, request_id=request_id, limit=limit)
+    return Listing(data=[EventOut.model_validate(r) for r in rows])
+
+
+@admin_router.get("/guardrails/counts")
+def admin_counts(session: SessionDep, start: str | None = None, end: str | None = None,
+                 tenant_id: int | None = None) -> dict:  # fmt: skip
+    """Events per tenant and action in a period (the current month by default)."""
+    lo, hi = _period(start, end)
+    counts = audit.counts(session, start=lo, end=hi, tenant_id=tenant_id)
+    return {"object": "guardrail_counts", "period_start": lo, "period_end": hi,
+            "data": [{"tenant_id": t, **c} for t, c in sorted(counts.items())]}  # fmt: skip
+
+
+def _period(start, end):
+    try:
+        return period(start, end)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_period") from None
+
+
+@tenant_router.get("/guardrails")
+def my_policies(caller: CallerDep, session: SessionDep) -> Listing:
+    """The policies on this tenant's requests (set by the operator)."""
+    return Listing(data=_policies(session, caller.tenant.id))
+
+
+@tenant_router.get("/guardrails/events")
+def my_events(caller: CallerDep, session: SessionDep, request_id: str | None = None,
+              limit: Limit = 100) -> Listing:  # fmt: skip
+    rows = audit.list_events(
+        session, tenant_id=caller.tenant.id, request_id=request_id, limit=limit
+    )
+    return Listing(data=[EventOut.model_validate(r) for r in rows])
