@@ -88,7 +88,7 @@ def tiny_llama(cache: Path = CACHE_DIR) -> Path:
 
 def demo_model() -> Path:
     """The engine's Gemma 3 270M demo folder (converted on first use by the engine)."""
-    from loraplex.engine.demo import prepare_demo
+    from loraplex.engine.models.demo import prepare_demo
 
     return Path(prepare_demo())
 

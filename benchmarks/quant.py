@@ -37,8 +37,8 @@ from safetensors.torch import load_file, save_file
 from benchmarks import quant_memory
 from benchmarks.quant_adapters import forward_logits, measure_adapters
 from loraplex.engine import LLM
-from loraplex.engine.model_runner import kv_block_bytes
-from loraplex.engine.quantization import quantize_int4, resident_weight_bytes
+from loraplex.engine.step.model_runner import kv_block_bytes
+from loraplex.engine.weights.quantization import quantize_int4, resident_weight_bytes
 from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4
 

@@ -117,7 +117,7 @@ def _sse_chunk(out) -> str:
 
 def _split(llm, n: int, tokens: int) -> dict[str, float]:
     """Microseconds per generated token of each stage, on one instrumented offline run."""
-    from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
+    from loraplex.engine.process.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 
     engine = llm.engine
     spent = dict.fromkeys(STAGES, 0.0)
@@ -171,7 +171,7 @@ def _split(llm, n: int, tokens: int) -> dict[str, float]:
 
 def _engine_process(model: str, context: int, args):
     from loraplex.engine import EngineConfig
-    from loraplex.engine.engine_process import EngineProcess
+    from loraplex.engine.process.engine_process import EngineProcess
 
     config = EngineConfig(model, dtype="float32", num_threads=args.threads,
                           max_model_len=context, max_num_seqs=args.max_num_seqs)  # fmt: skip

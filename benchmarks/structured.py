@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from loraplex.engine import LLM
-    from loraplex.engine.structured_output import grammar_spec
+    from loraplex.engine.sampling.structured_output import grammar_spec
 
     model = args.model
     if model is None:
-        from loraplex.engine.demo import prepare_demo
+        from loraplex.engine.models.demo import prepare_demo
 
         model = str(prepare_demo(Path(args.data_dir), progress=False))
     llm = LLM(model, dtype=args.dtype, max_num_seqs=max(args.batch, 64))

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.server import LoraplexServer
     from benchmarks.structured import _cpu_name
     from loraplex.bench import sysinfo
-    from loraplex.engine.demo import prepare_demo
+    from loraplex.engine.models.demo import prepare_demo
     from loraplex.platform.demo.adapters import prepare_demo_adapters
 
     data = Path(args.data_dir)

@@ -21,7 +21,8 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.engine.stats import EngineStats, engine_stats, routing_key
+from loraplex.engine.snapshot import engine_stats, routing_key
+from loraplex.engine.stats import EngineStats
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine's errors, as types: what went wrong decides what the caller answers (the server
 maps each type to an HTTP status in one table, platform/api/errors.py), never the text of a
 message. They cross the engine process's pipe by type name with their fields
-(engine/engine_process.py), so the server sees the same types whether the engine runs in its
+(engine/process/engine_process.py), so the server sees the same types whether the engine runs in its
 process or in another.
 """
 

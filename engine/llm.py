@@ -10,10 +10,10 @@ from tqdm import tqdm
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.engine.tokenizer import Tokenizer
 
 
 def resolve_model(model: str, data_dir: Path | None = None) -> str:
@@ -21,7 +21,7 @@ def resolve_model(model: str, data_dir: Path | None = None) -> str:
     use (under `data_dir`, default the user's cache); anything else is a folder already.
     The one resolver for the offline API, the CLI and the server."""
     if model == "demo":
-        from loraplex.engine.demo import prepare_demo
+        from loraplex.engine.models.demo import prepare_demo
 
         return str(prepare_demo(data_dir))
     return model

@@ -19,31 +19,31 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine import structured_output  # noqa: F401  (registers the "grammar" kind)
-from loraplex.engine.adapter_manager import AdapterManager
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.adapters.manager import AdapterManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import BadRequestError, NonFiniteOutput
-from loraplex.engine.loader import load_model
-from loraplex.engine.logits_processors import ProcessorContext, build_processors
-from loraplex.engine.memory import MemoryReport, gpu_pool_bytes, step_working_bytes
-from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.memory.block_manager import BlockManager
+from loraplex.engine.memory.budget import MemoryReport, gpu_pool_bytes, step_working_bytes
+from loraplex.engine.memory.swap import HostKVCache, SwapSpace, num_host_blocks
+from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
 from loraplex.engine.outputs import PromptLogprobs, RequestOutput
-from loraplex.engine.quantization import resident_weight_bytes
-from loraplex.engine.sampler import Sampler
-from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
-from loraplex.engine.speculative import (
+from loraplex.engine.sampling import structured_output  # noqa: F401  (registers the "grammar" kind)
+from loraplex.engine.sampling.logits_processors import ProcessorContext, build_processors
+from loraplex.engine.sampling.sampler import Sampler
+from loraplex.engine.sampling.speculative import (
     NgramProposer,
     SpecDecodeStats,
     SpecPlanner,
     accept_prefix,
 )
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduling.scheduler import Scheduler
+from loraplex.engine.sequence import LoRARequest, Sequence, SequenceStatus
 from loraplex.engine.stats import AdapterLoads
-from loraplex.engine.swap import HostKVCache, SwapSpace, num_host_blocks
-from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine.step.model_runner import ModelRunner
+from loraplex.engine.weights.loader import load_model
+from loraplex.engine.weights.quantization import resident_weight_bytes
 
 log = logging.getLogger("loraplex.engine")
 

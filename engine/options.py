@@ -141,7 +141,7 @@ class EngineOptions:
     enforce_eager: bool | None = option(
         None,
         "never capture decode as CUDA graphs (persistent buffers captured per batch bucket, "
-        "engine/graph_runner.py). Unset: graphs on CUDA, plain steps on the CPU; false: the "
+        "engine/step/graph_runner.py). Unset: graphs on CUDA, plain steps on the CPU; false: the "
         "buffered forward always (uncaptured on the CPU, as a check)",
         flag=True,
     )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from loraplex.engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraplex.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loraplex.engine.sequence import Sequence
-from loraplex.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)

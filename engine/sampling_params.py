@@ -58,7 +58,8 @@ class SamplingParams:
     kept_special_tokens: list[str] | None = None
     # token id -> bias added to its logit, clamped to [-100, 100] (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
-    # specs of registered logits processors, `{"kind": ..., ...}` (engine/logits_processors.py)
+    # specs of registered logits processors, `{"kind": ..., ...}`
+    # (engine/sampling/logits_processors.py)
     logits_processors: list[dict] | None = None
 
     def __post_init__(self) -> None:

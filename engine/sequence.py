@@ -53,7 +53,7 @@ class Sequence:
     tenant: str | None = None
     weight: float = 1.0  # the tenant's fair-share weight (service is charged / weight)
     # The request's class, most urgent first: a class is admitted only into capacity the more
-    # urgent ones leave free, and preempted before them (engine/scheduler.py).
+    # urgent ones leave free, and preempted before them (engine/scheduling/scheduler.py).
     priority: int = PRIORITY_INTERACTIVE
     arrival: float = 0.0
     # wall-clock stage times and preemptions (RequestOutput.metrics)
@@ -73,7 +73,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     seq_no: int = field(default_factory=lambda: next(_ids))
-    # built by the engine from params (engine/logits_processors.py); live only in the engine
+    # built by the engine from params (engine/sampling/logits_processors.py); live only in the
+    # engine
     processors: list = field(default_factory=list)
     # n > 1: the request's other samples, forked from this one when its prompt is computed
     # (they share its prompt's KV blocks and sample from the same logits at that step)

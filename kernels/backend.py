@@ -8,7 +8,7 @@ backend (`cpu.py`) or the torch reference (`reference.py`), and on the CPU the a
 
 The ops that share work across the layers of a step (attention's decode groups and tile
 lists, LoRA's segment groups and tiles) take a `plan` built once per step by the runner
-(`plan_attention`, `plan_lora`; engine/step_plan.py) before the forward; without one an op
+(`plan_attention`, `plan_lora`; engine/step/step_plan.py) before the forward; without one an op
 plans for itself (direct calls, tests).
 """
 

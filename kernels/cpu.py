@@ -2,7 +2,7 @@
 semantics, batched for speed (decode attention of all one-token queries at once, LoRA of many
 adapters in a few matmuls). Ops that share work across a step's layers (`paged_attention`,
 `lora_apply`) take a `plan` the model runner builds once per step before the forward
-(`plan_attention`, `plan_lora`; engine/step_plan.py); without one a call plans for itself.
+(`plan_attention`, `plan_lora`; engine/step/step_plan.py); without one a call plans for itself.
 Nothing is kept at module level. tests/kernels/test_cpu_backend.py checks every op against
 the reference.
 """
@@ -771,7 +771,7 @@ def grouped_lora_rows(x: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor, group
 
 
 # ------------------------------------------------------------------ graph-ready decode
-# Decode steps replayed from persistent buffers (engine/graph_runner.py) read only tensors of
+# Decode steps replayed from persistent buffers (engine/step/graph_runner.py) read only tensors of
 # fixed shapes: no Python list of the step's lengths or segments, no host read. These forms
 # are plain torch (any device), so a CUDA graph can capture them.
 

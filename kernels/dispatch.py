@@ -50,7 +50,7 @@ set_mode(os.environ.get("LORAPLEX_KERNELS", "auto"))
 def default_backend() -> KernelBackend:
     """A backend in the process's default mode (LORAPLEX_KERNELS, `set_mode`) with the CPU's
     sdpa attention form: what direct calls, tools and tests use. An engine builds its own
-    (engine/model_runner.py), taking this mode when it starts."""
+    (engine/step/model_runner.py), taking this mode when it starts."""
     return KernelBackend(mode=_mode)
 
 

@@ -79,7 +79,7 @@ def load_engine(state: AppState, model_dir: str) -> None:
         state.metrics.set_memory(proc.memory)
         state.engine = proc
     else:
-        keep_freed_memory()  # the server's process hosts the engine (engine/host_malloc.py)
+        keep_freed_memory()  # the server's process hosts the engine (engine/memory/host_malloc.py)
         engine = LLMEngine(config, progress=True)
         state.spec = engine.model.spec
         state.metrics.set_memory(engine.memory)

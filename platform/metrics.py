@@ -184,7 +184,7 @@ class Metrics:
         r.register(_AdapterLoadCollector(self))
 
     def set_memory(self, memory) -> None:
-        """The engine's MemoryReport (engine/memory.py), at start."""
+        """The engine's MemoryReport (engine/memory/budget.py), at start."""
         self.weight_bytes.clear()
         self.weight_bytes.labels(memory.quantization or "none").set(memory.weight_bytes)
         self.kv_capacity.set(memory.kv_cache_tokens)

@@ -3,7 +3,7 @@
 A famous passage (the Dickens opening in tests/engine/test_quantization.py) is partly memorized by
 the demo model, and memorization is the first thing 4-bit rounding loses: int4 GPTQ group 128 gives
 1.53x perplexity there against 1.11x on these texts. These measure ordinary text the model has never
-seen, in several registers, ~1,070 tokens in all; none is in engine/calibration.py.
+seen, in several registers, ~1,070 tokens in all; none is in engine/weights/calibration.py.
 """
 
 from __future__ import annotations

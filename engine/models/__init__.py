@@ -1,0 +1,3 @@
+"""What a model is: layout specs, layers, MoE experts, CPU packing, the decoder, the tokenizer,
+the demo model.
+"""

@@ -13,7 +13,7 @@ from loraplex.engine.models.spec import ModelSpec, RopeSpec
 from loraplex.kernels.dispatch import UsesBackend
 
 # A step's metadata, typed. The model runner builds all of it before the forward
-# (engine/step_plan.py); layers only read it, and build nothing per step themselves.
+# (engine/step/step_plan.py); layers only read it, and build nothing per step themselves.
 
 
 @dataclass
@@ -30,7 +30,7 @@ class AttentionMetadata:
 @dataclass
 class DoRARows:
     """The rows of a step whose adapter uses DoRA, for LoRALinear's epilogue (each module's
-    `lora_dora` factor per slot, engine/adapter_manager.py)."""
+    `lora_dora` factor per slot, engine/adapters/manager.py)."""
 
     slots: torch.Tensor  # [n] int64: each such row's slot (-1: none, whose factors are ones)
     rows: torch.Tensor | None  # [n] int64: which rows; None: every row of the step
@@ -50,7 +50,7 @@ class LoRABatch:
     plans: dict[tuple[int, ...], object] = field(default_factory=dict)
     # an expert stack's slot widths -> [num_slots] bool: which slots hold an expert adapter
     expert_slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
-    # a graph-ready decode step (engine/graph_runner.py): no segments, only row_slots
+    # a graph-ready decode step (engine/step/graph_runner.py): no segments, only row_slots
     static: bool = False
     # rows whose adapter uses DoRA (None: none in this step, and no module does DoRA work);
     # in a static step every module applies it (which modules are DoRA changes with slot
@@ -117,7 +117,7 @@ def inv_frequencies(rope: RopeSpec, dim: int) -> torch.Tensor:
         inv = torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, inv)
     elif rope.kind == "longrope":
         # Only the short factors: transformers uses them up to the original context, the
-        # longest the loader allows (see engine/loader.py).
+        # longest the loader allows (see engine/weights/loader.py).
         inv = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * base)
     elif rope.kind == "yarn":
         # Features that turn fewer than beta_slow times over the original context are
@@ -253,7 +253,8 @@ class LoRALinear(UsesBackend, nn.Module):
         self.weight_sq = w.detach().float().pow(2).sum(1) if full else None
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
-        """The base layer alone; quantized subclasses (engine/quantization.py) replace it."""
+        """The base layer alone; quantized subclasses (engine/weights/quantization.py) replace
+        it."""
         w = self.weight
         if x.dim() != 2:
             return F.linear(x, w, self.bias)
@@ -335,7 +336,7 @@ class Attention(UsesBackend, nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         # int8 caches only: [num_blocks, block_size, kv_heads] float16, and the rotation
-        # [head_dim, head_dim] float32 applied to q, k, v (engine/kv_cache.py)
+        # [head_dim, head_dim] float32 applied to q, k, v (engine/memory/kv_cache.py)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kv_rotation: torch.Tensor | None = None

@@ -110,7 +110,7 @@ class Experts(UsesBackend, nn.Module):
         self._lora_down_a = _rows_of(t)
 
     def base_gate_up(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """Quantized experts (engine/quantization.py) replace the two base products."""
+        """Quantized experts (engine/weights/quantization.py) replace the two base products."""
         return self.backend.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs)
 
     def base_down(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ class ModelSpec:
     def lora_targets(self) -> tuple[str, ...]:
         """The PEFT target module names (linear layers) this family's checkpoints have; on a
         mixture of experts the router too (the experts are targeted as parameters or per
-        expert: engine/lora.py)."""
+        expert: engine/adapters/lora.py)."""
         base = FUSED_TARGETS if self.family in FUSED_CHECKPOINT else SPLIT_TARGETS
         return base + (self.router_name,) if self.is_moe else base
 

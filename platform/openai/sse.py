@@ -16,10 +16,11 @@ holds for uvicorn on asyncio's default loop, which is what `loraplex serve` runs
 
 A client that stops reading: uvicorn's `send` waits (before writing) while the transport's
 buffer is over its high-water mark, so the events pile up in the engine's queue instead, where
-the request pauses (engine/async_engine.py, `stream_window_tokens`). What was written ahead of
-the client is bounded by the transport's buffer and the kernel's socket buffers (`loraplex
-serve` sets a small SO_SNDBUF); those events are billed, as they were sent. A `send` that waits
-longer than `stall_timeout_s` ends the stream unfinished, billed for what was written.
+the request pauses (engine/process/async_engine.py, `stream_window_tokens`). What was written
+ahead of the client is bounded by the transport's buffer and the kernel's socket buffers
+(`loraplex serve` sets a small SO_SNDBUF); those events are billed, as they were sent. A `send`
+that waits longer than `stall_timeout_s` ends the stream unfinished, billed for what was
+written.
 """
 
 from __future__ import annotations

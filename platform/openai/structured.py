@@ -4,7 +4,7 @@ OpenAI: `response_format` `{"type": "text" | "json_object" | "json_schema", "jso
 {"name", "description", "schema", "strict"}}`. vLLM, for people moving from it: `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` (EBNF) and the newer
 `structured_outputs: {json, regex, choice, grammar, json_object}`. A request may ask for one
-constraint; the engine enforces it with a grammar (engine/structured_output.py), whatever
+constraint; the engine enforces it with a grammar (engine/sampling/structured_output.py), whatever
 `strict` says. A bad schema or grammar is a 400 naming the field and the problem.
 """
 

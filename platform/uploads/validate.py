@@ -271,7 +271,8 @@ def validate_adapter(
         raise _invalid("bad_layers", f"{CONFIG_FILE}: {e}") from None
     tensors = read_safetensors_header(folder / WEIGHTS_FILE)
     # A fused expert adapter's lora_A (peft's target_parameters) stacks every expert's A:
-    # rank x experts rows; gate|up may carry twice the rank (engine/lora.py checks exactly).
+    # rank x experts rows; gate|up may carry twice the rank (engine/adapters/lora.py checks
+    # exactly).
     fused = re.compile(r"\.experts(\.base_layer)*\.lora_A\.")
     ranks = [shape[0] // max(spec.num_experts, 1) / 2 if fused.search(name) else shape[0]
              for name, (_, shape) in tensors.items() if "lora_A" in name and shape]  # fmt: skip

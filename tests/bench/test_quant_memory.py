@@ -7,7 +7,7 @@ from __future__ import annotations
 from benchmarks.quant_adapters import load_into_slot
 from benchmarks.quant_memory import budget_rows
 from loraplex.engine import LLM
-from loraplex.engine.model_runner import kv_block_bytes
+from loraplex.engine.step.model_runner import kv_block_bytes
 
 EXTRA = 1 << 20
 

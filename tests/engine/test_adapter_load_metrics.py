@@ -10,8 +10,9 @@ import json
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
-from loraplex.engine.stats import EngineStats, engine_stats
+from loraplex.engine.process.output_deltas import OutputDecoder, OutputEncoder, StepMessage
+from loraplex.engine.snapshot import engine_stats
+from loraplex.engine.stats import EngineStats
 from testkit.factories import make_adapter
 
 PROMPT = [1, 17, 42, 99, 250, 7]

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine import adapter_manager as am
-from loraplex.engine.adapter_manager import AdapterUnavailable
-from loraplex.engine.async_engine import AsyncLLMEngine
+from loraplex.engine.adapters import manager as am
+from loraplex.engine.adapters.manager import AdapterUnavailable
+from loraplex.engine.process.async_engine import AsyncLLMEngine
 from testkit.factories import make_adapter
 
 PROMPT = [1, 17, 42, 99, 250, 7]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.lora import AdapterError
+from loraplex.engine.adapters.lora import AdapterError
 from testkit.factories import BAD_ADAPTER_KINDS, HUGE_RANK, make_adapter, make_bad_adapters
 
 MAX_RANK = 16

@@ -1,4 +1,5 @@
-"""KV-aware admission (engine/admission.py) and the fair-share victim of least recompute."""
+"""KV-aware admission (engine/scheduling/admission.py) and the fair-share victim of least
+recompute."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.engine.admission import KVAdmission, OutputLengthEstimator
-from loraplex.engine.block_manager import BlockManager
-from loraplex.engine.policy import FCFSPolicy, VTCPolicy
+from loraplex.engine.memory.block_manager import BlockManager
+from loraplex.engine.scheduling.admission import KVAdmission, OutputLengthEstimator
+from loraplex.engine.scheduling.policy import FCFSPolicy, VTCPolicy
 from loraplex.engine.sequence import LoRARequest, Sequence
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from loraplex.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.engine.lora import AdapterError
+from loraplex.engine.adapters.lora import AdapterError
+from loraplex.engine.process.async_engine import AsyncLLMEngine
 from tests.engine.streams import read_then_hang_up
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest, Sequence
 

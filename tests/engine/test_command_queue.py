@@ -1,4 +1,5 @@
-"""The engine process's command queue (engine/command_queue.py): a write that waits on a full
+"""The engine process's command queue (engine/process/command_queue.py): a write that waits on a
+full
 pipe never holds the caller; new requests beyond the limit are refused at once, commands for
 admitted requests never are; order is kept; a gone process fails only what was unwritten."""
 
@@ -8,9 +9,9 @@ import threading
 
 import pytest
 
-from loraplex.engine.command_queue import CommandQueue
 from loraplex.engine.core import AbortRequest, AddRequest, Stop
 from loraplex.engine.errors import EngineBusy
+from loraplex.engine.process.command_queue import CommandQueue
 
 
 def _add(rid: str) -> AddRequest:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from loraplex.engine import demo
+from loraplex.engine.models import demo
 
 pytestmark = pytest.mark.slow
 

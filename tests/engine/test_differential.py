@@ -118,10 +118,10 @@ class Case:
     first: tuple[Row, ...]
     second: tuple[Followup, ...]
     label: str = ""  # set on explicit examples: why they are kept
-    num_host_kv_blocks: int = 0  # > 0: preempted requests may swap out (engine/swap.py)
+    num_host_kv_blocks: int = 0  # > 0: preempted requests may swap out (engine/memory/swap.py)
     preemption_mode: str = "auto"
     num_speculative_tokens: int = 0  # > 0: prompt-lookup proposals verified in the same pass
-    kv_admission: bool = False  # admission by expected KV growth (engine/admission.py)
+    kv_admission: bool = False  # admission by expected KV growth (engine/scheduling/admission.py)
     prompt_logprobs: int | None = None  # asked by the even rows of both batches
 
 

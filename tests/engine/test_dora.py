@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.lora import AdapterError, load_adapter
+from loraplex.engine.adapters.lora import AdapterError, load_adapter
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.kernels import dispatch
 from testkit.dora import broken_dora_copy, make_dora_adapter
@@ -169,7 +169,7 @@ def test_no_dora_work_without_a_dora_row(tiny_models, dora, monkeypatch):
 def test_a_packed_layer_gives_dora_the_norms_of_its_weight():
     """A pre-packed CPU layer keeps no float weight: DoRA's row norms come from ||W_n||^2
     (kept when it was packed) and W A^T through its own product, and equal the direct ones."""
-    from loraplex.engine.lora import BaseProbe, LoRAAdapter, dora_scales
+    from loraplex.engine.adapters.lora import BaseProbe, LoRAAdapter, dora_scales
     from loraplex.engine.models.layers import LoRALinear
     from loraplex.engine.models.packing import PackedLoRALinear, _pack
 

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from loraplex.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from loraplex.engine.adapter_manager import AdapterUnavailable
-from loraplex.engine.async_engine import EngineDeadError
-from loraplex.engine.engine_process import EngineProcess
-from loraplex.engine.lora import AdapterError
+from loraplex.engine.adapters.lora import AdapterError
+from loraplex.engine.adapters.manager import AdapterUnavailable
+from loraplex.engine.process.async_engine import EngineDeadError
+from loraplex.engine.process.engine_process import EngineProcess
 from tests.engine.streams import read_then_hang_up
 
 

@@ -17,11 +17,11 @@ from collections import defaultdict
 
 import pytest
 
-from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.policy import VTCPolicy
+from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduling.policy import VTCPolicy
+from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.engine.sequence import LoRARequest, Sequence
 
 
@@ -105,7 +105,7 @@ BACKLOG = 8
 SHAPES = {"long_outputs": ((16, 64), (16, 8)), "long_prompts": ((96, 8), (8, 8))}
 
 
-# KV-aware admission (engine/admission.py) must keep every fairness property.
+# KV-aware admission (engine/scheduling/admission.py) must keep every fairness property.
 ADMISSION = pytest.mark.parametrize("kv_admission", [False, True], ids=["plain", "kv-admission"])
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.graph_runner import buckets
+from loraplex.engine.step.graph_runner import buckets
 from tests.utils.outputs import assert_same_outputs
 
 ADAPTERS = ["qv4", "attn8", "mlp16", "all2"]

@@ -1,4 +1,5 @@
-"""engine/host_malloc.py: glibc's malloc keeps freed blocks in the process (no page faults per
+"""engine/memory/host_malloc.py: glibc's malloc keeps freed blocks in the process (no page faults
+per
 step). Checked in a fresh interpreter: a large tensor freed and allocated again 20 times
 faults all of its pages in every time without the tuning, and at most once or twice with it
 (the heap grows to its working size, then is reused)."""
@@ -12,7 +13,7 @@ PROBE = """
 import resource, sys, torch
 if sys.argv[1] == "tuned":  # as the engine process does: its modules loaded, then the tuning
     import loraplex.engine.llm_engine
-    from loraplex.engine.host_malloc import keep_freed_memory
+    from loraplex.engine.memory.host_malloc import keep_freed_memory
     assert keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

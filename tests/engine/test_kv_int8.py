@@ -64,7 +64,7 @@ def test_int8_doubles_tokens_and_concurrency_at_same_bytes(tiny_models):
 
 def test_demo_shape_holds_twice_the_tokens():
     """Gemma 3 270M's KV shape (1 KV head of 256, 18 layers) in bf16 vs int8: >= 1.9x."""
-    from loraplex.engine.kv_cache import kv_block_bytes
+    from loraplex.engine.memory.kv_cache import kv_block_bytes
 
     spec = SimpleNamespace(num_layers=18, num_kv_heads=1, head_dim=256)
     bf16 = kv_block_bytes(spec, 16, torch.bfloat16, "auto")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.engine import logits_processors as lp
-from loraplex.engine.logits_processors import LogitsProcessor, ProcessorContext
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampling import logits_processors as lp
+from loraplex.engine.sampling.logits_processors import LogitsProcessor, ProcessorContext
+from loraplex.engine.sampling.sampler import Sampler
 
 PROMPTS = [[1, 17, 42, 99, 250, 7], [1, 5, 6, 7], [1, 300, 301, 302, 303]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

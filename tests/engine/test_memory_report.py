@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from loraplex.engine import LLM
-from loraplex.engine.quantization import resident_weight_bytes
+from loraplex.engine.weights.quantization import resident_weight_bytes
 from testkit.factories import make_tiny_model
 from tests.engine.test_quant_checkpoints import WIDE
 from tests.utils.quant_checkpoints import write_quantized
@@ -73,7 +73,7 @@ def test_a_gptq_folder_is_named_by_its_checkpoint_format(wide_llama, tmp_path, c
 
 def test_the_gpu_pool_is_the_share_left_after_weights_and_working_memory():
     """gpu_memory_utilization's arithmetic (what a GPU engine gives its KV pool)."""
-    from loraplex.engine.memory import gpu_pool_bytes, step_working_bytes
+    from loraplex.engine.memory.budget import gpu_pool_bytes, step_working_bytes
 
     gib = 1 << 30
     # 0.9 of 80 GiB, less 16 held (weights, slots) and 2 of working memory

@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from loraplex.engine import LLM
-from loraplex.engine.lora import AdapterError, load_adapter
+from loraplex.engine.adapters.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import inv_frequencies
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
 from loraplex.platform.uploads.policy import UploadError

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.lora import AdapterError, load_adapter
+from loraplex.engine.adapters.lora import AdapterError, load_adapter
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import spec_from_config
-from loraplex.engine.quantization import QuantizedExperts, QuantizedLoRALinear
+from loraplex.engine.weights.quantization import QuantizedExperts, QuantizedLoRALinear
 from testkit.factories import (
     EXPERT_PARAMETERS,
     MOE_KINDS,

@@ -4,8 +4,8 @@ and a step message stays the same size however many tokens a request has produce
 from __future__ import annotations
 
 from loraplex.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.process.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 
 
 def _through_the_pipe(outputs: list[RequestOutput]) -> tuple[list[RequestOutput], list[int]]:

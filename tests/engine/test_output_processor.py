@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine import SamplingParams
+from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.output_processor import OutputProcessor, Stop
 from loraplex.engine.sequence import Sequence, SequenceStatus
-from loraplex.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def check_rows(rows, ref, full_prefill: bool = True, names=ROW_ADAPTERS):
 # phi3_longrope and llama3 (Llama 3.2: llama3 RoPE, tied embeddings): testkit/factories.py
 FAMILIES = ["llama", "qwen2", "gemma3", "mistral",
             "qwen3", "qwen3_yarn", "phi3", "phi3_longrope", "llama3"]  # fmt: skip
-# LongRoPE is served up to its original context (engine/loader.py)
+# LongRoPE is served up to its original context (engine/weights/loader.py)
 LLM_ARGS = {"phi3_longrope": {"max_model_len": 128}}
 
 

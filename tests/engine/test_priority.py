@@ -171,7 +171,7 @@ def test_decode_growth_preempts_the_older_batch_line_not_a_newer_interactive(mod
 
 def test_the_class_crosses_the_engine_process_pipe():
     from loraplex.engine.core import AddRequest
-    from loraplex.engine.engine_process import _command, _encode_command
+    from loraplex.engine.process.engine_process import _command, _encode_command
 
     sent = AddRequest("r", [1, 2], SamplingParams(max_tokens=2), None, "t", 1.0, PRIORITY_BATCH)
     assert _command(_encode_command(sent)).priority == PRIORITY_BATCH

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from loraplex.engine import prompt_logprobs as scoring
-from loraplex.engine.async_engine import AsyncLLMEngine
-from loraplex.engine.engine_process import EngineProcess
-from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 from loraplex.engine.outputs import PromptLogprobs, RequestOutput
+from loraplex.engine.process.async_engine import AsyncLLMEngine
+from loraplex.engine.process.engine_process import EngineProcess
+from loraplex.engine.process.output_deltas import OutputDecoder, OutputEncoder, StepMessage
+from loraplex.engine.sampling import prompt_logprobs as scoring
 from tests.utils.hf_reference import peft_reference, prompt_log_softmax
 
 ADAPTERS = [None, "attn8", "mlp16"]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loraplex.engine import LLM
-from loraplex.engine.quant_formats import checkpoint_quantization
-from loraplex.engine.quantization import (
+from loraplex.engine.weights.formats import checkpoint_quantization
+from loraplex.engine.weights.quantization import (
     WeightOnlyFp8Linear,
     WeightOnlyInt4Linear,
     resident_weight_bytes,

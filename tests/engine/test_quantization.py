@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.gptq import gptq_int4
 from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
 from loraplex.engine.models.spec import PROJECTIONS
-from loraplex.engine.quantization import (
+from loraplex.engine.weights.gptq import gptq_int4
+from loraplex.engine.weights.quantization import (
     QuantizedLoRALinear,
     WeightOnlyFp8Linear,
     WeightOnlyInt4Linear,

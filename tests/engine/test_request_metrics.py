@@ -7,7 +7,7 @@ import dataclasses
 import time
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.engine.output_deltas import OutputDecoder, OutputEncoder, StepMessage
+from loraplex.engine.process.output_deltas import OutputDecoder, OutputEncoder, StepMessage
 
 
 def test_stage_times_are_in_order_and_preemptions_counted(tiny_models):

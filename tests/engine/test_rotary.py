@@ -17,7 +17,7 @@ def _rotaries(n: int, rope: RopeSpec, head_dim: int = 16) -> list[Rotary]:
 
 
 def test_planned_rows_give_bitwise_the_same_rotation_one_per_table():
-    """The step plan looks each distinct table's rows up once (engine/step_plan.py); a layer
+    """The step plan looks each distinct table's rows up once (engine/step/step_plan.py); a layer
     given them rotates exactly as it would looking them up itself."""
     local, glob = _rotaries(2, RopeSpec(theta=10_000.0)), _rotaries(1, RopeSpec(theta=1e6))
     assert local[0].key == local[1].key != glob[0].key  # the two layers share one table

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from loraplex.engine.sampler import Sampler, SamplerOutput, make_generator
+from loraplex.engine.sampling.sampler import Sampler, SamplerOutput, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 
 EOS = 0
@@ -279,7 +279,7 @@ def test_tiny_temperature_is_greedy_not_nan(sampler: Sampler, logits: torch.Tens
 @pytest.mark.parametrize("vocab", [50, 100, 4096, 32000, 32001, 128256, 262144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blockwise_argmax_equals_argmax_with_first_tie(vocab: int, dtype: torch.dtype) -> None:
-    from loraplex.engine.sampler import _argmax
+    from loraplex.engine.sampling.sampler import _argmax
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=g).to(dtype)
@@ -316,7 +316,7 @@ def test_top_p_over_the_best_candidates_equals_the_full_sort(monkeypatch, peaked
     """top_p without top_k looks at each row's TOP_P_CANDIDATES best tokens first: where they
     hold the mass top_p keeps (a peaked distribution) the mask is the full sort's, exactly;
     where they do not (flat) it falls back to the full sort. Rows with a small top_k mix in."""
-    from loraplex.engine import sampler as sampler_mod
+    from loraplex.engine.sampling import sampler as sampler_mod
 
     gen = torch.Generator().manual_seed(7)
     vocab = 5000

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from loraplex.engine.sampler import LOGPROB_FLOOR, Sampler, make_generator
+from loraplex.engine.sampling.sampler import LOGPROB_FLOOR, Sampler, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 
 VOCAB = 4096  # past the top-p candidate count, so top-p may decide between two forms

@@ -16,9 +16,9 @@ import random
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.memory.block_manager import BlockManager
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from testkit.factories import make_adapter
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.speculative import NgramProposer, SpecPlanner, accept_prefix
+from loraplex.engine.sampling.speculative import NgramProposer, SpecPlanner, accept_prefix
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # Repetitive prompts: prompt lookup finds continuations in them.

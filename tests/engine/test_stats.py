@@ -8,7 +8,8 @@ import json
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.stats import EngineStats, engine_stats
+from loraplex.engine.snapshot import engine_stats
+from loraplex.engine.stats import EngineStats
 from testkit.factories import make_adapter
 
 PROMPT = [1, 17, 42, 99, 250, 7]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.logits_processors import ProcessorContext, build_processors
-from loraplex.engine.structured_output import GrammarProcessor, grammar_spec
+from loraplex.engine.sampling.logits_processors import ProcessorContext, build_processors
+from loraplex.engine.sampling.structured_output import GrammarProcessor, grammar_spec
 
 PROMPTS = ["The quick brown fox", "Numbers like 1, 2, 3", "She said that", "A small engine"]
 # Bounded everywhere, so a grammar forces the end long before max_tokens whatever the model says.
@@ -173,7 +173,7 @@ def test_bounded_strings_refuse_raw_control_characters(llm):
 def test_sparse_row_masking_matches_xgrammar_kernel():
     import xgrammar as xgr
 
-    from loraplex.engine.structured_output import _mask_sparse_rows
+    from loraplex.engine.sampling.structured_output import _mask_sparse_rows
 
     g = torch.Generator().manual_seed(0)
     vocab = 1000  # not a multiple of 32: the last word's high bits lie past the logits

@@ -1,4 +1,4 @@
-"""Preemption by swap (engine/swap.py): a host KV pool, and measured costs that choose swap
+"""Preemption by swap (engine/memory/swap.py): a host KV pool, and measured costs that choose swap
 or recompute. Every run here is float32 and greedy, so a preempted request must produce the
 tokens it produces when nothing is preempted, with the same log-probabilities; the one
 allowance is an exact tie (random tiny weights have some: two tokens within float32 rounding
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.scheduler import SchedulerOutput
-from loraplex.engine.swap import KV_TENSORS, SwapCosts
+from loraplex.engine.memory.swap import KV_TENSORS, SwapCosts
+from loraplex.engine.scheduling.scheduler import SchedulerOutput
 
 ADAPTERS = (None, "qv4", "attn8", "mlp16", "all2")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)

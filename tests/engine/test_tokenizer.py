@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from loraplex.engine.models.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from testkit.factories import (
     BAD_ADAPTER_KINDS,
     BOS_ID,

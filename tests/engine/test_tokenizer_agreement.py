@@ -2,7 +2,7 @@
 layout: clients that tokenize on their side (lm-eval, guidellm) must get the ids the server
 uses.
 
-The engine reads `tokenizer.json` as written (engine/tokenizer.py). The folders here are
+The engine reads `tokenizer.json` as written (engine/models/tokenizer.py). The folders here are
 written the way each family's published checkpoints are (tokenizer.json + tokenizer_config.json
 with the family's `tokenizer_class`, config.json with its `model_type`), on a tiny BPE trained
 here; the demo's is the real Gemma 3 one.
@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from tokenizers import processors as tp
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from loraplex.engine.tokenizer import Tokenizer as OurTokenizer
+from loraplex.engine.models.tokenizer import Tokenizer as OurTokenizer
 
 # Llama 3's and Qwen2's split patterns, as their tokenizer.json files carry them.
 LLAMA3_SPLIT = (

@@ -123,7 +123,7 @@ def test_attention_forms_agree(gen, dtype, heads, window):
 def test_attention_impl_is_chosen_per_engine(tiny_models, caplog):
     from loraplex.engine import LLM
     from loraplex.engine.config import EngineConfig
-    from loraplex.engine.model_runner import choose_cpu_attention
+    from loraplex.engine.step.model_runner import choose_cpu_attention
 
     model = str(tiny_models["llama"])
     with pytest.raises(ValueError, match="cpu_attention"):

@@ -11,9 +11,9 @@ from decimal import Decimal
 import pytest
 
 from loraplex.platform import quotas
-from loraplex.platform.portal_service import tenant_usage
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import Quota
+from loraplex.platform.portal_service import tenant_usage
 from loraplex.platform.usage import billing_export, record_usage, to_csv
 
 DAY = datetime(2026, 3, 1, tzinfo=UTC)

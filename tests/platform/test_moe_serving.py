@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from loraplex.engine.models.spec import spec_from_config
-from loraplex.engine.tokenizer import Tokenizer
+from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.platform.openai.logprobs import token_text
 from loraplex.platform.uploads.validate import validate_adapter
 from testkit.factories import make_adapter, make_tiny_model

@@ -1,4 +1,4 @@
-"""Streams through the server while the engine preempts by swap (engine/swap.py): every
+"""Streams through the server while the engine preempts by swap (engine/memory/swap.py): every
 stream must carry exactly the tokens the same request gets when it runs alone, none repeated
 when a preempted request resumes and none dropped."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loraplex.engine.demo import prepare_demo
+from loraplex.engine.models.demo import prepare_demo
 
 
 def data_dir_for(cache_root: Path) -> Path:

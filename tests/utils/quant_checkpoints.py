@@ -6,7 +6,7 @@ AutoAWQ is archived), so the writers below round to nearest and pack the result 
 formats are documented (AutoGPTQ / gptqmodel `QuantLinear.pack`, AutoAWQ `WQLinear_GEMM`,
 compressed-tensors `float-quantized`, transformers' FineGrainedFP8). `dequantize_folder` is the
 reference: it reads the packed tensors back with plain per-element index arithmetic (no code
-shared with engine/quant_formats.py) into a float folder that transformers loads.
+shared with engine/weights/formats.py) into a float folder that transformers loads.
 
     GPTQ  qweight int32 [K / 8, N]: bits 4j..4j+3 of qweight[i, n] = q[8 i + j, n]
           qzeros  int32 [K / G, N / 8]: bits 4j.. of qzeros[g, c] = zero[g, 8 c + j] (- 1 in v1)

@@ -11,7 +11,7 @@ keeps only queues, the tokenizer and a reader thread:
                                           (or per few short steps, each step's deltas in it)
 
 Messages are JSON over two one-way pipes, never pickles; a step's outputs carry only what
-changed per request (engine/output_deltas.py), and the reader rebuilds whole outputs. An
+changed per request (engine/process/output_deltas.py), and the reader rebuilds whole outputs. An
 error a request causes (bad input, an adapter that cannot be loaded or read) comes back typed
 to that request's caller; if the engine process dies, every waiting caller gets
 EngineDeadError and /readyz says so.
@@ -30,8 +30,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from loraplex.engine import errors
-from loraplex.engine.async_engine import StreamingEngine
-from loraplex.engine.command_queue import CommandQueue
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import (
     AbortRequest,
@@ -43,9 +41,12 @@ from loraplex.engine.core import (
     Stop,
 )
 from loraplex.engine.errors import EngineDeadError
-from loraplex.engine.memory import MemoryReport
+from loraplex.engine.memory.budget import MemoryReport
 from loraplex.engine.models.spec import ModelSpec, spec_from_config
-from loraplex.engine.output_deltas import (
+from loraplex.engine.models.tokenizer import Tokenizer
+from loraplex.engine.process.async_engine import StreamingEngine
+from loraplex.engine.process.command_queue import CommandQueue
+from loraplex.engine.process.output_deltas import (
     OutputDecoder,
     OutputEncoder,
     RequestError,
@@ -54,7 +55,6 @@ from loraplex.engine.output_deltas import (
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
 from loraplex.engine.stats import EngineStats
-from loraplex.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.engine")
 
@@ -97,8 +97,8 @@ def _child_main(
     coalesce_s: float,
 ) -> None:
     from loraplex.engine.core import EngineCore  # torch & co. load here, in the child
-    from loraplex.engine.host_malloc import keep_freed_memory
     from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.memory.host_malloc import keep_freed_memory
 
     # This process only runs the engine. Tuned once the engine's modules are loaded and
     # before the model is: measured so (tests/engine/test_host_malloc.py), the heap then

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.models.spec import ModelSpec
-from loraplex.engine.rotation import hadamard
+from loraplex.engine.weights.rotation import hadamard
 
 KV_CACHE_DTYPES = ("auto", "int8")
 SCALE_DTYPE = torch.float16

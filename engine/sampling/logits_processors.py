@@ -37,7 +37,7 @@ class ProcessorContext:
 
     vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary)
     eos_token_ids: frozenset[int] = frozenset()
-    tokenizer: Any = None  # loraplex.engine.tokenizer.Tokenizer
+    tokenizer: Any = None  # loraplex.engine.models.tokenizer.Tokenizer
     cache: dict = field(default_factory=dict)  # shared across requests (compiled grammars)
 
 

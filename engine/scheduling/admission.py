@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.sequence import Sequence
 
 

@@ -30,8 +30,8 @@ decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int
 (several times faster than a float matmul there, but only with bf16 activations, so
 activations and outputs round to bf16); larger batches dequantize the weight per call into a
 temporary and use a plain matmul (`*_PACKED_MAX_ROWS`). int4 weights are rounded by GPTQ on
-the calibration texts of engine/calibration.py (engine/gptq.py). The int4 op wants its own
-byte order (engine/int4_layout.py).
+the calibration texts of engine/weights/calibration.py (engine/weights/gptq.py). The int4 op
+wants its own byte order (engine/weights/int4_layout.py).
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.engine.calibration import CALIBRATION_TEXTS
-from loraplex.engine.gptq import ROUTER_SUFFIX, calibrate_and_quantize, gptq_int4
-from loraplex.engine.int4_layout import (
+from loraplex.engine.models.layers import LoRALinear
+from loraplex.engine.models.moe import Experts
+from loraplex.engine.weights.calibration import CALIBRATION_TEXTS
+from loraplex.engine.weights.gptq import ROUTER_SUFFIX, calibrate_and_quantize, gptq_int4
+from loraplex.engine.weights.int4_layout import (
     cpu_int4_block,
     dequantize_cpu_int4,
     from_cpu_int4_layout,
     pack_int4,
     to_cpu_int4_layout,
 )
-from loraplex.engine.models.layers import LoRALinear
-from loraplex.engine.models.moe import Experts
-from loraplex.engine.rotation import hadamard, rotate_groups, rotate_xtx
+from loraplex.engine.weights.rotation import hadamard, rotate_groups, rotate_xtx
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 
 METHODS = ("int8", "int4", "fp8")
@@ -218,7 +218,7 @@ class WeightOnlyInt4Linear(QuantizedLoRALinear):
         Hadamard-rotated basis unless `rotate` is False (module docstring).
 
         `codes` (q uint8 [N, K] in [0, 15], scales, zeros float32 [N, K // group_size]) takes
-        an already quantized weight as is (a GPTQ / AWQ checkpoint, engine/quant_formats.py):
+        an already quantized weight as is (a GPTQ / AWQ checkpoint, engine/weights/formats.py):
         no rotation; `in_perm` int64 [K] then says which input column each stored column
         multiplies (GPTQ act-order: x[..., in_perm] @ W_stored^T = x @ W^T).
         """
@@ -359,8 +359,9 @@ _CLASSES = {
 
 
 def calibration_sequences(folder: str | Path, max_len: int) -> list[list[int]] | None:
-    """engine/calibration.py's texts as token ids of the model's tokenizer (None without one)."""
-    from loraplex.engine.tokenizer import Tokenizer  # jinja2 & co. only when quantizing
+    """engine/weights/calibration.py's texts as token ids of the model's tokenizer (None without
+    one)."""
+    from loraplex.engine.models.tokenizer import Tokenizer  # jinja2 & co. only when quantizing
 
     if not (Path(folder) / "tokenizer.json").is_file():
         return None
@@ -373,7 +374,7 @@ def quantize_model(
 ) -> None:
     """Swap every LoRALinear of `model` for its quantized form, in place.
 
-    int4 with `calibration` (token id sequences) runs GPTQ layer by layer (engine/gptq.py;
+    int4 with `calibration` (token id sequences) runs GPTQ layer by layer (engine/weights/gptq.py;
     the model's rotary tables must be built); without, round-to-nearest. The embedding and
     (tied or not) lm_head stay in floating point.
     """

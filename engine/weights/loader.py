@@ -2,7 +2,7 @@
 
 Tensors are read one at a time from the (memory-mapped) files and copied straight into the
 model's parameters, converting dtype on the way, so peak memory is the model plus one tensor.
-A checkpoint stored quantized (GPTQ, AWQ, FP8: engine/quant_formats.py) allocates no float
+A checkpoint stored quantized (GPTQ, AWQ, FP8: engine/weights/formats.py) allocates no float
 weight for its quantized linears: their tensors are collected and converted once into our
 weight-only layers after the files are read.
 """
@@ -21,13 +21,13 @@ from tqdm import tqdm
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.packing import prepack_cpu_linears, prepack_cpu_lm_head
 from loraplex.engine.models.spec import PROJECTIONS, ModelSpec, spec_from_config
-from loraplex.engine.quant_formats import (
+from loraplex.engine.weights.formats import (
     checkpoint_quantization,
     fused_name,
     install,
     quantized_modules,
 )
-from loraplex.engine.quantization import (
+from loraplex.engine.weights.quantization import (
     calibration_sequences,
     quantize_model,
     resident_weight_bytes,
@@ -163,7 +163,7 @@ def load_model(
 ) -> DecoderLM:
     """The model in `dtype` on `device`; with `quantization` ("int8" | "int4" | "fp8") its linear
     layers are then quantized in place (peak memory: the float model plus one layer); int4
-    runs GPTQ on the texts of engine/calibration.py when the folder has a tokenizer. Without
+    runs GPTQ on the texts of engine/weights/calibration.py when the folder has a tokenizer. Without
     quantization, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
     (same results, less work per matmul; see PackedLoRALinear), and a vocabulary-sized
     lm_head is packed too (PackedHead)."""

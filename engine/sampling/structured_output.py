@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loraplex.engine.logits_processors import LogitsProcessor, ProcessorContext, register
+from loraplex.engine.sampling.logits_processors import LogitsProcessor, ProcessorContext, register
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Backpressure: a stream with a `window` pauses its request in the engine once the
 queued for it and not yet taken by its reader hold more than `window` tokens (a server's
 reader stops taking while the client's connection accepts nothing), and resumes it when
 the reader has caught up to half the window. A paused request costs no steps and keeps its
-KV (engine/scheduler.py).
+KV (engine/scheduling/scheduler.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.outputs import RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
-from loraplex.engine.stats import EngineStats, engine_stats
+from loraplex.engine.snapshot import engine_stats
+from loraplex.engine.stats import EngineStats
 
 
 @dataclass

@@ -630,7 +630,8 @@ def _fused_expert_factors(spec, layer, a, b, scaled, experts, dtype) -> None:
     a3 = a.reshape(n, r, a.shape[1]).to(dtype)
     b3 = b.reshape(b.shape[0], r, n).permute(2, 0, 1)  # [experts, out, r]
     if param == "gate_up_proj" and spec.family == "gpt_oss":
-        # gpt-oss interleaves gate and up outputs; our rows are gate, then up (engine/loader.py)
+        # gpt-oss interleaves gate and up outputs; our rows are gate, then up
+        # (engine/weights/loader.py)
         b3 = b3[:, _deinterleave(b3.shape[1])]
     # gate|up share one A (peft fuses a transformers-4 config's gate and up ranks into one of
     # twice the rank), so it may use both slices' width

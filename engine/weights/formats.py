@@ -1,6 +1,6 @@
 """Checkpoints someone already quantized: GPTQ, AWQ and FP8, named by config.json's
 `quantization_config`, converted once at load into the weight-only layers of
-engine/quantization.py.
+engine/weights/quantization.py.
 
 GPTQ and AWQ become `WeightOnlyInt4Linear` (our int4 layout and kernels, no rotation); FP8
 becomes `WeightOnlyFp8Linear`. The int4 kernels want groups of contiguous input columns and
@@ -38,7 +38,7 @@ from torch import nn
 
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import PROJECTIONS
-from loraplex.engine.quantization import WeightOnlyFp8Linear, WeightOnlyInt4Linear
+from loraplex.engine.weights.quantization import WeightOnlyFp8Linear, WeightOnlyInt4Linear
 
 log = logging.getLogger("loraplex.engine")
 

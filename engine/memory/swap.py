@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.sequence import Sequence
 
 KV_TENSORS = ("k_cache", "v_cache", "k_scale", "v_scale")

@@ -5,7 +5,7 @@ for a prefill) and then admits waiting sequences while the token budget, the seq
 the adapter-slot cap and the KV pool allow. A sequence samples when a step brings its
 computed tokens up to all of its tokens. When blocks run out, the policy's victim is preempted
 by recompute (its blocks are freed and it waits again with its generated tokens kept) or,
-with a host pool, by swap when the measured costs favour it (engine/swap.py): its blocks are
+with a host pool, by swap when the measured costs favour it (engine/memory/swap.py): its blocks are
 copied to host memory and back when it is admitted again, its progress kept.
 
 Invariant: the running sequences use at most `max_loras` distinct adapters, so every
@@ -38,12 +38,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loraplex.engine.admission import KVAdmission
-from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.policy import SchedulingPolicy, make_policy
+from loraplex.engine.memory.block_manager import BlockManager
+from loraplex.engine.memory.swap import SwapSpace
+from loraplex.engine.scheduling.admission import KVAdmission
+from loraplex.engine.scheduling.policy import SchedulingPolicy, make_policy
 from loraplex.engine.sequence import PRIORITY_INTERACTIVE, Sequence, SequenceStatus
-from loraplex.engine.swap import SwapSpace
 
 
 @dataclass
@@ -51,7 +51,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed per seq
     preempted: list[Sequence] = field(default_factory=list)
-    # Block copies the engine makes before the model runs, swap-outs first (engine/swap.py).
+    # Block copies the engine makes before the model runs, swap-outs first (engine/memory/swap.py).
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
@@ -294,7 +294,7 @@ class Scheduler:
                 if not self._make_room(cls, out):
                     break
             if self.admission and not self.admission.fits(seq, self.running, num_cached):
-                break  # its expected KV growth does not fit (engine/admission.py)
+                break  # its expected KV growth does not fit (engine/scheduling/admission.py)
             # A swapped-out sequence kept its progress; others start at the cached prefix.
             start = max(num_cached, seq.num_computed_tokens)
             n = seq.num_tokens - start

@@ -1,8 +1,8 @@
 """Turns one step's logits into next tokens, batched across requests with mixed parameters.
 
 Per row, in order: repetition penalty → frequency/presence penalties → the request's logits
-processors (logit_bias, grammars: engine/logits_processors.py, one batched call per processor
-class) → min_tokens masking of EOS/stop ids → greedy rows take the argmax; the others go
+processors (logit_bias, grammars: engine/sampling/logits_processors.py, one batched call per
+processor class) → min_tokens masking of EOS/stop ids → greedy rows take the argmax; the others go
 through temperature → top_k → top_p → min_p and are drawn with the exponential race
 `argmax(probs / E)`, `E ~ Exp(1)`, whose noise for a seeded request comes from that request's
 own generator, so its tokens do not depend on which other requests share the batch. Reported
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.logits_processors import LogitsProcessor, apply_processors
+from loraplex.engine.sampling.logits_processors import LogitsProcessor, apply_processors
 from loraplex.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

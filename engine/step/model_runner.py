@@ -3,7 +3,7 @@
 Rows are ordered by adapter slot so each adapter's rows form one contiguous segment (the
 shape the SGMV ops want); rows without an adapter form segments with slot -1. Only the last
 row of each sequence that completes its tokens this step goes through the LM head, and the
-prompt rows of requests that ask for prompt logprobs (engine/prompt_logprobs.py).
+prompt rows of requests that ask for prompt logprobs (engine/sampling/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine import kv_cache
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.graph_runner import DecodeGraphs
+from loraplex.engine.memory import kv_cache
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import ForwardContext
-from loraplex.engine.prompt_logprobs import PromptRows, score_prompt_rows
-from loraplex.engine.sampler import LOGPROB_FLOOR, Sampler, make_generator
-from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.sampling.prompt_logprobs import PromptRows, score_prompt_rows
+from loraplex.engine.sampling.sampler import LOGPROB_FLOOR, Sampler, make_generator
+from loraplex.engine.scheduling.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
-from loraplex.engine.step_plan import StepPlanner
+from loraplex.engine.step.graph_runner import DecodeGraphs
+from loraplex.engine.step.step_plan import StepPlanner
 from loraplex.kernels import backend as kernel_backend
 from loraplex.kernels import cpu as cpu_kernels
 from loraplex.kernels import dispatch
@@ -41,7 +41,7 @@ class StepBatch:
     sample_seqs: list[Sequence]
     seqs: list[Sequence]  # all sequences, in row order
     prompt_rows: PromptRows  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
-    # graph-ready decode (engine/graph_runner.py): ids, positions, slots, tables, lengths and
+    # graph-ready decode (engine/step/graph_runner.py): ids, positions, slots, tables, lengths and
     # each row's adapter slot, as lists
     decode: tuple | None = None
 

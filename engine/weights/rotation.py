@@ -1,6 +1,6 @@
 """Hadamard rotations (incoherence processing, as in QuIP# and QuaRot): int4 weights are
-rounded in a rotated basis per group of input channels (engine/quantization.py), and the int8
-KV cache stores rotated q/k/v (engine/kv_cache.py)."""
+rounded in a rotated basis per group of input channels (engine/weights/quantization.py), and
+the int8 KV cache stores rotated q/k/v (engine/memory/kv_cache.py)."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def calibrate_and_quantize(
         shape = (len(lens), width, model.spec.num_kv_heads, model.spec.head_dim)
         a.k_cache = torch.empty(shape, dtype=x.dtype, device=device)
         a.v_cache = torch.empty_like(a.k_cache)
-        # a mixture of experts' router stays in floating point (engine/quantization.py)
+        # a mixture of experts' router stays in floating point (engine/weights/quantization.py)
         targets = [(name, mod) for name, mod in layer.named_modules()
                    if type(mod) is LoRALinear and not name.endswith(ROUTER_SUFFIX)]  # fmt: skip
         stand_ins = {}

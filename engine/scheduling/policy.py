@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from loraplex.engine.admission import cheapest_victim
+from loraplex.engine.scheduling.admission import cheapest_victim
 from loraplex.engine.sequence import Sequence
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ class StepPlanner:
                              if isinstance(m, LoRALinear) and m.lora_a is not None]  # fmt: skip
         self.experts = [m for m in model.modules() if isinstance(m, Experts)]
         # RoPE's (cos, sin) pairs serve only attention layers that cannot take the fused RoPE
-        # + KV write (an int8 cache, a rotated cache: engine/kv_cache.py, allocated before
+        # + KV write (an int8 cache, a rotated cache: engine/memory/kv_cache.py, allocated before
         # this); the others read `rope_rows`
         self.rope_pairs = any(
             m.k_scale is not None or m.kv_rotation is not None

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.adapters.lora import BaseProbe, LoRAAdapter, dora_scales, load_adapter
 from loraplex.engine.errors import AdapterError, AdapterUnavailable
-from loraplex.engine.lora import BaseProbe, LoRAAdapter, dora_scales, load_adapter
 from loraplex.engine.models.decoder import DecoderLM
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import Experts, SparseMoE

@@ -1,0 +1,3 @@
+"""LoRA adapters: reading and checking them, the device slots, and the tiers they are loaded
+through.
+"""

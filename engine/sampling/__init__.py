@@ -1,0 +1,3 @@
+"""Logits into tokens: sampling, logits processors, structured output, prompt logprobs, speculative
+decoding.
+"""

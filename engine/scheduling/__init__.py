@@ -1,0 +1,1 @@
+"""Who runs this step: the scheduler, its fairness policy, and admission by KV."""

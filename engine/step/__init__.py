@@ -1,0 +1,1 @@
+"""One forward: its plan (built once, before the forward) and its captured graphs."""
