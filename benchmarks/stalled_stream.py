@@ -29,7 +29,7 @@ CONFIGS = {
 
 def _run(model: Path, data: Path, tokens: int, stall_s: float, overrides: dict) -> dict:
     from loraplex.platform.settings import Settings
-    from tests.utils.server import free_port, serve_in_thread
+    from testkit.server import free_port, serve_in_thread
 
     port = free_port()
     settings = Settings(

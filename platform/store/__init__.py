@@ -8,9 +8,9 @@ from loraplex.platform.store.base import (
     AdapterStore,
     StoreError,
     adapter_digest,
-    make_store,
 )
 from loraplex.platform.store.cache import AdapterCache, CacheStats
+from loraplex.platform.store.factory import make_store
 from loraplex.platform.store.local import LocalStore
 
 __all__ = [

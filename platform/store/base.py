@@ -1,4 +1,4 @@
-"""The adapter store interface, the content digest, and `make_store` for a store URL.
+"""The adapter store interface and the content digest (a store for a URL: factory.py).
 
 An adapter is stored as exactly two files, `adapter_config.json` and
 `adapter_model.safetensors`. Every `put` files them under a key of their own,
@@ -25,7 +25,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -141,46 +140,3 @@ class AdapterStore(ABC):
             raise StoreError(f"fetch destination {dest} already exists")
         dest.parent.mkdir(parents=True, exist_ok=True)
         return dest
-
-
-def make_store(
-    store_url: str | Path,
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    access_key: str | None = None,
-    secret_key: str | None = None,
-    multipart_threshold: int = 8 * MiB,
-) -> AdapterStore:
-    """A store for `s3://bucket/prefix`, `file:///abs/path` or a plain folder path."""
-    text = str(store_url)
-    parsed = urlparse(text)
-    if parsed.scheme == "s3":
-        from loraplex.platform.store.s3 import S3Store
-
-        if not parsed.netloc:
-            raise StoreError(f"store URL {text!r} names no bucket; expected s3://bucket/prefix")
-        return S3Store(
-            parsed.netloc,
-            parsed.path.strip("/"),
-            endpoint_url=endpoint_url,
-            region=region,
-            access_key=access_key,
-            secret_key=secret_key,
-            multipart_threshold=multipart_threshold,
-        )
-
-    from loraplex.platform.store.local import LocalStore
-
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise StoreError(
-                f"store URL {text!r}: file URLs need an absolute path, e.g. file:///srv/adapters"
-            )
-        return LocalStore(Path(parsed.path))
-    if parsed.scheme and len(parsed.scheme) > 1:  # one letter: a Windows drive, a plain path
-        raise StoreError(
-            f"store URL {text!r}: unsupported scheme {parsed.scheme!r}; "
-            "use a folder path, file:///path or s3://bucket/prefix"
-        )
-    return LocalStore(Path(text).expanduser())

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 
 from loraplex.platform.db import crud
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.settings import Settings
+from testkit.server import ADMIN_KEY, free_port, serve_in_thread, upload_adapter
 
-ADMIN_KEY = "test-admin-key-" + "x" * 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["ADMIN_KEY", "RunningServer", "free_port", "run_server", "serve_in_thread",
+           "upload_adapter"]  # fmt: skip
 
 
 @dataclass
@@ -46,46 +38,6 @@ class RunningServer:
 
 
 @contextmanager
-def serve_in_thread(settings, timeout_s: float = 120) -> Iterator[tuple[object, str]]:
-    """(app, url) of a server on `settings` running in a thread of this process, with the
-    listening socket `loraplex serve` makes (its send buffer bounds streams); stopped on exit.
-    For the tests' `run_server` and the lab's benchmarks/stalled_stream.py, which need the
-    app's state at hand."""
-    import threading
-
-    import uvicorn
-
-    from loraplex.platform.cli import serve_socket
-    from loraplex.platform.db.session import upgrade
-    from loraplex.platform.main import create_app
-
-    upgrade(settings.database_url)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning", loop="asyncio"))  # fmt: skip
-    sock = serve_socket(server.config, settings.stream_send_buffer_bytes)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://{settings.host}:{settings.port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {url} did not become ready")
-            time.sleep(0.1)
-        yield app, url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
-@contextmanager
 def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
     port = free_port()
     defaults = dict(
@@ -106,11 +58,3 @@ def run_server(model_dir: Path, data_dir: Path, **settings_overrides):
             yield RunningServer(url, settings, app, make_sessionmaker(db))
         finally:
             db.dispose()
-
-
-def upload_adapter(url: str, key: str, name: str, folder: Path) -> httpx.Response:
-    """POST /v1/adapters with a PEFT folder's two files, as a tenant's client would."""
-    files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())
-             if p.name in ("adapter_config.json", "adapter_model.safetensors")]  # fmt: skip
-    return httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {key}"},
-                      data={"name": name}, files=files, timeout=60)  # fmt: skip
