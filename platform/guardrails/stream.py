@@ -73,6 +73,8 @@ class OutputFilter:
                     break
                 pieces.append((text, ids))
                 at += len(text)
+            while pieces and not pieces[-1][0]:  # a token with no text yet: part of the hit
+                pieces.pop()
             self.held = []
             self.job.finish_reason = CONTENT_FILTER
             return self._emit(out, pieces, finished=True, reason=CONTENT_FILTER)
