@@ -22,6 +22,7 @@ import torch
 from loraplex.engine.adapters.manager import AdapterManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import BadRequestError, NonFiniteOutput
+from loraplex.engine.memory import tiers as kv_tiers
 from loraplex.engine.memory.block_manager import BlockManager
 from loraplex.engine.memory.budget import MemoryReport, gpu_pool_bytes, step_working_bytes
 from loraplex.engine.memory.swap import HostKVCache, SwapSpace, num_host_blocks
@@ -137,6 +138,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.block_manager, adapter_loaded=self.adapters.loaded, swap=swap
         )
+        self.kv_tiers = kv_tiers.attach(self)  # host / disk / shared KV below the pool, or None
         self.vocab_size = spec.vocab_size
         self.processor_context = ProcessorContext(
             vocab_size=spec.vocab_size,
@@ -376,9 +378,13 @@ class LLMEngine:
         if self.host_kv is not None:  # before the model writes any block freed by a swap-out
             self.host_kv.swap_out(out.swap_out)
             self.host_kv.swap_in(out.swap_in)
+        if out.tier_in:  # prefix blocks the KV tiers found, before the model attends to them
+            self.kv_tiers.load(out.tier_in)
         if not out.seqs:
             if not self.scheduler.running:  # only loads to wait for: do not spin
                 self.adapters.wait_any(0.01)
+                if self.kv_tiers is not None:  # or KV tier lookups
+                    self.kv_tiers.wait_lookups(0.01)
             return outputs
         ids = {s.adapter_id for s in out.seqs if s.adapter_id}
         if self._unplaced:  # some request waits for its adapter: time the slot writes
@@ -401,6 +407,8 @@ class LLMEngine:
             seconds = time.perf_counter() - t0
             self.scheduler.swap.costs.observe_step(out.num_batched_tokens, seconds)
         stepped = self.scheduler.postprocess(out, sampled)
+        if self.kv_tiers is not None:  # queue this step's new prefix blocks for the tiers
+            self.kv_tiers.offload()
         if self.runner.nonfinite:  # each ends with its own error; `_run` gave them no tokens
             outputs += self._fail_nonfinite(self.runner.nonfinite)
             stepped = [seq for seq in stepped if not seq.is_finished]

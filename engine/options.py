@@ -186,6 +186,35 @@ class EngineOptions:
         server=True,
     )
 
+    # KV tiers below the device pool (engine/memory/tiers, docs/kv-tiers.md): prefix blocks are
+    # written through to each configured tier; a new request's stored prefix is loaded, not
+    # prefilled. Any of the three turns them on.
+    kv_tier_host_gib: float = option(
+        0.0, "host memory (GiB) for prefix KV blocks below the device pool; 0: none",
+        server=True, ge=0,
+    )  # fmt: skip
+    kv_tier_disk_path: str | None = option(
+        None, "folder for prefix KV blocks on local disk (survive restarts); unset: none",
+        server=True,
+    )  # fmt: skip
+    kv_tier_disk_gib: float = option(
+        10.0, "the disk tier's bound (GiB); least recently used blocks go first", server=True,
+        ge=0,
+    )  # fmt: skip
+    kv_tier_shared_url: str | None = option(
+        None,
+        "a store replicas share for prefix KV blocks: redis://host:port/db (the measured "
+        "choice) or s3://bucket/prefix; unset: none",
+        server=True,
+    )
+    kv_tier_ttl_s: int = option(
+        86400, "seconds a block lives in the shared Redis tier (0: no expiry)", server=True, ge=0
+    )
+    kv_tier_salt: str = option(
+        "", "secret mixed into every KV tier key; changing it makes all stored blocks "
+        "unreachable", server=True,
+    )  # fmt: skip
+
     def check_options(self) -> None:
         """Choices and bounds from the declarations above; ValueError names the option."""
         hints = typing.get_type_hints(EngineOptions)

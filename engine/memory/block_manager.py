@@ -43,6 +43,9 @@ class BlockManager:
         self.prefix_hits = 0
         self.prefix_queries = 0
         self.prefix_cached_tokens = 0
+        # With KV tiers (engine/memory/tiers): (block, chain key, seq) of each block registered
+        # since the engine last took them, to be written below the device pool.
+        self.tier_new: list[tuple[int, bytes, Sequence]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -143,6 +146,8 @@ class BlockManager:
             if block.key is None and keys[i] not in self.cached:
                 block.key = keys[i]
                 self.cached[keys[i]] = block.block_id
+                if self.tier_new is not None:
+                    self.tier_new.append((block.block_id, keys[i], seq))
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks; tail blocks first so they are evicted first."""

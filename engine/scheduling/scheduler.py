@@ -54,6 +54,8 @@ class SchedulerOutput:
     # Block copies the engine makes before the model runs, swap-outs first (engine/memory/swap.py).
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # Prefix blocks found in the KV tiers, written into device blocks before the model runs.
+    tier_in: list[tuple[bytes, int]] = field(default_factory=list)  # (payload, device)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -84,6 +86,7 @@ class Scheduler:
         self.resumed: list[Sequence] = []  # resumed with their blocks: back to running first
         self.num_preemptions = 0
         self.swap = swap  # the host KV pool, if any: preemption by swap
+        self.tiers = None  # KV tiers below the device pool, if any (engine/memory/tiers)
         self.batch_step_tokens = config.max_batch_step_tokens
         # config.kv_admission: admit by expected KV growth, not by prompt alone
         self.admission = (
@@ -94,6 +97,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.policy.on_arrival(seq)
+        if self.tiers is not None:  # look up its stored prefix while it queues
+            self.tiers.request(seq)
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do (paused sequences wait for a resume)."""
@@ -290,6 +295,11 @@ class Scheduler:
                 continue  # its adapter needs a slot; others may still fit
             seq.spec_tokens = []
             blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            loaded = self.tiers.take(seq, len(blocks)) if self.tiers is not None else []
+            if loaded is None:
+                continue  # its tier lookup is under way: it waits, others run
+            extra = len(loaded) * self.block_manager.block_size  # fresh blocks, filled from tiers
+            num_cached += extra
             while self.admission and not self.admission.fits(seq, self.running, num_cached):
                 if not self._make_room(cls, out):
                     break
@@ -301,14 +311,19 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            allocated = self._allocate(seq, n, blocks)
+            allocated = self._allocate(seq, n + extra, blocks)
             while not allocated and self._make_room(cls, out):
-                allocated = self._allocate(seq, n, blocks)
+                allocated = self._allocate(seq, n + extra, blocks)
             if not allocated:
                 break
             self.block_manager.record_prefix_lookup(num_cached)
             if self.swap is not None and self.swap.is_swapped(seq):
                 self.swap.swap_in(seq, len(blocks), out.swap_in)
+            if loaded:
+                fresh = seq.block_table[len(blocks) : len(blocks) + len(loaded)]
+                out.tier_in += zip(loaded, fresh, strict=True)
+            if self.tiers is not None:
+                self.tiers.admitted(seq, len(loaded))
             seq.num_computed_tokens = start
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
@@ -388,6 +403,8 @@ class Scheduler:
         self.block_manager.free(seq)
         if self.swap is not None:
             self.swap.free(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.policy.on_finished(seq)
