@@ -50,6 +50,8 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
     )
     spec = engine.spec_stats
     loads = engine.adapter_loads
+    tiers = engine.kv_tiers
+    counters = dict(tiers.counters) if tiers is not None else {}
     return EngineStats(
         running=len(running),
         waiting=len(waiting),
@@ -89,4 +91,10 @@ def engine_stats(engine: LLMEngine, alive: bool) -> EngineStats:
         adapter_load_buckets={t: list(b) for t, b in loads.buckets.items()},
         adapter_load_sum=dict(loads.sums),
         cold_adapters=[dict(row) for row in loads.top()],
+        kv_tier_queried={t: c.queried for t, c in counters.items()},
+        kv_tier_hits={t: c.hits for t, c in counters.items()},
+        kv_tier_bytes_read={t: c.bytes_read for t, c in counters.items()},
+        kv_tier_bytes_written={t: c.bytes_written for t, c in counters.items()},
+        kv_tier_bytes_stored=tiers.stored_bytes() if tiers is not None else {},
+        kv_tier_tokens_loaded=tiers.tokens_loaded if tiers is not None else 0,
     )

@@ -66,6 +66,15 @@ class EngineStats:
     adapter_load_buckets: dict[str, list[int]] = field(default_factory=dict)
     adapter_load_sum: dict[str, float] = field(default_factory=dict)
     cold_adapters: list[dict] = field(default_factory=list)
+    # KV tiers below the device pool (engine/memory/tiers), per tier (host, disk, shared),
+    # since start: prefix blocks asked for and found, bytes read and written; bytes held now
+    # (host, disk); prompt tokens loaded from the tiers instead of prefilled.
+    kv_tier_queried: dict[str, int] = field(default_factory=dict)
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_tier_bytes_read: dict[str, int] = field(default_factory=dict)
+    kv_tier_bytes_written: dict[str, int] = field(default_factory=dict)
+    kv_tier_bytes_stored: dict[str, int] = field(default_factory=dict)
+    kv_tier_tokens_loaded: int = 0
 
 
 # Upper bounds (seconds) of the adapter-load histogram: wide enough for a slot write of a

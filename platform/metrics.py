@@ -112,6 +112,19 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        # KV tiers (engine/memory/tiers): hit rate = hit / queried per tier (docs/kv-tiers.md).
+        self.kv_tier_blocks = Gauge(
+            "loraplex_kv_tier_blocks",
+            "Prefix KV blocks looked up in each tier (queried) and found there (hit)",
+            ["tier", "kind"],
+            registry=r,
+        )
+        self.kv_tier_bytes = Gauge(
+            "loraplex_kv_tier_bytes",
+            "KV tier bytes read and written since start, and held now (stored)",
+            ["tier", "kind"],
+            registry=r,
+        )
         self.model_loaded = Gauge("loraplex_model_loaded", "1 when the model is ready", registry=r)
         # Set once at start, from the engine's MemoryReport (its start log line says the same).
         self.weight_bytes = Gauge(
@@ -227,6 +240,14 @@ class Metrics:
         self.preemptions.set(stats.preemptions)
         self.kv_swaps.labels("out").set(stats.swapped_out)
         self.kv_swaps.labels("in").set(stats.swapped_in)
+        for kind, per_tier in (("queried", stats.kv_tier_queried), ("hit", stats.kv_tier_hits)):
+            for tier, n in per_tier.items():
+                self.kv_tier_blocks.labels(tier, kind).set(n)
+        for kind, per_tier in (("read", stats.kv_tier_bytes_read),
+                               ("written", stats.kv_tier_bytes_written),
+                               ("stored", stats.kv_tier_bytes_stored)):  # fmt: skip
+            for tier, n in per_tier.items():
+                self.kv_tier_bytes.labels(tier, kind).set(n)
 
 
 def served_names(engine_names: list[str]) -> list[str]:

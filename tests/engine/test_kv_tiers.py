@@ -251,3 +251,28 @@ def test_a_new_adapter_version_under_the_same_name_and_id_misses(crossing, tiny_
         llm = _llm(tiny_models["llama"], **kw)
         _run(llm, prompt, lora)
         assert llm.engine.kv_tiers.counters["disk"].hits == want
+
+
+def test_stats_and_metrics_show_each_tier(tiny_models, tmp_path):
+    """The engine's snapshot carries per-tier counters and /metrics' gauges show them."""
+    from prometheus_client import generate_latest
+
+    from loraplex.engine.snapshot import engine_stats
+    from loraplex.platform.metrics import Metrics
+
+    llm = _llm(tiny_models["llama"], kv_tier_host_gib=0.01, kv_tier_disk_path=str(tmp_path))
+    history = _prompt(11)
+    _run(llm, history)
+    _evict(llm)
+    _run(llm, history)
+    stats = engine_stats(llm.engine, alive=True)
+    assert stats.kv_tier_hits == {"host": 8, "disk": 0}
+    # Asked twice (a miss in every tier, then all 8 in host); disk only the first time.
+    assert stats.kv_tier_queried == {"host": 16, "disk": 8}
+    assert stats.kv_tier_bytes_written["disk"] == stats.kv_tier_bytes_stored["disk"] > 0
+    assert stats.kv_tier_tokens_loaded == 64
+    metrics = Metrics()
+    metrics.refresh(stats)
+    text = generate_latest(metrics.registry).decode()
+    assert 'loraplex_kv_tier_blocks{kind="hit",tier="host"} 8.0' in text
+    assert 'loraplex_kv_tier_bytes{kind="stored",tier="disk"}' in text

@@ -237,7 +237,7 @@ class KVTiers:
                 self._answered.wait(timeout)
 
     def stored_bytes(self) -> dict[str, int]:
-        return {s.name: getattr(s, "nbytes", 0) for s in self.stores}
+        return {s.name: s.nbytes for s in self.stores if hasattr(s, "nbytes")}  # local ones
 
     def close(self) -> None:
         self.flush()
