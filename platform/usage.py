@@ -31,8 +31,30 @@ GroupBy = Literal["tenant", "adapter", "version", "day"]
 BillingBy = Literal["tenant", "version"]
 
 
-def record_usage(
-    session: Session,
+def record_usage(session: Session, *, commit: bool = True, **record: Any) -> bool:
+    """Write the request's record (`record`: `record_values`'s fields); True if written,
+    False if its `request_id` already had one.
+
+    The first record of a request wins, so a retried or duplicated "request finished" path
+    cannot bill a request twice. Commits, unless `commit` is false (the ledger writes the
+    record and its quota correction in one transaction: platform/ledger.py).
+    """
+    values = record_values(**record)
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    # ON CONFLICT DO NOTHING instead of catching IntegrityError: no rollback of the caller's
+    # session, and no error logged by PostgreSQL for an expected duplicate.
+    inserted = session.execute(
+        dialect.insert(UsageRecord)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=[UsageRecord.request_id])
+        .returning(UsageRecord.id)
+    ).scalar_one_or_none()
+    if commit:
+        session.commit()
+    return inserted is not None
+
+
+def record_values(
     *,
     request_id: str,
     tenant_id: int,
@@ -51,14 +73,8 @@ def record_usage(
     tpot_ms: float | None = None,
     created_at: datetime | None = None,
     request_class: RequestClass | str = RequestClass.interactive,
-    commit: bool = True,
-) -> bool:
-    """Write the request's record; True if written, False if `request_id` already had one.
-
-    The first record of a request wins, so a retried or duplicated "request finished" path
-    cannot bill a request twice. Commits, unless `commit` is false (the ledger writes the
-    record and its quota correction in one transaction: platform/ledger.py).
-    """
+) -> dict[str, Any]:
+    """A usage row's column values, checked (`record_usage`'s arguments)."""
     status = UsageStatus(status).value  # ValueError names the bad status
     request_class = RequestClass(request_class).value
     if min(prompt_tokens, completion_tokens, cached_tokens) < 0:
@@ -89,18 +105,7 @@ def record_usage(
     )
     if created_at is not None:
         values["created_at"] = created_at
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    # ON CONFLICT DO NOTHING instead of catching IntegrityError: no rollback of the caller's
-    # session, and no error logged by PostgreSQL for an expected duplicate.
-    inserted = session.execute(
-        dialect.insert(UsageRecord)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=[UsageRecord.request_id])
-        .returning(UsageRecord.id)
-    ).scalar_one_or_none()
-    if commit:
-        session.commit()
-    return inserted is not None
+    return values
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,31 @@ class LedgerThroughOutages(RuleBasedStateMachine):
         self.ledger.write(entry)  # never raises, whatever the database does
         self.first.setdefault(rid, (tokens, adjust))
 
+    @rule(
+        ends=st.lists(
+            st.tuples(
+                st.sampled_from(REQUEST_IDS + RELEASED_IDS), st.integers(0, 50), st.integers(0, 9)
+            ),
+            min_size=2,
+            max_size=5,
+        )
+    )
+    def requests_end_at_once(self, ends):
+        """Entries that waited while another write ran, written as one batch (group commit):
+        records, releases, and a key twice among them."""
+        batch = []
+        for rid, tokens, adjust in ends:
+            if rid in RELEASED_IDS:
+                batch.append(ledger.release_entry(rid, tenant_id=self.tenant_id, adjust=adjust,
+                                                  charged_at=CHARGED))  # fmt: skip
+                self.released.setdefault(rid, adjust)
+            else:
+                record = _record(rid, self.tenant_id, tokens)
+                batch.append(ledger.usage_entry(record, tenant_id=self.tenant_id,
+                                                adjust=adjust, charged_at=CHARGED))  # fmt: skip
+                self.first.setdefault(rid, (tokens, adjust))
+        self.ledger._write_batch(batch)  # what `write` calls with the entries that waited
+
     @rule(rid=st.sampled_from(RELEASED_IDS), tokens=st.integers(0, 9))
     def reservation_given_back(self, rid, tokens):
         # Positive here, so that the counter's floor at zero never hides a double release.
