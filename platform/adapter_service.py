@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from loraplex.platform import quotas
 from loraplex.platform.db import crud
@@ -43,6 +44,11 @@ def store_and_register(state, tenant_id: int, name: str, folder, info, *, promot
     """Store a validated adapter folder as a new version of `name` for the tenant (nothing
     half-done). The first version of a name gets the default alias; with `promote` a later one
     takes it over in the same transaction."""
+    if state.settings.data_plane == "vllm":  # what vLLM cannot serve: refused now, by name
+        from loraplex.platform.dataplane.agent import refusal
+
+        if (why := refusal(Path(folder))) is not None:
+            raise APIError(422, why, "unsupported_by_data_plane")
     with state.sessions() as session:
         new_name = crud.get_adapter(session, tenant_id=tenant_id, name=name) is None
         decision = quotas.check_adapter_quota(

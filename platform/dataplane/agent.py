@@ -73,6 +73,7 @@ class Agent:
         self._loaded: OrderedDict[str, str] = OrderedDict()  # vLLM name -> digest, LRU first
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        self._http = httpx.Client(timeout=timeout_s)  # pooled: keep-alive to its vLLM
 
     def ensure(self, name: str, key: str, digest: str) -> None:
         """`name` is loaded in vLLM with the adapter stored under `key`. Raises AdapterError
@@ -101,25 +102,37 @@ class Agent:
             self.unload(old)
 
     def _load(self, name: str, folder: Path) -> None:
-        body = {"lora_name": name, "lora_path": str(folder)}
-        try:
-            r = httpx.post(f"{self.url}/v1/load_lora_adapter", json=body, timeout=self.timeout_s)
-        except httpx.HTTPError as e:
-            raise AdapterUnavailable(f"vLLM at {self.url} did not load the adapter: {e}") from e
+        r = self._post_load(name, folder, inplace=False)
         if r.status_code == 400 and "already been loaded" in r.text:
-            return  # loaded by an earlier agent life: same name, same content
+            with self._lock:
+                ours = name in self._loaded
+            if ours:
+                return  # this agent loaded it from the folder it still keeps
+            # Registered by an earlier life of this agent (or another one): the same content
+            # (the name is its hash), but vLLM re-reads its path whenever it evicts the
+            # adapter from its CPU cache, and that folder may be gone with the old agent's
+            # cache. Point vLLM at this agent's copy, in place (`load_inplace`). Never used to
+            # change a name's weights: vLLM 0.32 keeps the prefix cache computed with the old
+            # ones (docs/peers.md); a new version gets a name of its own instead.
+            r = self._post_load(name, folder, inplace=True)
         if r.status_code >= 500 or r.status_code == 404:
             # 404: vLLM runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
             raise AdapterUnavailable(f"vLLM at {self.url} answered {r.status_code}: {r.text}")
         if r.status_code != 200:
             raise AdapterError(f"the vLLM data plane refused the adapter: {_message(r)}")
 
+    def _post_load(self, name: str, folder: Path, *, inplace: bool) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": str(folder), "load_inplace": inplace}
+        try:
+            return self._http.post(f"{self.url}/v1/load_lora_adapter", json=body)
+        except httpx.HTTPError as e:
+            raise AdapterUnavailable(f"vLLM at {self.url} did not load the adapter: {e}") from e
+
     def unload(self, name: str) -> None:
         with self._lock:
             self._loaded.pop(name, None)
         try:
-            httpx.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name},
-                       timeout=self.timeout_s)  # fmt: skip
+            self._http.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name})
         except httpx.HTTPError as e:  # it stays registered: harmless, next eviction retries
             log.warning("vLLM at %s did not unload %s: %s", self.url, name, e)
 
@@ -133,6 +146,7 @@ class Agent:
             return list(self._loaded)
 
     def close(self) -> None:
+        self._http.close()
         self.cache.close()
 
 

@@ -1,6 +1,6 @@
 """The remote data plane: an unchanged vLLM fleet behind the platform, over vLLM's own HTTP API.
 
-It offers what the platform uses of the embedded engine (engine/async_engine.py): `generate`
+It offers what the platform uses of the embedded engine (engine/process/async_engine.py): `generate`
 yielding RequestOutputs with per-token deltas, `abort`, `cut`, `stats`, `config`, `tokenizer`,
 `shutdown`. Keys, quotas, the ledger, versions and batches stay in the platform and work
 unchanged on top of it.
@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from loraplex.engine import (
@@ -51,9 +52,10 @@ from loraplex.platform import tracing
 from loraplex.platform.dataplane.agent import vllm_name
 from loraplex.platform.dataplane.errors import DataPlaneUnavailable
 from loraplex.platform.dataplane.fairshare import FairWindow
-from loraplex.platform.dataplane.protocol import Assembler, http_error, metric, request_body
+from loraplex.platform.dataplane.protocol import Assembler, http_error, metrics_of, request_body
 
 log = logging.getLogger("loraplex.dataplane")
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 # (ensure) name, lora request, endpoint -> None; raises AdapterError / AdapterUnavailable
 Loader = Callable[["Endpoint", str, LoRARequest], None]
@@ -121,16 +123,20 @@ class VllmDataPlane:
         self.agents: dict[str, object] = {}  # endpoint URL -> its adapter agent (closed here)
         self.max_lora_rank = max_lora_rank
         self.poll_interval_s = poll_interval_s
-        self.timeout = httpx.Timeout(None, connect=connect_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self.config = RemoteConfig(str(self.model_dir), 0, max_lora_rank)
         self.error: BaseException | None = None  # the platform's "engine died": never here
         self._names: dict[str, str] = {}  # vLLM name -> the platform's adapter name
         self._live: dict[str, _Live] = {}
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._clients: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._ids = itertools.count()
         self._down_since: float | None = time.monotonic()
         self._generated = 0
         self._stop = threading.Event()
+        # One client for the poller's life: a new httpx.Client builds an SSL context (the CA
+        # bundle parsed, ~50 ms holding the GIL), which each second stalled the event loop
+        # that streams every answer (benchmarks/dataplane.py: p99 inter-token 400 ms).
+        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), verify=False)
         self._poller = threading.Thread(target=self._poll_loop, name="loraplex-vllm-poll",
                                         daemon=True)  # fmt: skip
 
@@ -154,9 +160,10 @@ class VllmDataPlane:
         for agent in self.agents.values():
             if hasattr(agent, "close"):
                 agent.close()
-        for client in self._clients.values():
+        self._http.close()
+        for loop, client in self._clients.items():
             with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to close
-                asyncio.run_coroutine_threadsafe(client.aclose(), client_loop(client))
+                asyncio.run_coroutine_threadsafe(client.close(), loop)
 
     # ---------------------------------------------------------------- polling
     def _poll_loop(self) -> None:
@@ -167,9 +174,8 @@ class VllmDataPlane:
                 log.exception("polling vLLM failed")
 
     def poll_once(self) -> None:
-        with httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0)) as http:
-            for e in self.endpoints:
-                self._poll(http, e)
+        for e in self.endpoints:
+            self._poll(self._http, e)
         if any(e.healthy for e in self.endpoints):
             self._down_since = None
         elif self._down_since is None:
@@ -192,9 +198,10 @@ class VllmDataPlane:
         e.base_id = base["id"] if base else e.base_id
         e.max_model_len = (base or {}).get("max_model_len") or e.max_model_len
         e.loaded = {m["id"] for m in models if m.get("parent") is not None}
-        e.running = int(metric(metrics, "vllm:num_requests_running"))
-        e.waiting = int(metric(metrics, "vllm:num_requests_waiting"))
-        e.kv_usage = metric(metrics, "vllm:kv_cache_usage_perc")
+        gauges = metrics_of(metrics, GAUGES)
+        e.running = int(gauges["vllm:num_requests_running"])
+        e.waiting = int(gauges["vllm:num_requests_waiting"])
+        e.kv_usage = gauges["vllm:kv_cache_usage_perc"]
         e.healthy = e.ever_seen = True
         lens = [x.max_model_len for x in self.endpoints if x.max_model_len]
         self.config.max_model_len = min(lens) if lens else self.config.max_model_len
@@ -237,13 +244,18 @@ class VllmDataPlane:
                 return min(having, key=lambda e: e.load)
         return min(up, key=lambda e: e.load)
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self) -> aiohttp.ClientSession:
+        """This loop's pooled session (keep-alive connections to every endpoint). aiohttp, not
+        httpx, for the streams: its C parser reads a chunk for a fraction of what httpx's
+        pure-Python HTTP/1.1 stack and per-read cancel scopes cost, and on a loaded machine
+        that time is taken from vLLM (benchmarks/dataplane.py)."""
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            client = self._clients[loop] = httpx.AsyncClient(timeout=self.timeout, limits=limits)
-            client._loraplex_loop = loop  # type: ignore[attr-defined]
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            client = self._clients[loop] = aiohttp.ClientSession(
+                connector=connector, timeout=self.timeout, json_serialize=json.dumps
+            )
         return client
 
     async def generate(
@@ -282,7 +294,7 @@ class VllmDataPlane:
         # waits in vLLM's socket (TCP backpressure), not in this process's memory.
         live = _Live(asyncio.get_running_loop(), asyncio.Queue(maxsize=window or 0))
         self._live[rid] = live
-        assembler = Assembler(rid, ids, params.n, lora_request and lora_request.lora_name)
+        assembler = Assembler(rid, ids, params, lora_request and lora_request.lora_name)
         sent = {"X-Request-Id": rid, **(headers or {})}
         if (parent := traceparent()) is not None:  # one trace spans the platform and vLLM
             sent["traceparent"] = parent
@@ -307,17 +319,21 @@ class VllmDataPlane:
     async def _read(self, e: Endpoint, body: dict, headers: dict, asm: Assembler,
                     queue: asyncio.Queue) -> None:  # fmt: skip
         try:
-            async with self._client().stream(
-                "POST", f"{e.url}/v1/completions", json=body, headers=headers
+            async with self._client().post(
+                f"{e.url}/v1/completions", json=body, headers=headers
             ) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    raise http_error(r, e)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
+                if r.status != 200:
+                    raise http_error(r.status, await r.text(), e)
+                if not body["stream"]:  # prompt logprobs: one answer at the end
+                    out = asm.add(json.loads(await r.read()))
+                    if out is not None and out.finished:
+                        await queue.put(out)
+                        return
+                async for line in r.content:  # SSE: `data: {...}` lines
+                    if not line.startswith(b"data: "):
                         continue
-                    data = line[6:]
-                    if data == "[DONE]":
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
                         break
                     out = asm.add(json.loads(data))
                     if out is not None:
@@ -327,7 +343,7 @@ class VllmDataPlane:
             raise DataPlaneUnavailable(f"vLLM at {e.url} ended the stream before it finished")
         except asyncio.CancelledError:
             raise
-        except httpx.HTTPError as err:
+        except (aiohttp.ClientError, OSError) as err:
             e.healthy = False  # the poller says when it is back
             await queue.put(DataPlaneUnavailable(f"vLLM at {e.url} went away: {err}"))
         except BaseException as err:  # noqa: BLE001 - handed to the reader, who raises it
@@ -362,7 +378,3 @@ def traceparent() -> str | None:
         return None
     ctx = trace.span.get_span_context()
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
-
-
-def client_loop(client: httpx.AsyncClient) -> asyncio.AbstractEventLoop:
-    return client._loraplex_loop  # type: ignore[attr-defined]

