@@ -276,3 +276,16 @@ def test_stats_and_metrics_show_each_tier(tiny_models, tmp_path):
     text = generate_latest(metrics.registry).decode()
     assert 'loraplex_kv_tier_blocks{kind="hit",tier="host"} 8.0' in text
     assert 'loraplex_kv_tier_bytes{kind="stored",tier="disk"}' in text
+
+
+def test_an_unreachable_shared_store_is_only_a_miss(tiny_models, reference):
+    """A replica whose Redis is down (nothing listens on the port) serves as without tiers."""
+    pytest.importorskip("redis")
+    llm = _llm(tiny_models["llama"], kv_tier_shared_url="redis://127.0.0.1:1/0")
+    history = _prompt(12)
+    assert _run(llm, history) == reference(history)
+    _evict(llm)
+    tokens, computed = _computed(llm, history)
+    assert tokens == reference(history) and computed == len(history)
+    c = llm.engine.kv_tiers.counters["shared"]
+    assert c.errors >= 2 and c.hits == 0

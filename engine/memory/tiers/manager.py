@@ -49,6 +49,13 @@ class TierCounters:
     errors: int = 0  # store unreachable or failing: misses / writes lost
 
 
+def _failed(c: TierCounters, what: str, tier: str, e: Exception) -> None:
+    """Count a store failure; log the 1st, 2nd, 4th, 8th... (a down store fails every block)."""
+    c.errors += 1
+    if c.errors & (c.errors - 1) == 0:
+        log.warning("KV tier %s %s failed (%d failures so far): %s", what, tier, c.errors, e)
+
+
 @dataclass
 class _Lookup:
     start: int  # device blocks the request had when it asked: hits begin here
@@ -158,8 +165,7 @@ class KVTiers:
             try:
                 records = store.get_many(rest)
             except Exception as e:  # noqa: BLE001 (unreachable store: a miss)
-                c.errors += 1
-                log.warning("KV tier %s unreachable: %s", store.name, e)
+                _failed(c, "lookup in", store.name, e)
                 continue
             new = []
             for key, rec in zip(rest, records, strict=True):
@@ -218,8 +224,7 @@ class KVTiers:
                         try:
                             store.put(sk, rec)
                         except Exception as e:  # noqa: BLE001 (a lost write is only a miss later)
-                            c.errors += 1
-                            log.warning("KV tier %s write failed: %s", store.name, e)
+                            _failed(c, "write to", store.name, e)
                             continue
                         c.blocks_written += 1
                         c.bytes_written += len(rec)
