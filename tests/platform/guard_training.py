@@ -1,6 +1,7 @@
 """A tiny guard adapter trained in the test: LoRA on a tiny base that answers the guard
-prompt (platform/guardrails/guard.py) with " unsafe" when the text holds `MARKER`, else
-" safe". Seconds on a CPU: the base has two layers of width 64."""
+prompt (platform/guardrails/guard.py) with " unsafe" when the text holds one of `MARKERS`,
+else " safe". "tea" is what the tiny Llama (seed 0) says to "The sky", so an output guard has
+something to catch. Seconds on a CPU: the base has two layers of width 64."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from loraplex.engine import Tokenizer
 from loraplex.platform.guardrails.guard import guard_prompt_ids, verdict_tokens
 
 MARKER = "zqxv"
+MARKERS = (MARKER, "tea")
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "home",
          "red", "blue", "sky", "tree", "over", "under", "water", "stone"]  # fmt: skip
 
@@ -20,7 +22,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "aw
 def sample_text(rng: random.Random, unsafe: bool) -> str:
     words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
     if unsafe:
-        words.insert(rng.randint(0, len(words)), MARKER)
+        words.insert(rng.randint(0, len(words)), rng.choice(MARKERS))
     return " ".join(words)
 
 

@@ -121,3 +121,23 @@ def test_output_guard_failing_closed_cuts_before_any_text_and_bills_none(server,
     with server.sessions() as session:
         row = session.query(UsageRecord).filter_by(request_id=chunks[0].id).one()
     assert row.completion_tokens == 0 and row.status == "ok"
+
+
+def test_the_guard_cuts_a_stream_whose_output_it_flags(server, guard_dir):
+    tid, key = tenant_with_guard(server, guard_dir)
+    add_policy(server, tid, stages="output")
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+    body = {"model": server.state.model_name, "max_tokens": 24, "temperature": 0.0}
+    clean = c.completions.create(prompt="one two three", **body)  # no marker in its answer
+    assert "tea" not in clean.choices[0].text and clean.choices[0].finish_reason == "length"
+    # The tiny Llama answers "The sky" with " tea tea tea ...": the guard's first window
+    # (16 characters) is unsafe, so nothing of it goes out.
+    chunks = list(c.completions.create(prompt="The sky", stream=True,
+                                       stream_options={"include_usage": True}, **body))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ""
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "content_filter"
+    assert chunks[-1].usage.completion_tokens == 0
+    got = events(server, tid)
+    assert [(x["rule"], x["stage"], x["action"]) for x in got] == [
+        ("guard:guard", "output", "block")]  # fmt: skip
+    assert got[0]["request_id"] == chunks[0].id
