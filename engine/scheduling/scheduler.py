@@ -323,7 +323,7 @@ class Scheduler:
                 fresh = seq.block_table[len(blocks) : len(blocks) + len(loaded)]
                 out.tier_in += zip(loaded, fresh, strict=True)
             if self.tiers is not None:
-                self.tiers.admitted(seq, len(loaded))
+                self.tiers.admitted(seq, len(blocks), len(loaded))
             seq.num_computed_tokens = start
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING

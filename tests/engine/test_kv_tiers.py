@@ -130,11 +130,15 @@ def test_two_engines_share_one_redis(tiny_models, tiny_adapters, reference, redi
         history = _prompt(3)
         first = _run(a, history, adapter)
         turn = history + first + _prompt(4, 9)
+        shared = b.engine.kv_tiers.counters["shared"]
+        hits, written = shared.hits, shared.blocks_written
         tokens, computed = _computed(b, turn, lora=adapter)
         assert tokens == reference(turn, adapter)
         stored = (len(history) + len(first) - 1) // 8
-        assert b.engine.kv_tiers.counters["shared"].hits >= stored
+        assert shared.hits - hits == stored
         assert computed == len(turn) - stored * 8, "B recomputed A's history"
+        # B writes back only the blocks it computed, not the ones it loaded.
+        assert shared.blocks_written - written == (len(turn) + 5) // 8 - stored
 
 
 def test_entries_survive_a_restart(tiny_models, reference, tmp_path):

@@ -60,6 +60,7 @@ def _failed(c: TierCounters, what: str, tier: str, e: Exception) -> None:
 class _Lookup:
     start: int  # device blocks the request had when it asked: hits begin here
     payloads: list[bytes] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # their store keys
 
 
 class KVTiers:
@@ -127,9 +128,19 @@ class KVTiers:
             return []
         return r.payloads[num_device_blocks - r.start :]
 
-    def admitted(self, seq, num_loaded: int) -> None:
-        self._results.pop(seq.seq_no, None)
+    def admitted(self, seq, num_device_blocks: int, num_loaded: int) -> None:
+        """`seq` was admitted with `num_loaded` tier hits after its device hits."""
+        r = self._results.pop(seq.seq_no, None)
+        if r is not None and num_loaded:  # stored already: the prefix cache must not rewrite
+            i = num_device_blocks - r.start
+            for sk in r.keys[i : i + num_loaded]:
+                self._remember(sk)
         self.tokens_loaded += num_loaded * self.block_size
+
+    def _remember(self, sk: bytes) -> None:
+        self._written[sk] = None
+        if len(self._written) > 65536:
+            self._written.popitem(last=False)
 
     def forget(self, seq) -> None:
         """`seq` finished: drop what was kept for it (a late lookup answer is dropped too)."""
@@ -148,7 +159,7 @@ class KVTiers:
             except Exception:  # noqa: BLE001 (a miss, never a failed request)
                 log.exception("KV tier lookup failed")
             if seq_no in self._ns:  # still alive
-                self._results[seq_no] = _Lookup(start, payloads)
+                self._results[seq_no] = _Lookup(start, payloads, store_keys[: len(payloads)])
             with self._answered:
                 self._pending.discard(seq_no)
                 self._answered.notify_all()
@@ -192,9 +203,7 @@ class KVTiers:
             sk = K.store_key(self.namespace(seq), chain_key)
             if sk in self._written or (self.host is not None and sk in self.host):
                 continue
-            self._written[sk] = None
-            if len(self._written) > 65536:
-                self._written.popitem(last=False)
+            self._remember(sk)
             block_ids.append(block_id)
             store_keys.append(sk)
         if not block_ids:
