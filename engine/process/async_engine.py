@@ -166,6 +166,13 @@ class StreamingEngine:
     def abort(self, request_id: str) -> None:
         self._submit(AbortRequest(request_id))
 
+    def queued(self, request_id: str) -> int:
+        """Outputs of a request waiting for its `generate` to take them (0: none, or no such
+        request): a server that lags behind the engine writes those together. Call from the
+        request's event loop."""
+        stream = self._streams.get(request_id)
+        return 0 if stream is None else stream.queue.qsize()
+
     def cut(self, request_id: str, error: BaseException) -> bool:
         """End a request's stream now: its iterator raises `error` at once, before any
         output still queued for it, and the request is aborted. Callable from any thread;

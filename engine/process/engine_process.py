@@ -170,9 +170,20 @@ def _command(cmd: list) -> Command:
     raise ValueError(f"unknown engine command {cmd[0]!r}")
 
 
+def _shallow_fields(params: SamplingParams) -> dict:
+    """The params' fields for JSON: a dict of its values as they are, not `asdict`'s deep
+    copy of every list (ten times its cost, on the server's loop, per request); only a value
+    that is itself a dataclass is converted."""
+    return {
+        f.name: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        for f in dataclasses.fields(params)
+        for v in (getattr(params, f.name),)
+    }
+
+
 def _encode_command(command: Command) -> list:
     if isinstance(command, AddRequest):
-        params = dataclasses.asdict(command.params or SamplingParams())
+        params = _shallow_fields(command.params or SamplingParams())
         lora = command.lora
         lora = None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
         return ["add", command.request_id, command.prompt, params, lora, command.tenant,

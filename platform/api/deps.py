@@ -18,7 +18,9 @@ from loraplex.platform.state import AppState, Caller
 log = logging.getLogger("loraplex.platform")
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async: FastAPI runs a plain `def` dependency on a worker thread, a thread hop per
+    # request for an attribute read (benchmarks/serving_overhead.py).
     return request.app.state.lp
 
 

@@ -28,6 +28,8 @@ from loraplex.platform.openai.streaming import (
     AnswerStream,
     ChoiceDeltas,
     Envelope,
+    PlainChunks,
+    Rendered,
     RunningUsage,
     run_to_end,
     usage_of,
@@ -183,8 +185,19 @@ class CompletionStream:
         self.envelope, self.prompts = envelope, prompts
         self.group = job if isinstance(job, JobGroup) else None
         self.running = RunningUsage(job) if continuous_usage else None
+        body = prompts[0].body
+        plain = self.group is None and self.running is None
+        # One prompt, one choice of text per chunk: its events written directly.
+        plain = plain and body.n == 1 and body.logprobs is None
+        self.plain = PlainChunks(envelope, prompts[0].first) if plain else None
 
-    def chunks(self, item: RequestOutput | Tagged) -> tuple[list[CompletionChunk], int]:
+    def chunks(self, item: RequestOutput | Tagged) -> tuple[list[CompletionChunk | Rendered], int]:
+        if self.plain is not None:  # what CompletionChoices.chunk makes of it, as text
+            n = len(item.delta_token_ids)
+            if not n and not item.finished and not item.delta_text:
+                return [], 0
+            finish = item.outputs[0].finish_reason if item.finished else None
+            return [self.plain.event(self.prompts[0]._echoing(0, item.delta_text), finish)], n
         prompt, out = (item.prompt, item.out) if isinstance(item, Tagged) else (0, item)
         parts, n = self.prompts[prompt].chunk(out)
         if self.group is not None:

@@ -14,6 +14,12 @@ What a client receives is then exact for any client that keeps reading until the
 that were already written to its socket; those are billed, as they were sent. This reasoning
 holds for uvicorn on asyncio's default loop, which is what `loraplex serve` runs.
 
+Events that are ready together go out in one write (`ready`: the next event will come without
+waiting, e.g. a server that fell behind the engine has several of a stream's outputs queued):
+still one event per token in the body, but one `send`, one loop turn and one look per write
+instead of per event, so a loaded server catches up instead of falling further behind. Their
+tokens are billed together, as the write that carried them reached an open connection or not.
+
 A client that stops reading: uvicorn's `send` waits (before writing) while the transport's
 buffer is over its high-water mark, so the events pile up in the engine's queue instead, where
 the request pauses (engine/process/async_engine.py, `stream_window_tokens`). What was written
@@ -33,6 +39,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("loraplex.requests")
+GATHER = 64  # events at most in one write: a lagging stream still goes out in steady pieces
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -58,12 +65,14 @@ def connection_closed_now(receive: Receive) -> bool:
 class MeteredEventStream(Response):
     """Streams `(event_text, tokens)` pairs.
 
-    `delivered(tokens)` is called for each event that reached an open connection; an empty text
-    carries its tokens over to the next event. The generator is closed (running its `finally`)
-    when the stream ends, fails, or the client goes away, also while it waits for the engine;
-    then `closed()` runs, also for a generator that never started (a client gone before the
-    first event), whose `finally` never runs. A client that accepts nothing for
-    `stall_timeout_s` is given up on like a client that went away.
+    `delivered(tokens)` is called for each write that reached an open connection; an empty
+    text carries its tokens over to the next event. While `ready()` says the next event will
+    come at once, events gather into one write (at most `GATHER` of them).
+
+    The generator is closed (running its `finally`) when the stream ends, fails, or the client
+    goes away, also while it waits for the engine; then `closed()` runs, also for a generator
+    that never started (a client gone before the first event), whose `finally` never runs.
+    A client that accepts nothing for `stall_timeout_s` is given up on like one that went away.
     """
 
     def __init__(
@@ -72,10 +81,12 @@ class MeteredEventStream(Response):
         delivered: Callable[[int], None],
         closed: Callable[[], Awaitable[None]] | None = None,
         stall_timeout_s: float | None = None,
+        ready: Callable[[], bool] | None = None,
     ):
         super().__init__(media_type="text/event-stream")  # FastAPI passes a Response through
         self.events, self.delivered, self.closed = events, delivered, closed
         self.stall_timeout_s = stall_timeout_s
+        self.ready = ready
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(receive, send))
@@ -93,26 +104,21 @@ class MeteredEventStream(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             pending = 0  # tokens whose text is held back (e.g. half a UTF-8 character)
+            texts: list[str] = []  # events gathered for one write
             async for text, tokens in self.events:
                 pending += tokens
-                if not text:
+                if text:
+                    texts.append(text)
+                if not texts or (self.ready and self.ready() and len(texts) < GATHER):
                     continue
-                message = {"type": "http.response.body", "body": text.encode(), "more_body": True}
-                try:
-                    # Cancelled while it waits for the transport, the event was not written.
-                    async with asyncio.timeout(self.stall_timeout_s):
-                        await send(message)
-                except TimeoutError:
-                    log.warning(
-                        "stream ended: its client read nothing for %ss", self.stall_timeout_s
-                    )
-                    return
-                # One loop turn lets an already-queued connection_lost run (see module doc).
-                await asyncio.sleep(0)
-                if connection_closed_now(receive):
+                if not await self._write(texts, receive, send):
                     return
                 self.delivered(pending)
-                pending = 0
+                texts, pending = [], 0
+            if texts:
+                if not await self._write(texts, receive, send):
+                    return
+                self.delivered(pending)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             try:
@@ -120,6 +126,21 @@ class MeteredEventStream(Response):
             finally:
                 if self.closed is not None:
                     await self.closed()
+
+    async def _write(self, texts: list[str], receive: Receive, send: Send) -> bool:
+        """Write `texts` in one body message; whether they reached an open connection."""
+        body = "".join(texts).encode()
+        message = {"type": "http.response.body", "body": body, "more_body": True}
+        try:
+            # Cancelled while it waits for the transport, the events were not written.
+            async with asyncio.timeout(self.stall_timeout_s):
+                await send(message)
+        except TimeoutError:
+            log.warning("stream ended: its client read nothing for %ss", self.stall_timeout_s)
+            return False
+        # One loop turn lets an already-queued connection_lost run (see module doc).
+        await asyncio.sleep(0)
+        return not connection_closed_now(receive)
 
     @staticmethod
     async def _until_disconnect(receive: Receive) -> None:

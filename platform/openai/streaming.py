@@ -87,15 +87,42 @@ class RunningUsage:
 class Renderer(Protocol):
     """A stream's state: the chunks each output brings, and the closing usage chunk."""
 
-    def chunks(self, item) -> tuple[list[BaseModel], int]: ...
+    def chunks(self, item) -> tuple[list[BaseModel | Rendered], int]: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
 
-def event(chunk: BaseModel) -> str:
+class Rendered(str):
+    """A chunk a renderer wrote as its event's text already (`PlainChunks`)."""
+
+
+def event(chunk: BaseModel | Rendered) -> str:
+    if isinstance(chunk, Rendered):
+        return chunk
     # json.dumps of the dump, not model_dump_json: the same bytes as the answers always had
     # (Python's float spelling, ASCII escapes, ", " separators).
     return f"data: {json.dumps(chunk.model_dump())}\n\n"
+
+
+class PlainChunks:
+    """The events of a stream whose chunks are one choice of text each (no logprobs, no
+    running usage): each written straight from its text and finish, around the request's
+    fixed head, in the bytes `event` writes for the model. Building the pydantic chunk and
+    dumping it cost most of a streamed token's time in the server (benchmarks/
+    serving_overhead.py); this costs one string escape."""
+
+    def __init__(self, envelope: Envelope, index: int) -> None:
+        empty = json.dumps({**envelope.fields(), "choices": [{"index": index, "text": ""}]})
+        self.head = "data: " + empty[: -len('""}]}')]  # up to the text's opening quote
+
+    def event(self, text: str, finish_reason: str | None) -> Rendered:
+        finish = "null" if finish_reason is None else _escaped(finish_reason)
+        return Rendered(
+            f'{self.head}{_escaped(text)}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
+        )
+
+
+_escaped = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii)
 
 
 async def run_to_end(service: InferenceService, job: Job, request: Request) -> RequestOutput:
@@ -140,6 +167,13 @@ class AnswerStream:
         self.service, self.job, self.renderer = service, job, renderer
         self.include_usage = include_usage
         self.rest: AsyncIterator[RequestOutput] | None = None
+        self.now = False  # the next event comes without waiting (MeteredEventStream's ready)
+        self.queued = None  # the engine's count of this job's outputs waiting, where it has one
+        one_job = isinstance(service, InferenceService)  # not a list of prompts' JobGroup
+        if one_job and job.output_filter is None and service.state.settings.stream_interval == 1:
+            # Else outputs waiting in the engine's queue may still be held back (merged,
+            # filtered): gathering events behind them could delay what is ready now.
+            self.queued = getattr(service.state.engine, "queued", None)
 
     async def start(self) -> MeteredEventStream:
         """Run until the first output so bad input still gets a proper HTTP error."""
@@ -152,8 +186,12 @@ class AnswerStream:
             raise
         stall = self.service.state.settings.stream_stall_timeout_s
         return MeteredEventStream(
-            self.events(first), self.delivered, self.closed, stall_timeout_s=stall
-        )
+            self.events(first), self.delivered, self.closed, stall_timeout_s=stall,
+            ready=None if self.queued is None else self.ready,
+        )  # fmt: skip
+
+    def ready(self) -> bool:
+        return self.now
 
     def delivered(self, tokens: int) -> None:
         self.job.sent_tokens += tokens
@@ -170,9 +208,17 @@ class AnswerStream:
             out = first
             while True:
                 chunks, n = self.renderer.chunks(out)
+                # Ready at once: the output's next chunk, an output already waiting in the
+                # engine's queue, or [DONE] after the last; not the usage chunk, which must
+                # count what was sent before it (`delivered`), so what precedes it is written.
+                waiting = (self.queued is not None and self.queued(self.job.request_id) > 0) or (
+                    out.finished and not self.include_usage
+                )
                 if not chunks:
+                    self.now = waiting
                     yield "", n
-                for chunk in chunks:
+                for i, chunk in enumerate(chunks):
+                    self.now = waiting or i + 1 < len(chunks)
                     yield event(chunk), n
                     n = 0
                 if out.finished:
@@ -182,12 +228,18 @@ class AnswerStream:
                 except StopAsyncIteration:
                     break
             status = "ok"
+            self.now = True  # the usage chunk and [DONE] follow at once
             if self.include_usage:
                 yield event(self.renderer.usage_chunk(usage_of(self.job))), 0
+            # Not ready after [DONE]: everything gathered is written (and `delivered`) before
+            # this generator ends, whose `finally` bills what was delivered.
+            self.now = False
             yield "data: [DONE]\n\n", 0
         except APIError as e:
             status = "aborted" if isinstance(e, StreamCut) else "error"
+            self.now = True
             yield f"data: {json.dumps(error_body(e.status, e.message, e.code, e.param))}\n\n", 0
+            self.now = False
             yield "data: [DONE]\n\n", 0
         finally:
             await self.rest.aclose()
