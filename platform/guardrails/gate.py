@@ -16,12 +16,18 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import or_, select
 
+from loraplex.engine import LoRARequest
 from loraplex.platform.db.models import GuardrailPolicy, Tenant
 from loraplex.platform.errors import APIError
 from loraplex.platform.guardrails import audit
 from loraplex.platform.guardrails.audit import Event
 from loraplex.platform.guardrails.checks import Checks, redact
-from loraplex.platform.guardrails.guard import GuardFailed, GuardSpec, unsafe_probability
+from loraplex.platform.guardrails.guard import (
+    GuardFailed,
+    GuardSpec,
+    resolve_guard,
+    unsafe_probability,
+)
 
 log = logging.getLogger("loraplex.guardrails")
 CONTENT_FILTER = "content_filter"  # the error code of a blocked input, the finish_reason of output
@@ -81,6 +87,9 @@ class Gate:
     def __init__(self, state, caller, route: str, policies: list[Policy]) -> None:
         self.state, self.caller, self.route, self.policies = state, caller, route, policies
         self.held: list[Event] = []  # input events, recorded once the request has its id
+        # policy id -> its guard, resolved once (or why it could not be)
+        self.loras: dict[int, LoRARequest | GuardFailed] = {}
+        self.failed_open: set[tuple[int, str]] = set()  # (policy id, stage) recorded
 
     @classmethod
     async def load(cls, state, caller, route: str) -> Gate | None:
@@ -122,13 +131,22 @@ class Gate:
 
     async def _guard(self, p: Policy, stage: str, text: str, start: int, v: Verdict):
         try:
-            prob = await unsafe_probability(self.state, p.guard, text)
+            if p.id not in self.loras:
+                self.loras[p.id] = await resolve_guard(self.state, p.guard)
+            lora = self.loras[p.id]
+            if isinstance(lora, GuardFailed):  # a lookup fails once per request, not per window
+                raise lora
+            prob = await unsafe_probability(self.state, p.guard, lora, text)
         except GuardFailed as e:
-            log.warning("policy %s: %s (fail %s)", p.name, e, p.fail_mode)
+            self.loras.setdefault(p.id, e)
             rule = f"guard_unavailable:{p.guard.adapter}"
             if p.fail_mode == "closed":
+                log.warning("policy %s: %s (fail closed)", p.name, e)
                 return rule, start, len(text)
-            v.events.append(Event(p.id, p.name, rule, stage, "fail_open", None))
+            if (p.id, stage) not in self.failed_open:  # one event per stage and request
+                log.warning("policy %s: %s (fail open)", p.name, e)
+                self.failed_open.add((p.id, stage))
+                v.events.append(Event(p.id, p.name, rule, stage, "fail_open", None))
             return None
         if prob >= p.guard.threshold:
             return f"guard:{p.guard.adapter}", start, len(text)

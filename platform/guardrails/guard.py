@@ -53,17 +53,26 @@ def guard_prompt_ids(tok, text: str, limit: int) -> list[int]:
     return body[-keep:] + tail
 
 
-async def unsafe_probability(state, spec: GuardSpec, text: str) -> float:
-    """P(unsafe) of `text` under the guard; GuardFailed when there is no verdict."""
+async def resolve_guard(state, spec: GuardSpec) -> LoRARequest:
+    """The guard's engine adapter (looked up once per request: a lookup is a registry read and
+    a last-used write); GuardFailed when it cannot be had."""
     service = InferenceService(state)
     owner = Caller(tenant=spec.owner, key=ApiKey(id=None))
     try:
         lora, _ = await asyncio.to_thread(service.resolve_model, owner, spec.adapter)
-        engine = service._engine()
     except Exception as e:  # 404 (deleted), 503 (store down, engine loading): no verdict
         raise GuardFailed(f"guard adapter '{spec.adapter}' unavailable: {e}") from e
     if lora is None:
         raise GuardFailed("the base model is not a guard adapter")
+    return lora
+
+
+async def unsafe_probability(state, spec: GuardSpec, lora: LoRARequest, text: str) -> float:
+    """P(unsafe) of `text` under the guard; GuardFailed when there is no verdict."""
+    try:
+        engine = InferenceService(state)._engine()  # its 503s: loading, stalled, stopping
+    except Exception as e:
+        raise GuardFailed(f"no engine for guard adapter '{spec.adapter}': {e}") from e
     tok = engine.tokenizer
     safe, unsafe = verdict_tokens(tok)
     ids = guard_prompt_ids(tok, text, engine.config.max_model_len - 1)

@@ -95,9 +95,9 @@ def test_deleted_guard_fails_closed_or_open_as_the_policy_says(server, guard_dir
     assert [x["rule"] for x in events(server, closed)] == ["guard_unavailable:guard"]
     r = ask(server, open_key, CLEAN[0], extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
-    got = events(server, opened)
-    assert {(x["stage"], x["action"]) for x in got} == {("input", "fail_open"),
-                                                         ("output", "fail_open")}  # fmt: skip
+    got = events(server, opened)  # one per stage, however many windows the output had
+    assert sorted((x["stage"], x["action"]) for x in got) == [("input", "fail_open"),
+                                                               ("output", "fail_open")]  # fmt: skip
     assert {x["request_id"] for x in got} == {r.id}
 
 
