@@ -134,8 +134,8 @@ class VllmDataPlane:
         self._generated = 0
         self._stop = threading.Event()
         # One client for the poller's life: a new httpx.Client builds an SSL context (the CA
-        # bundle parsed, ~50 ms holding the GIL), which each second stalled the event loop
-        # that streams every answer (benchmarks/dataplane.py: p99 inter-token 400 ms).
+        # bundle parsed, holding the GIL), which each second stalled the event loop that
+        # streams every answer (docs/fleet.md, the hop measured).
         self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), verify=False)
         self._poller = threading.Thread(target=self._poll_loop, name="loraplex-vllm-poll",
                                         daemon=True)  # fmt: skip
