@@ -517,7 +517,7 @@ def markdown(result: dict, png: str | None) -> str:
         "",
         "The experts take most of a base decode step. The adapters' part reads each row's "
         "A and B where they lie (embedding_bag; a narrow rank copies each row's A: "
-        "kernels/cpu.py's grouped_lora_rows); the bytes each side reads (from the shapes, the "
+        "kernels/cpu_moe.py's grouped_lora_rows); the bytes each side reads (from the shapes, the "
         "adapters' used width) over its time: "
         + "; ".join(_rates(d, elsize, shape) for d in decodes)
         + f". To keep {GOAL} of the base, the adapters' part may take {1 / GOAL - 1:.2f} of "

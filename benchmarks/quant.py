@@ -39,14 +39,13 @@ from benchmarks.quant_adapters import forward_logits, measure_adapters
 from loraplex.engine import LLM
 from loraplex.engine.step.model_runner import kv_block_bytes
 from loraplex.engine.weights.quantization import quantize_int4, resident_weight_bytes
-from loraplex.kernels import dispatch
 from loraplex.kernels.reference import dequantize_int4
 
 
 def _llm(model: Path, quantization: str | None) -> LLM:
     return LLM(
         str(model), dtype="float32", quantization=quantization, max_model_len=512,
-        kv_cache_bytes=128 << 20, max_lora_rank=8, max_loras=1,
+        kv_cache_bytes=128 << 20, max_lora_rank=8, max_loras=1, kernel_mode="reference",
     )  # fmt: skip
 
 
@@ -156,7 +155,6 @@ def run(
     """Rows per format (the first is the reference the others compare with: float32), and
     the fixed-budget memory table when adapters were given; `on_row(rows)` after each."""
     texts = _heldout_texts()
-    dispatch.set_mode("reference")
     rows, base, lora_ref, geometry = [], None, None, None
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest
-from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRABatch
+from loraplex.engine.forward_context import AttentionMetadata, ForwardContext, LoRABatch
 
 
 @torch.inference_mode()

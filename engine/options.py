@@ -21,6 +21,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["int8", "int4", "fp8"]
 KVCacheDtype = Literal["auto", "int8"]
 CPUAttention = Literal["auto", "sdpa", "matmul"]
+KernelMode = Literal["auto", "reference", "triton"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 SchedulingPolicy = Literal["fcfs", "vtc"]
 
@@ -137,6 +138,16 @@ class EngineOptions:
         default_factory=lambda: os.environ.get("LORAPLEX_CPU_ATTENTION", "auto"),
         server_default="auto",  # the server's own LORAPLEX_CPU_ATTENTION is this setting
         server=True,
+    )
+    kernel_mode: KernelMode = option(
+        help="which kernels run each op (kernels/backend.py): 'auto' Triton on CUDA, the batched "
+        "CPU backend elsewhere; 'reference' the torch oracle everywhere (slow, for checking); "
+        "'triton' Triton everywhere (on the CPU only under TRITON_INTERPRET=1); "
+        "LORAPLEX_KERNELS sets the default",
+        default_factory=lambda: os.environ.get("LORAPLEX_KERNELS", "auto"),
+        server_default="auto",  # the server's own LORAPLEX_KERNELS is this setting
+        server=True,
+        setting="kernels",
     )
     enforce_eager: bool | None = option(
         None,

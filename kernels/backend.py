@@ -2,14 +2,20 @@
 
 An engine's model runner owns a `KernelBackend` and binds it to the model's modules, so two
 engines in one process (a test's reference and its subject, a fleet benchmark's replicas)
-each run their own choice: the Triton kernels (`kernels/*.py`, on CUDA tensors), the CPU
-backend (`cpu.py`) or the torch reference (`reference.py`), and on the CPU the attention form
-("sdpa" or "matmul", timed at the runner's start). Nothing about it lives at module level.
+each run their own choice, the engine's `kernel_mode` option (engine/options.py):
+
+    auto       Triton on CUDA tensors, the CPU backend (`cpu.py`, batched torch) elsewhere
+    reference  the torch reference (`reference.py`, the kernels' oracle) everywhere: slow,
+               written for clarity; for checking the fast paths
+    triton     the Triton kernels everywhere (on CPU only under TRITON_INTERPRET=1)
+
+and on the CPU the attention form ("sdpa" or "matmul", timed at the runner's start). Nothing
+about it lives at module level.
 
 The ops that share work across the layers of a step (attention's decode groups and tile
-lists, LoRA's segment groups and tiles) take a `plan` built once per step by the runner
-(`plan_attention`, `plan_lora`; engine/step/step_plan.py) before the forward; without one an op
-plans for itself (direct calls, tests).
+lists, LoRA's segment groups and tiles) take a plan (typed: kernels/plans.py) built once per
+step by the step planner (`plan_attention`, `plan_lora`; engine/step/step_plan.py) before the
+forward; a direct call without one (tools, tests) plans for itself.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from types import ModuleType
 
 import torch
 
-from loraplex.kernels import cpu, fused_cpu, fused_reference, reference
+from loraplex.kernels import cpu, cpu_moe, cpu_plan, fused_cpu, fused_reference, reference
+from loraplex.kernels.plans import AttentionPlan, LoRAPlan
 
 MODES = ("auto", "reference", "triton")
 
@@ -58,13 +65,13 @@ class KernelBackend:
     def plan_attention(self, block_tables: torch.Tensor, query_start_loc: Sequence[int],
                        seq_lens: Sequence[int], block_size: int, num_heads: int,
                        num_kv_heads: int, windows: Sequence[int | None] = (None,),
-                       dtype: torch.dtype = torch.float32):  # fmt: skip
+                       dtype: torch.dtype = torch.float32) -> AttentionPlan:  # fmt: skip
         """What every layer's attention of one step shares (None: the reference plans
         nothing); `windows`: the sliding windows the model's layers use; `dtype`: the
         queries'."""
         which = self.which(block_tables)
         if which == "cpu":
-            return cpu.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
+            return cpu_plan.plan_attention(block_tables, query_start_loc, seq_lens, block_size,
                                       windows, (num_kv_heads,), dtype, num_heads)  # fmt: skip
         if which == "triton":
             return _triton("paged_attention").plan_attention(
@@ -73,11 +80,12 @@ class KernelBackend:
         return None
 
     def plan_lora(self, segments: Sequence[tuple[int, int, int]], widths: Sequence[int],
-                  device: torch.device):  # fmt: skip
-        """lora_apply's plan for one step's segments and one set of slot widths."""
+                  device: torch.device) -> LoRAPlan:  # fmt: skip
+        """lora_apply's plan for one step's segments and one set of slot widths (None: the
+        reference plans nothing, and Triton nothing where no row has LoRA work)."""
         which = self.which(torch.device(device))
         if which == "cpu":
-            return cpu.plan_lora(segments, widths, device)
+            return cpu_plan.plan_lora(segments, widths, device)
         if which == "triton":
             if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
                 return None
@@ -92,7 +100,7 @@ class KernelBackend:
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                         scale, sliding_window=None, softcap=None, k_scale=None, v_scale=None,
-                        *, plan=None, sinks=None) -> torch.Tensor:  # fmt: skip
+                        *, plan: AttentionPlan = None, sinks=None) -> torch.Tensor:  # fmt: skip
         """Attention of q's rows over the paged caches, into `out` [T, H, d], which it returns;
         `out` None: into a tensor of the kernel's choosing (the CPU's one-token decode returns
         its kernel's own output rather than copying it), returned."""
@@ -104,12 +112,12 @@ class KernelBackend:
         if which == "cpu":
             return cpu.paged_attention(*args, plan=plan, sinks=sinks, impl=self.cpu_attention)
         if which == "triton":
-            _triton("paged_attention").paged_attention(*args, memo=plan, sinks=sinks)
+            _triton("paged_attention").paged_attention(*args, plan=plan, sinks=sinks)
         else:
             reference.paged_attention(*args, sinks=sinks)
         return out
 
-    def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan=None,
+    def lora_apply(self, y, x, lora_a, lora_b, segments, widths, *, plan: LoRAPlan = None,
                    lora_a_t=None, slot_views=None) -> None:  # fmt: skip
         """y += each segment's LoRA delta. `lora_a_t`: lora_a.mT made once by the caller (the
         CPU's batched shrink reads it); `slot_views`: lora_a_t's and lora_b's views slot by
@@ -119,7 +127,7 @@ class KernelBackend:
             cpu.lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan, lora_a_t=lora_a_t,
                            slot_views=slot_views)  # fmt: skip
         elif which == "triton":
-            _triton("sgmv").lora_apply(y, x, lora_a, lora_b, segments, widths, meta=plan)
+            _triton("sgmv").lora_apply(y, x, lora_a, lora_b, segments, widths, plan=plan)
         else:
             reference.lora_apply(y, x, lora_a, lora_b, segments, widths)
 
@@ -169,6 +177,12 @@ class KernelBackend:
         which = self.which(x)
         mod = _triton("moe_triton") if which == "triton" else (cpu if which == "cpu" else reference)
         return mod.grouped_mm(x, w, offs)
+
+    def grouped_lora_rows(self, x, a_t, b, group, width: int) -> torch.Tensor:
+        """Expert LoRA with each row through its own group's A and B, read in place: the CPU
+        backend's per-row form (cpu_moe.grouped_lora_rows), which a caller takes where
+        `which(x)` is "cpu" and the rows are about one per group (a decode step)."""
+        return cpu_moe.grouped_lora_rows(x, a_t, b, group, width)
 
     def dequant_weight(self, qweight, scales, zeros=None, group_size: int = 128):
         """A weight-only int4 / int8 weight with its Triton launches planned once per batch

@@ -18,12 +18,15 @@ head's sink logit (a key with a zero value).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from loraplex.kernels.plans import TritonAttentionPlan
+
+PREFILL_BLOCK_M = 64  # rows of a prefill tile (query rows x query heads of one kv head)
 
 
 @triton.jit
@@ -250,7 +253,8 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    memo: dict | None = None,
+    *,
+    plan: TritonAttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
     **launch,
 ) -> None:
@@ -264,37 +268,38 @@ def paged_attention(
     values are cache * scale; with sinks, head h's softmax also counts the logit sinks[h],
     whose share multiplies no value. `out` is written in place.
 
-    Shape: as paged_attention_plan, whose launch parameters `launch` passes on, with `memo`
-    (the step's: the tile lists are built and copied to the device once per step).
+    Shape: as paged_attention_plan, whose launch parameters `launch` passes on, with `plan`
+    (the step's, `plan_attention`: the tile lists built and copied to the device once).
     """
     paged_attention_plan(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        sliding_window, softcap, k_scale, v_scale, memo=memo, sinks=sinks, **launch,
+        sliding_window, softcap, k_scale, v_scale, plan=plan, sinks=sinks, **launch,
     )()  # fmt: skip
 
 
 def plan_attention(query_start_loc: Sequence[int], seq_lens: Sequence[int], num_heads: int,
                    num_kv_heads: int, device: torch.device,
-                   decode_block_m: int = 16) -> dict:  # fmt: skip
-    """The index tensors `paged_attention_plan` needs for one step with the default launch
-    parameters, on the device: its `memo`, built once by the model runner before the forward
-    so that no layer builds (or copies) anything."""
+                   decode_block_m: int = 16) -> TritonAttentionPlan:  # fmt: skip
+    """The index tensors `paged_attention_plan` needs for one step, on the device: built once
+    by the step planner before the forward, so that no layer builds (or copies) anything."""
     gp = triton.next_power_of_2(num_heads // num_kv_heads)
     n_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     decode = [i for i, n in enumerate(n_new) if n == 1]
     prefill = [i for i, n in enumerate(n_new) if n > 1]
+    decode_q, prefill_q = max(1, decode_block_m // gp), max(1, PREFILL_BLOCK_M // gp)
 
     def put(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(device)
 
-    memo = {("paged_attention", "q_end"): put(list(query_start_loc[1:])),
-            ("paged_attention", "lens"): put(list(seq_lens))}  # fmt: skip
-    for seqs, block_m, is_decode in ((decode, decode_block_m, True), (prefill, 64, False)):
-        if seqs:
-            block_q = max(1, block_m // gp)
-            tiles = put(_tiles(seqs, query_start_loc, block_q)).T.contiguous()
-            memo["paged_attention", "tiles", is_decode, block_q] = tiles
-    return memo
+    def tiles(seqs: list[int], block_q: int) -> torch.Tensor | None:
+        return put(_tiles(seqs, query_start_loc, block_q)).T.contiguous() if seqs else None
+
+    return TritonAttentionPlan(
+        q_end=put(list(query_start_loc[1:])), seq_lens=put(list(seq_lens)),
+        decode_tiles=tiles(decode, decode_q), prefill_tiles=tiles(prefill, prefill_q),
+        decode_rows=put([query_start_loc[i] for i in decode]) if decode else None,
+        gp=gp, decode_block_q=decode_q, prefill_block_q=prefill_q,
+    )  # fmt: skip
 
 
 def paged_attention_plan(
@@ -316,7 +321,7 @@ def paged_attention_plan(
     split_kv: int = 1,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    memo: dict | None = None,
+    plan: TritonAttentionPlan | None = None,
     sinks: torch.Tensor | None = None,
 ) -> Callable[[], None]:
     """paged_attention's launches with their tile lists already on the device: the returned
@@ -339,8 +344,9 @@ def paged_attention_plan(
     Launch parameters (speed only): block_n keys per step, decode_block_m rows of a decode
     tile, num_warps, num_stages; split_kv > 1 cuts each decode sequence's keys into that many
     chunks run by separate programs and merged by a second kernel (flash-decoding; changes
-    the fp32 summation order only). `memo`: one step's dict (the same query_start_loc and
-    seq_lens for every layer): the host-built index tensors are copied to the device once.
+    the fp32 summation order only). `plan`: the step's `plan_attention` (the same
+    query_start_loc and seq_lens for every layer); a direct call without one (or with one for
+    another decode_block_m) builds its own.
     """
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.stride(2) == 1 and out.stride(2) == 1
@@ -357,47 +363,29 @@ def paged_attention_plan(
     group = num_heads // kv_heads
     gp = triton.next_power_of_2(group)
     dev = q.device
-    num_seqs = len(seq_lens)
-
-    def on_device(key: tuple, build: Callable[[], list]) -> torch.Tensor:
-        if memo is not None and ("paged_attention", *key) in memo:
-            return memo["paged_attention", *key]
-        t = torch.tensor(build(), dtype=torch.int32).to(dev)
-        if memo is not None:
-            memo["paged_attention", *key] = t
-        return t
-
-    q_end = on_device(("q_end",), lambda: query_start_loc[1:])
-    lens = on_device(("lens",), lambda: list(seq_lens))
-    n_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(num_seqs)]
-    # Decode rows want small tiles (M = 16), prefill chunks large ones: one launch each.
-    decode = [i for i in range(num_seqs) if n_new[i] == 1]
-    prefill = [i for i in range(num_seqs) if n_new[i] > 1]
+    if plan is None or (plan.gp, plan.decode_block_q) != (gp, max(1, decode_block_m // gp)):
+        plan = plan_attention(query_start_loc, seq_lens, num_heads, kv_heads, dev, decode_block_m)
+    q_end, lens = plan.q_end, plan.seq_lens
     block_d = triton.next_power_of_2(head_dim)
     block_n = block_n or (32 if block_d >= 256 else 64)
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     opts = {key: v for key, v in opts.items() if v is not None}
     launches = []
-    for seqs, block_m in ((decode, decode_block_m), (prefill, 64)):
-        if not seqs:
+    # Decode rows want small tiles (M = 16), prefill chunks large ones: one launch each.
+    for tiles, block_q, decode in ((plan.decode_tiles, plan.decode_block_q, True),
+                                   (plan.prefill_tiles, plan.prefill_block_q, False)):  # fmt: skip
+        if tiles is None:
             continue
-        block_q = max(1, block_m // gp)
-        pairs = functools.partial(_tiles, seqs, query_start_loc, block_q)
-        key = ("tiles", seqs is decode, block_q)
-        if memo is not None and ("paged_attention", *key) in memo:  # plan_attention's: [2, n]
-            tiles = memo["paged_attention", *key]
-        else:
-            tiles = on_device(key, pairs).T.contiguous()  # [2, n]
-        splits = split_kv if seqs is decode else 1
+        splits = split_kv if decode else 1
         part = ml = rows = out  # not read without a split
         stride_ms = 0
         if splits > 1:
             stride_ms = q.shape[0] * num_heads
             part = torch.empty(splits, stride_ms, block_d, dtype=torch.float32, device=dev)
             ml = torch.empty(2, splits, stride_ms, dtype=torch.float32, device=dev)
-            # The token row of each decode sequence (its only query).
-            rows = on_device(("rows",), lambda: [query_start_loc[i] for i in decode])
-        launches.append((tiles, splits, part, ml, rows, stride_ms, block_q, len(seqs)))
+            rows = plan.decode_rows  # the token row of each decode sequence (its only query)
+        n_seqs = 0 if rows is out else rows.shape[0]
+        launches.append((tiles, splits, part, ml, rows, stride_ms, block_q, n_seqs))
 
     def run() -> None:
         for tiles, splits, part, ml, rows, stride_ms, block_q, n_seqs in launches:

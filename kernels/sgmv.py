@@ -17,20 +17,12 @@ slot -1 tiles, so a captured CUDA graph replays with new segments copied into th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-
-@dataclass
-class SGMVMeta:
-    tile_start: torch.Tensor  # [num_tiles] int32: first row of the tile
-    tile_end: torch.Tensor  # [num_tiles] int32: end of the tile's segment (exclusive)
-    tile_slot: torch.Tensor  # [num_tiles] int32: adapter slot, -1 = no adapter
-    widths: torch.Tensor  # [num_slots] int32: rank rows each slot uses
-    block_m: int
+from loraplex.kernels.plans import SGMVMeta
 
 
 def build_meta(
@@ -325,27 +317,21 @@ def lora_apply(
     lora_b: torch.Tensor,
     segments: Sequence[tuple[int, int, int]],
     widths: Sequence[int],
-    memo: dict | None = None,
     *,
-    meta: SGMVMeta | None = None,
+    plan: SGMVMeta | None = None,
 ) -> None:
     """Same contract as reference.lora_apply: y += per-segment LoRA delta, y changed in place.
 
     Shape: y [num_tokens, out]; x [num_tokens, in]; lora_a [num_slots, max_width, in];
     lora_b [num_slots, max_width, out]; segments (start, end, slot); widths per slot.
     The default launch parameters; no slice-skipping (the call does not carry slice ranks).
-    `meta`: the tiles `build_meta` made for these segments and widths (the model runner's,
-    once per step); `memo`: a dict to keep them in for the next call with the same widths.
+    `plan`: the tiles `build_meta` made for these segments and widths (the step planner's,
+    once per step); a direct call without one builds them for itself.
     DoRA's per-row factor is not applied here: the layer applies it after this call, the same
     epilogue on every backend (KernelBackend.dora_apply).
     """
     if not any(slot >= 0 and widths[slot] for _, _, slot in segments):
         return
-    key = ("sgmv", tuple(widths), x.device)
-    if meta is None and memo is not None:
-        meta = memo.get(key)
-    if meta is None:
-        meta = build_meta(segments, widths, x.device)
-        if memo is not None:
-            memo[key] = meta
-    lora_apply_meta(y, x, lora_a, lora_b, meta)
+    if plan is None:
+        plan = build_meta(segments, widths, x.device)
+    lora_apply_meta(y, x, lora_a, lora_b, plan)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.engine.models.layers import MLP, Attention, ForwardContext, RMSNorm
+from loraplex.engine.forward_context import ForwardContext
+from loraplex.engine.models.layers import MLP, Attention, RMSNorm
 from loraplex.engine.models.moe import SparseMoE
 from loraplex.engine.models.spec import ModelSpec
 from loraplex.kernels.dispatch import UsesBackend

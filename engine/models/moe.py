@@ -2,7 +2,7 @@
 
 A token's router picks `top_k` experts; each (token, expert) pair is one row of work. The rows
 are sorted by expert once per layer, so every expert's rows go through one matmul: a grouped
-matmul over all experts (`dispatch.grouped_mm`: torch's grouped GEMM on the CPU, a Triton
+matmul over all experts (the backend's `grouped_mm`: torch's grouped GEMM on the CPU, a Triton
 grouped GEMM over sorted row blocks on CUDA), never a loop over tokens or experts in Python.
 
 Expert LoRA takes the same path. Each adapter slot holds, per expert, the A and B of the
@@ -11,8 +11,8 @@ A row with adapter slot s routed to expert e belongs to the "virtual expert" s *
 so one grouped matmul over slots x experts applies every row's own adapter delta (shrink, then
 expand) without building any weight per token; rows without an expert adapter skip it. On the
 CPU, a decode step (about one row per virtual expert) skips the grouping altogether: each row
-reads its own A and B rows in place (`cpu.grouped_lora_rows`), which is what a decode step with
-expert adapters costs beyond the base: the bytes of those rows.
+reads its own A and B rows in place (the backend's `grouped_lora_rows`), which is what a
+decode step with expert adapters costs beyond the base: the bytes of those rows.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.engine.models.layers import MLP, LoRABatch, LoRALinear
+from loraplex.engine.forward_context import LoRABatch
+from loraplex.engine.models.layers import MLP, LoRALinear
 from loraplex.engine.models.spec import ModelSpec
-from loraplex.kernels import cpu
 from loraplex.kernels.dispatch import UsesBackend
 
 # The per-row form of expert LoRA (`Experts._virtual`) reads a virtual expert's A and B once per
@@ -53,14 +53,6 @@ def _rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
         return t
     out = torch.empty(*t.shape[:-2], t.shape[-1], t.shape[-2], dtype=t.dtype, device=t.device)
     return out.transpose(-1, -2).copy_(t)
-
-
-def row_slots(segments: list[tuple[int, int, int]], rows: int, device) -> torch.Tensor:
-    """The adapter slot of every row [rows] int64 (-1: none)."""
-    slots = [-1] * rows
-    for start, end, slot in segments:
-        slots[start:end] = [slot] * (end - start)
-    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 class Experts(UsesBackend, nn.Module):
@@ -130,7 +122,7 @@ class Experts(UsesBackend, nn.Module):
             xr = x if virt.rows is None else x[virt.rows]
             a_t = a.transpose(2, 3).reshape(s * e, a.shape[3], a.shape[2])  # a view (_rows_of)
             b = b.view(s * e, *b.shape[2:])
-            delta = cpu.grouped_lora_rows(xr, a_t, b, virt.v, width)
+            delta = self.backend.grouped_lora_rows(xr, a_t, b, virt.v, width)
             if virt.rows is None:
                 y.add_(delta.to(y.dtype))
             else:
@@ -185,17 +177,15 @@ class Experts(UsesBackend, nn.Module):
         """For pairs sorted by expert: which have an expert adapter, and each one's virtual
         expert (slot * experts + expert). On the CPU, while the pairs are about one per
         virtual expert (a decode step, where each row's adapter is its own), every pair reads
-        its own A and B in place (`cpu.grouped_lora_rows`): no sort, no grouped call. Else
+        its own A and B in place (the backend's `grouped_lora_rows`): no sort, no grouped call. Else
         they are sorted by virtual expert for two grouped matmuls, which read each virtual
         expert's A and B once for all its rows (a long prompt's many rows per expert)."""
         if self.lora_gate_up_a is None or not any(self.lora_widths):
             return None
-        has = lora.expert_slots.get(tuple(self.lora_widths))
-        slots = lora.row_slots
-        if has is None or slots is None:  # not planned (a direct call)
-            has = torch.tensor([w > 0 for w in self.lora_widths], device=expert.device)
-            slots = row_slots(lora.segments, int(token.max()) + 1, expert.device)
-        slot = slots[token]
+        # the step planner's (engine/step/step_plan.py): each row's slot, and which slots
+        # hold an expert adapter in stacks of these widths
+        has = lora.expert_slots[tuple(self.lora_widths)]
+        slot = lora.row_slots[token]
         on = (slot >= 0) & has[slot.clamp(min=0)]
         n = int(on.sum())
         if n == 0:

@@ -1,14 +1,16 @@
 """Graph-ready decode: a decode step's forward run only from persistent buffers.
 
-A step in which every sequence decodes one token is copied into buffers sized for the largest
-batch bucket (1, 2, 4, 8, ... up to max_num_seqs), padded to its bucket, and the forward reads
-nothing else: token ids, positions, KV slots, block tables and context lengths as tensors;
-LoRA as each row's slot (`lora_apply_static`: every slot's columns in one matmul, the others
-zeroed per row), so writing another adapter into a slot changes only the slot tensors a
-captured graph already reads; padded rows have no adapter, no KV slot (-1: not written) and
-a context of one. A batch with no adapter at all takes a forward without LoRA; one where some
-row's adapter uses DoRA takes a third forward, in which every LoRA module applies the slots'
-DoRA factors to its rows (ones for rows and modules without DoRA: exact).
+A step in which every sequence decodes one token (`DecodeInputs`) is copied into buffers
+sized for the largest batch bucket (1, 2, 4, 8, ... up to max_num_seqs), padded to its bucket,
+and the forward reads nothing else, through a context the step planner built over them once
+(StepPlanner.static_context): token ids, positions, KV slots, block tables and context
+lengths as tensors; LoRA as each row's slot (`lora_apply_static`: every slot's columns in
+one matmul, the others zeroed per row), so writing another adapter into a slot changes only
+the slot tensors a captured graph already reads; padded rows have no adapter, no KV slot (-1:
+not written) and a context of one. A batch with no adapter at all takes a forward without
+LoRA; one where some row's adapter uses DoRA takes a third forward, in which every LoRA
+module applies the slots' DoRA factors to its rows (ones for rows and modules without DoRA:
+exact).
 
 On CUDA each (bucket, LoRA or not, DoRA or not) forward is captured once as a CUDA graph and
 replayed; the engine captures every bucket with and without LoRA at start (`capture_all`),
@@ -20,21 +22,16 @@ read inside the forward) show without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.models.layers import (
-    AttentionMetadata,
-    DoRARows,
-    ForwardContext,
-    LoRABatch,
-    Rotary,
-    StaticDecode,
-)
 from loraplex.engine.models.moe import SparseMoE
+from loraplex.engine.step.step_plan import StepPlanner
 
 log = logging.getLogger("loraplex.engine")
 
@@ -47,11 +44,24 @@ def buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+@dataclass
+class DecodeInputs:
+    """One graph-ready decode step as the model runner prepares it: n rows, row i one
+    sequence's one new token (host lists: `DecodeGraphs.run` copies them into its buffers)."""
+
+    input_ids: list[int]  # n
+    positions: list[int]  # n
+    slot_mapping: list[int]  # n: each token's KV slot
+    block_tables: list[list[int]]  # n tables, unpadded
+    seq_lens: list[int]  # n: context length after this step
+    row_slots: list[int]  # n: each row's adapter slot (-1: none)
+
+
 class DecodeGraphs:
-    def __init__(self, model, rotaries: list[Rotary], max_batch: int, max_blocks: int,
+    def __init__(self, model, planner: StepPlanner, max_batch: int, max_blocks: int,
                  scratch_slot: int, capture: bool):  # fmt: skip
         self.model, self.capture, self.scratch = model, capture, scratch_slot
-        self.rotaries = rotaries  # the model's distinct RoPE tables (StepPlanner's)
+        self.planner = planner  # builds each bucket's context over the buffers
         self.buckets = buckets(max_batch)
         dev, z = model.device, dict(dtype=torch.int64, device=model.device)
         n = self.buckets[-1]
@@ -94,20 +104,18 @@ class DecodeGraphs:
 
     def _forward(self, b: int, lora: bool, dora: bool = False) -> Callable[[], None]:
         """The forward of bucket b over the buffers' first b rows."""
-        model = self.model
+        model, planner = self.model, self.planner
         ids, pos = self.input_ids[:b], self.positions[:b]
-        static = StaticDecode(seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b])
-        attn = AttentionMetadata(slot_mapping=self.slot_mapping[:b], query_start_loc=[],
-                                 seq_lens=[], block_tables=static.block_tables)  # fmt: skip
-        batch = LoRABatch([], row_slots=self.row_slots[:b], static=True) if lora else None
-        if dora:
-            batch.dora = DoRARows(slots=self.row_slots[:b], rows=None)
+        ctx = planner.static_context(
+            self.slot_mapping[:b], self.block_tables[:b], self.seq_lens[:b], self.row_slots[:b],
+            lora=lora, dora=dora,
+        )  # fmt: skip
         out = self.hidden[:b]
 
         def run() -> None:
-            rope = {r.key: r.tables(pos, model.dtype) for r in self.rotaries}
-            ctx = ForwardContext(attn=attn, lora=batch, rope=rope, static=static)
-            out.copy_(model(ids, pos, ctx))
+            # RoPE rows inside the forward: a captured graph reads the positions buffer
+            step = dataclasses.replace(ctx, rope=planner.rope(pos))
+            out.copy_(model(ids, pos, step))
 
         if not self.capture:
             return run
@@ -132,10 +140,10 @@ class DecodeGraphs:
         log.debug("decode graph captured: batch %d, %s", b, kind)  # capture_all logs the sum
         return graph.replay
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            tables: list[list[int]], seq_lens: list[int], row_slots: list[int]):  # fmt: skip
+    def run(self, step: DecodeInputs) -> torch.Tensor:
         """hidden [n, hidden] of one decode step (n rows, row i one sequence's token)."""
-        n = len(input_ids)
+        row_slots, tables = step.row_slots, step.block_tables
+        n = len(step.input_ids)
         b = self.bucket(n)
         lora = any(s >= 0 for s in row_slots)
         dora_slots = getattr(self.model, "lora_dora_slots", ())  # per slot: uses DoRA
@@ -146,10 +154,10 @@ class DecodeGraphs:
             buf[:n].copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
             buf[n:b].fill_(pad)
 
-        fill(self.input_ids, input_ids, 0)
-        fill(self.positions, positions, 0)
-        fill(self.slot_mapping, slot_mapping, self.scratch)
-        fill(self.seq_lens, seq_lens, 1)
+        fill(self.input_ids, step.input_ids, 0)
+        fill(self.positions, step.positions, 0)
+        fill(self.slot_mapping, step.slot_mapping, self.scratch)
+        fill(self.seq_lens, step.seq_lens, 1)
         fill(self.row_slots, row_slots, -1)
         width = max(len(t) for t in tables)
         padded = torch.zeros(n, self.block_tables.shape[1], dtype=torch.int64)

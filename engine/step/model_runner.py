@@ -16,18 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.forward_context import ForwardContext
 from loraplex.engine.memory import kv_cache
 from loraplex.engine.models.decoder import DecoderLM
-from loraplex.engine.models.layers import ForwardContext
 from loraplex.engine.sampling.prompt_logprobs import PromptRows, score_prompt_rows
 from loraplex.engine.sampling.sampler import LOGPROB_FLOOR, Sampler, make_generator
 from loraplex.engine.scheduling.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence
-from loraplex.engine.step.graph_runner import DecodeGraphs
+from loraplex.engine.step.graph_runner import DecodeGraphs, DecodeInputs
 from loraplex.engine.step.step_plan import StepPlanner
 from loraplex.kernels import backend as kernel_backend
 from loraplex.kernels import cpu as cpu_kernels
-from loraplex.kernels import dispatch
 
 log = logging.getLogger("loraplex.engine")
 
@@ -41,9 +40,7 @@ class StepBatch:
     sample_seqs: list[Sequence]
     seqs: list[Sequence]  # all sequences, in row order
     prompt_rows: PromptRows  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
-    # graph-ready decode (engine/step/graph_runner.py): ids, positions, slots, tables, lengths and
-    # each row's adapter slot, as lists
-    decode: tuple | None = None
+    decode: DecodeInputs | None = None  # a graph-ready decode step (engine/step/graph_runner.py)
 
 
 def kv_block_bytes(model: DecoderLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -96,9 +93,9 @@ class ModelRunner:
             self.device,
         )  # fmt: skip
         impl = choose_cpu_attention(config, model) if self.device.type == "cpu" else "sdpa"
-        # This engine's kernels (the process's mode when it starts, its own attention form),
-        # bound to its model's modules: another engine in the process keeps its own.
-        self.backend = kernel_backend.KernelBackend(mode=dispatch.get_mode(), cpu_attention=impl)
+        # This engine's kernels (its kernel_mode option, its own attention form), bound to its
+        # model's modules: another engine in the process keeps its own.
+        self.backend = kernel_backend.KernelBackend(mode=config.kernel_mode, cpu_attention=impl)
         kernel_backend.bind(model, self.backend)
         self.planner = StepPlanner(model, self.backend, bs)
         # The last step's sequences whose logits or prompt logprobs were not finite (NaN,
@@ -108,7 +105,7 @@ class ModelRunner:
         if graphs:
             max_blocks = -(-config.max_model_len // bs)
             self.graphs = DecodeGraphs(
-                model, self.planner.rotaries, config.max_num_seqs, max_blocks,
+                model, self.planner, config.max_num_seqs, max_blocks,
                 scratch_slot=self.num_blocks * bs, capture=self.device.type == "cuda",
             )  # fmt: skip
             if self.graphs.capture:  # at start, as vLLM does, not at each bucket's first step
@@ -165,7 +162,7 @@ class ModelRunner:
             return StepBatch(
                 input_ids=None, positions=None, ctx=None, sample_rows=sample_rows,
                 sample_seqs=sample_seqs, seqs=seqs, prompt_rows=prompt_rows,
-                decode=(ids, pos, slot_mapping, tables, seq_lens, row_slots),
+                decode=DecodeInputs(ids, pos, slot_mapping, tables, seq_lens, row_slots),
             )  # fmt: skip
         width = max(len(t) for t in tables)
         block_tables = torch.tensor(
@@ -203,7 +200,7 @@ class ModelRunner:
         A sequence with k speculative proposals appears k + 1 times in a row."""
         batch = self.prepare(out, slots)
         if batch.decode is not None:
-            hidden = self.graphs.run(*batch.decode)
+            hidden = self.graphs.run(batch.decode)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
         self.nonfinite = []

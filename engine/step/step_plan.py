@@ -1,6 +1,6 @@
 """The step plan: all of a step's metadata, built by the model runner before the forward.
 
-A forward pass reads a `ForwardContext` (engine/models/layers.py: its fields are typed and
+A forward pass reads a `ForwardContext` (engine/forward_context.py: its fields are typed and
 say their shapes). Everything in it that the layers share is built here, once per step, and
 nothing in a layer builds or keeps anything per step:
 
@@ -11,6 +11,10 @@ nothing in a layer builds or keeps anything per step:
 - LoRA: the rows' segments per adapter slot, each row's slot, the backend's plan for every
   distinct set of slot widths among the model's LoRA modules, which slots hold expert
   adapters per expert stack, and the rows whose adapter uses DoRA (none: no DoRA work).
+
+A graph-ready decode step (engine/step/graph_runner.py) reads a context built here too, once
+per batch bucket, over the runner's persistent buffers (`static_context`); only its RoPE rows
+are looked up inside the forward (`rope`), from the positions buffer, so a replay reads them.
 """
 
 from __future__ import annotations
@@ -18,16 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.engine.models.layers import (
-    Attention,
+from loraplex.engine.forward_context import (
     AttentionMetadata,
     DoRARows,
     ForwardContext,
     LoRABatch,
-    LoRALinear,
-    Rotary,
+    Segment,
+    StaticDecode,
 )
-from loraplex.engine.models.moe import Experts, row_slots
+from loraplex.engine.models.layers import Attention, LoRALinear, Rotary
+from loraplex.engine.models.moe import Experts
 from loraplex.kernels.backend import KernelBackend
 from loraplex.kernels.fused_reference import rope_rows as rope_rows_of
 
@@ -63,22 +67,18 @@ class StepPlanner:
         query_start_loc: list[int],  # num_seqs + 1
         seq_lens: list[int],  # num_seqs
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
-        segments: list[tuple[int, int, int]],  # (start_row, end_row, slot), slot -1: none
+        segments: list[Segment],
     ) -> ForwardContext:
         spec, backend = self.spec, self.backend
-        attn = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-        )
-        attn.plan = backend.plan_attention(
+        plan = backend.plan_attention(
             block_tables, query_start_loc, seq_lens, self.block_size, spec.num_heads,
             spec.num_kv_heads, self.windows, self.dtype,
         )  # fmt: skip
-        rope = {}
-        if self.rope_pairs:
-            rope = {r.key: r.tables(positions, self.dtype) for r in self.rotaries}
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=block_tables, plan=plan,
+        )  # fmt: skip
+        rope = self.rope(positions) if self.rope_pairs else {}
         rope_rows = {r.key: rope_rows_of(r.cos_sin, positions, self.dtype) for r in self.rotaries}
         lora = None
         if any(slot >= 0 for *_, slot in segments):
@@ -98,6 +98,41 @@ class StepPlanner:
             if any(dora_slots):
                 lora.dora = _dora_rows(segments, lora.row_slots, dora_slots)
         return ForwardContext(attn=attn, lora=lora, rope=rope, rope_rows=rope_rows)
+
+    def static_context(
+        self,
+        slot_mapping: torch.Tensor,  # [rows] int64 buffer (-1 or a scratch slot: padding)
+        block_tables: torch.Tensor,  # [rows, max_blocks] int64 buffer
+        seq_lens: torch.Tensor,  # [rows] int64 buffer (>= 1)
+        row_slots: torch.Tensor,  # [rows] int64 buffer: each row's adapter slot (-1: none)
+        lora: bool,  # some row has an adapter
+        dora: bool,  # some row's adapter uses DoRA
+    ) -> ForwardContext:
+        """A graph-ready decode step's context over persistent buffers (one batch bucket's
+        views), built once for every replay: the buffers' contents change, never the context.
+        Its `rope` is empty: the forward fills it from the positions buffer (`rope`)."""
+        static = StaticDecode(seq_lens=seq_lens, block_tables=block_tables)
+        attn = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=[], seq_lens=[],
+                                 block_tables=block_tables)  # fmt: skip
+        batch = None
+        if lora:
+            batch = LoRABatch([], row_slots=row_slots, static=True)
+            if dora:
+                batch.dora = DoRARows(slots=row_slots, rows=None)
+        return ForwardContext(attn=attn, lora=batch, static=static)
+
+    def rope(self, positions: torch.Tensor) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE table's (cos, sin) at `positions`: a graph-ready step looks them up inside
+        its forward, so that a captured graph reads the positions buffer at each replay."""
+        return {r.key: r.tables(positions, self.dtype) for r in self.rotaries}
+
+
+def row_slots(segments: list[Segment], rows: int, device) -> torch.Tensor:
+    """The adapter slot of every row [rows] int64 (-1: none)."""
+    slots = [-1] * rows
+    for start, end, slot in segments:
+        slots[start:end] = [slot] * (end - start)
+    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 def _dora_rows(segments, row_slots: torch.Tensor, dora_slots) -> DoRARows | None:

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
+from loraplex.engine.forward_context import AttentionMetadata, ForwardContext
+from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import ROUTER
 
 ROUTER_SUFFIX = (f"mlp.{ROUTER}", "mlp.router")  # gpt-oss names its router `router`

@@ -25,7 +25,7 @@ noise). `dequantize()` returns W (rotated back). GPTQ's result moves a lot with 
 so it was measured over draws (the rotation times random sign flips): held-out perplexity on the
 demo model x1.06-1.10 (mean 1.08) with the rotation, x1.08-1.16 (mean 1.12) without.
 
-On CUDA the dequant kernels run through the engine's kernel backend. On CPU (mode "auto")
+On CUDA the dequant kernels run through the engine's kernel backend. On its CPU backend
 decode-sized batches run torch's packed ops `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
 (several times faster than a float matmul there, but only with bf16 activations, so
 activations and outputs round to bf16); larger batches dequantize the weight per call into a
@@ -155,7 +155,7 @@ class QuantizedLoRALinear(LoRALinear):
         return self.dequantize()
 
     def _cpu_fast(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and self.backend.mode == "auto"
+        return x.device.type == "cpu" and self.backend.which(x) == "cpu"
 
     def _planned(self, qweight: torch.Tensor, zeros: torch.Tensor | None, group: int):
         """On CUDA: this weight's planned launcher (KernelBackend.dequant_weight), made at the

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.kernels import dispatch
 from testkit.factories import FAMILY_KINDS, make_adapter, make_tiny_model
 from tests.conftest import ADAPTER_SPECS
 
@@ -44,9 +43,8 @@ def parity_adapters(tiny_adapters, family_adapters) -> dict[str, dict[str, Path]
 
 
 @pytest.fixture
-def reference_mode():
-    """The kernels' exact forms (the torch reference) for engines built in the test: the CPU's
-    fast int8/int4 products round differently from a matmul on the dequantized weights."""
-    dispatch.set_mode("reference")
-    yield
-    dispatch.set_mode("auto")
+def reference_mode(monkeypatch):
+    """The kernels' exact forms (the torch reference) for engines built in the test (their
+    `kernel_mode` option's default, LORAPLEX_KERNELS): the CPU's fast int8/int4 products round
+    differently from a matmul on the dequantized weights."""
+    monkeypatch.setenv("LORAPLEX_KERNELS", "reference")

@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.adapters.lora import AdapterError, load_adapter
 from loraplex.engine.models.spec import spec_from_config
-from loraplex.kernels import dispatch
 from testkit.dora import broken_dora_copy, make_dora_adapter
 from testkit.factories import _config
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
@@ -135,15 +134,11 @@ def test_graph_ready_decode_applies_dora(tiny_models, dora):
 def test_triton_kernels_apply_dora(tiny_models, dora):
     """On the Triton backend (the interpreter here; compiled on CUDA) DoRA rows come out as
     on the CPU backend: the epilogue after the SGMV kernels is the same for both."""
-    mode = dispatch.get_mode()
-    try:
-        outs = {}
-        for m in ("auto", "triton"):
-            dispatch.set_mode(m)
-            llm = LLM(str(tiny_models["llama"]), dtype="float32", max_loras=4, max_lora_rank=16)
-            outs[m] = _generate(llm, dora, tokens=2)
-    finally:
-        dispatch.set_mode(mode)
+    outs = {}
+    for m in ("auto", "triton"):
+        llm = LLM(str(tiny_models["llama"]), dtype="float32", max_loras=4, max_lora_rank=16,
+                  kernel_mode=m)  # fmt: skip
+        outs[m] = _generate(llm, dora, tokens=2)
     _same(outs["triton"], outs["auto"], 1e-4)
 
 

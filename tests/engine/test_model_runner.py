@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from loraplex.kernels import cpu
 
 
 @pytest.fixture
@@ -75,31 +74,80 @@ def test_rows_are_grouped_by_adapter_slot_with_their_kv_slots(engine, tiny_adapt
         ]
 
 
-def test_per_step_plans_are_built_once_for_all_layers(engine, tiny_adapters, monkeypatch):
-    """Decode steps of a mixed batch: the runner builds one decode plan per step (every layer
-    shares it) and one LoRA plan per distinct width set (q|k|v, o, gate|up, down differ)
-    before the forward; no layer builds one."""
+@pytest.mark.parametrize("mode", ["auto", "triton"])
+def test_per_step_plans_are_built_once_for_all_layers(tiny_models, tiny_adapters, monkeypatch,
+                                                      mode):  # fmt: skip
+    """Decode steps of a mixed batch, on the CPU backend and on Triton's (the interpreter
+    here): the step planner builds one attention plan per step (every layer shares it) and one
+    LoRA plan per distinct width set (q|k|v, o, gate|up, down differ) before the forward, each
+    a typed dataclass; every layer's op gets the step's plan, and nothing inside the forward
+    builds one."""
+    from loraplex.kernels import cpu_plan, paged_attention, sgmv
+    from loraplex.kernels.backend import KernelBackend
+    from loraplex.kernels.plans import SGMVMeta, TritonAttentionPlan
+
+    engine = LLMEngine(
+        EngineConfig(
+            str(tiny_models["llama"]), dtype="float32", max_loras=2, max_lora_rank=8,
+            block_size=8, max_num_batched_tokens=64, kernel_mode=mode,
+        )
+    )  # fmt: skip
+    attn_type, lora_type = {
+        "auto": (cpu_plan.CPUAttentionPlan, cpu_plan.CPULoRAPlan),
+        "triton": (TritonAttentionPlan, SGMVMeta),
+    }[mode]
     adapters = tiny_adapters["llama"]
     loras = [LoRARequest("qv4", 1, str(adapters["qv4"])), None,
              LoRARequest("attn8", 2, str(adapters["attn8"]))]  # fmt: skip
-    plans, groups, applies = [], [], []
-    real_plan, real_groups, real_apply = cpu._DecodePlan, cpu.plan_lora, cpu.lora_apply
-    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
-    monkeypatch.setattr(cpu, "plan_lora", lambda *a: groups.append(a[1]) or real_groups(*a))
+    planning, step_plans, lora_plans, builds, outside, applies = [], [], [], [], [], []
 
-    def lora_apply(*a, **kw):
+    def planner(name, store):
+        real = getattr(KernelBackend, name)
+
+        def plan(self, *a, **k):
+            planning.append(1)
+            try:
+                out = real(self, *a, **k)
+            finally:
+                planning.pop()
+            store.append((a, out))
+            return out
+
+        monkeypatch.setattr(KernelBackend, name, plan)
+
+    planner("plan_attention", step_plans)
+    planner("plan_lora", lora_plans)
+    for module, name in ((cpu_plan, "decode_group"), (cpu_plan, "plan_lora"),
+                         (paged_attention, "plan_attention"), (sgmv, "build_meta")):  # fmt: skip
+        real = getattr(module, name)
+
+        def build(*a, _real=real, _name=name, **k):
+            (builds if planning else outside).append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, name, build)
+    real_apply, real_attention = KernelBackend.lora_apply, KernelBackend.paged_attention
+
+    def lora_apply(self, *a, plan=None, **k):
         applies.append(1)
-        assert kw.get("plan") is not None or not any(s >= 0 for *_, s in a[4])  # planned
-        return real_apply(*a, **kw)
+        assert isinstance(plan, lora_type) or not any(s >= 0 and a[5][s] for *_, s in a[4])
+        return real_apply(self, *a, plan=plan, **k)
 
-    monkeypatch.setattr(cpu, "lora_apply", lora_apply)
+    def attention(self, *a, plan=None, **k):
+        assert isinstance(plan, attn_type)
+        return real_attention(self, *a, plan=plan, **k)
+
+    monkeypatch.setattr(KernelBackend, "lora_apply", lora_apply)
+    monkeypatch.setattr(KernelBackend, "paged_attention", attention)
     steps = _captured_steps(engine, monkeypatch)
     _run(engine, tiny_adapters, [([5, 17, 99], lo) for lo in loras], max_tokens=4)
     layers = len(engine.model.model.layers)
     assert layers > 1 and len(steps) >= 4
-    assert len(plans) == 2 * len(steps)  # each step's plan holds both query groups
-    # Every LoRA module (4 per layer) of every layer calls lora_apply; a plan is built once
-    # per step and width set (module kinds with the same widths share one).
-    width_sets = len({tuple(w) for w in groups})
-    assert 1 < width_sets <= 4 and len(groups) == len(steps) * width_sets
+    assert outside == [] and builds  # every plan was built by the planner, none in a forward
+    assert len(step_plans) == len(steps)  # one attention plan per step, for every layer
+    assert all(isinstance(p, attn_type) for _, p in step_plans)
+    # A LoRA plan once per step and width set (module kinds with the same widths share one).
+    width_sets = len({tuple(a[1]) for a, _ in lora_plans})
+    assert 1 < width_sets <= 4 and len(lora_plans) == len(steps) * width_sets
+    # Every LoRA module (4 per layer) of every layer applies its step's plan.
     assert len(applies) == len(steps) * layers * 4

@@ -373,9 +373,11 @@ def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch)
     """The CPU's two forms of expert LoRA (engine/models/moe.py: each row reading its own A
     and B, or rows sorted by virtual expert through grouped matmuls) and the reference
     kernels give the same layer output as the sums by hand, rows without an adapter too."""
+    from loraplex.engine.forward_context import LoRABatch
     from loraplex.engine.models import moe as moe_mod
-    from loraplex.engine.models.layers import LoRABatch
-    from loraplex.kernels import cpu, dispatch
+    from loraplex.engine.step.step_plan import row_slots
+    from loraplex.kernels import cpu_moe
+    from loraplex.kernels.backend import KernelBackend
 
     gen = torch.Generator().manual_seed(7)
     ex, t = _experts_layer(gen)
@@ -385,20 +387,19 @@ def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch)
     per = tokens // 6 + 1
     segments = [(j * per, min(tokens, (j + 1) * per), slot)
                 for j, slot in enumerate(order) if j * per < tokens]  # fmt: skip
-    lora = LoRABatch(segments)
-    slots = moe_mod.row_slots(segments, tokens, "cpu")
+    slots = row_slots(segments, tokens, "cpu")
+    # as the step planner plans it: each row's slot, and the slots with expert adapters
+    has = torch.tensor([w > 0 for w in ex.lora_widths])
+    lora = LoRABatch(segments, row_slots=slots, expert_slots={tuple(ex.lora_widths): has})
     want = _experts_by_hand(ex, t, x, experts, weights, slots)
-    calls, rows_form = [], cpu.grouped_lora_rows
-    monkeypatch.setattr(cpu, "grouped_lora_rows", lambda *a: calls.append(1) or rows_form(*a))
+    calls, rows_form = [], cpu_moe.grouped_lora_rows
+    monkeypatch.setattr(cpu_moe, "grouped_lora_rows", lambda *a: calls.append(1) or rows_form(*a))
     got = {"auto": ex(x, experts, weights, lora)}
     per_row = bool(calls)
     monkeypatch.setattr(moe_mod, "_ROWS_PER_VIRTUAL", 0)  # grouped whatever the rows
     got["grouped"] = ex(x, experts, weights, lora)
-    dispatch.set_mode("reference")
-    try:
-        got["reference"] = ex(x, experts, weights, lora)
-    finally:
-        dispatch.set_mode("auto")
+    ex.backend = KernelBackend(mode="reference")
+    got["reference"] = ex(x, experts, weights, lora)
     # a decode step's rows are about one per virtual expert: the per-row form; a prompt's
     # rows share their virtual experts: the grouped one
     assert per_row == (tokens == 6)
@@ -409,9 +410,9 @@ def test_expert_lora_per_row_and_grouped_forms_agree(tokens, order, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("wa, width", [(16, 8), (8, 8), (12, 8), (4, 2), (6, 4), (32, 16)])
 def test_grouped_lora_rows(dtype, wa, width):
-    """kernels/cpu.grouped_lora_rows against each row's own matmuls: A^T read in place or
+    """kernels/cpu_moe.grouped_lora_rows against each row's own matmuls: A^T read in place or
     copied per row (narrow), split at the width or whole (a width that does not divide it)."""
-    from loraplex.kernels import cpu
+    from loraplex.kernels import cpu_moe
 
     gen = torch.Generator().manual_seed(3)
     g, p, k, n = 12, 9, 16, 24
@@ -422,7 +423,7 @@ def test_grouped_lora_rows(dtype, wa, width):
     group = torch.randint(0, g, (p,), generator=gen)
     want = torch.stack([x[i].double() @ a_t[j].double() @ b[j].double()
                         for i, j in enumerate(group.tolist())])  # fmt: skip
-    got = cpu.grouped_lora_rows(x.to(dtype), a_t.to(dtype), b.to(dtype), group, width)
+    got = cpu_moe.grouped_lora_rows(x.to(dtype), a_t.to(dtype), b.to(dtype), group, width)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 4)

@@ -69,8 +69,8 @@ def _folders(wide, kind: str, case: str, tmp_path):
     return quantized, dequantize_folder(quantized, tmp_path / f"{case}-reference"), adapters
 
 
-def _llm(folder) -> LLM:
-    return LLM(str(folder), dtype="float32", max_loras=4, max_lora_rank=16)
+def _llm(folder, **options) -> LLM:
+    return LLM(str(folder), dtype="float32", max_loras=4, max_lora_rank=16, **options)
 
 
 def _reference_weights(reference) -> dict[str, torch.Tensor]:
@@ -120,12 +120,12 @@ def test_gemma3_gptq_act_order_with_tied_head(wide, tmp_path, reference_mode):
 
 
 def test_fast_cpu_path_tracks_the_exact_one(wide, tmp_path):
-    """dispatch "auto": the bf16 packed int4 op (with the act-order gather) and the fp8
+    """kernel_mode "auto": the bf16 packed int4 op (with the act-order gather) and the fp8
     widening stay close to the exact float32 path."""
     adapters = wide["llama"][1]
     for case in ("gptq-v2-g32-act-order", "fp8-block"):
         quantized, _, _ = _folders(wide, "llama", case, tmp_path)
-        assert_fast_path_close(_llm(quantized), adapters["attn8"], case)
+        assert_fast_path_close(lambda **mode: _llm(quantized, **mode), adapters["attn8"], case)  # noqa: B023
 
 
 def test_mismatched_act_order_in_a_fused_projection_falls_back_to_float(wide, tmp_path):

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.models.layers import AttentionMetadata, ForwardContext, LoRALinear
+from loraplex.engine.forward_context import AttentionMetadata, ForwardContext
+from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.spec import PROJECTIONS
 from loraplex.engine.weights.gptq import gptq_int4
 from loraplex.engine.weights.quantization import (
@@ -42,7 +43,7 @@ from loraplex.engine.weights.quantization import (
     rotate_xtx,
     to_cpu_int4_layout,
 )
-from loraplex.kernels import dispatch
+from loraplex.kernels.backend import KernelBackend
 from loraplex.kernels.reference import dequantize_int4, dequantize_int8
 from testkit.heldout_texts import HELDOUT_TEXTS
 from tests.engine.test_parity import check_rows, hf_reference, run_rows
@@ -153,14 +154,11 @@ def test_rotation_spreads_weight_outliers_and_cuts_int4_error():
     lin = LoRALinear(k, [n], False)
     with torch.no_grad():
         lin.weight.copy_(w)
-    dispatch.set_mode("reference")
-    try:
-        errs = {
-            rotate: ((WeightOnlyInt4Linear(lin, rotate=rotate).base(x) - x @ w.t()) ** 2).mean()
-            for rotate in (False, True)
-        }
-    finally:
-        dispatch.set_mode("auto")
+    errs = {}
+    for rotate in (False, True):
+        q4 = WeightOnlyInt4Linear(lin, rotate=rotate)
+        q4.backend = KernelBackend(mode="reference")
+        errs[rotate] = ((q4.base(x) - x @ w.t()) ** 2).mean()
     assert errs[True] < 0.5 * errs[False], errs
 
 
@@ -208,15 +206,12 @@ def test_cpu_fast_op_matches_the_dequantized_matmul(cls, m, k, n):
     qlin = cls(lin)
     x = torch.randn(m, k)
     expected = F.linear(x, qlin.dequantize(), lin.bias)
-    fast = qlin.base(x)  # bf16 packed op (dispatch mode "auto" on CPU)
+    fast = qlin.base(x)  # bf16 packed op (the default backend, mode "auto", on CPU)
     assert fast.dtype == torch.float32 and fast.shape == (m, n)
     rel = (fast - expected).norm() / expected.norm()
     assert rel < 1e-2, f"bf16 packed op off by {rel:.4f}"
-    dispatch.set_mode("reference")
-    try:
-        exact = qlin.base(x)
-    finally:
-        dispatch.set_mode("auto")
+    qlin.backend = KernelBackend(mode="reference")
+    exact = qlin.base(x)
     torch.testing.assert_close(exact, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -289,8 +284,11 @@ def test_lora_on_quantized_base_matches_peft_on_dequantized_weights(
 def test_fast_cpu_path_tracks_the_exact_one(tiny_models, tiny_adapters):
     adapters = tiny_adapters["llama"]
     for method in ("int8", "int4", "fp8"):
-        llm = LLM(str(tiny_models["llama"]), dtype="float32", quantization=method)
-        assert_fast_path_close(llm, adapters["attn8"], method)
+        model = str(tiny_models["llama"])
+        assert_fast_path_close(
+            lambda **mode: LLM(model, dtype="float32", quantization=method, **mode),  # noqa: B023
+            adapters["attn8"], method,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- GPU

@@ -33,7 +33,6 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.errors import AdapterError
-from loraplex.kernels import dispatch
 from testkit.factories import EXPERT_PARAMETERS, make_adapter, make_tiny_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -129,20 +128,17 @@ def _run(case: dict, setup: dict, poison_dir: Path, finished_at: dict | None):
     `finished_at` (request id -> step, from the poisoned run) a poisoned row still running
     after that step is aborted. Returns (outputs by id, step each finished at, refused ids)."""
     path = case["path"]
-    dispatch.set_mode(path if path in ("reference", "triton") else "auto")
-    try:
-        bs = case["block_size"]
-        llm = LLM(
-            str(setup["base"]), dtype=case["dtype"], max_loras=2, max_lora_rank=8,
-            block_size=bs, num_kv_blocks=max(case["blocks"], MAX_LEN // bs),
-            max_model_len=MAX_LEN, max_num_batched_tokens=case["budget"],
-            enable_prefix_caching=case["prefix_caching"],
-            cpu_attention="matmul" if case["path"] == "matmul" else "sdpa", seed=0,
-            num_speculative_tokens=case.get("speculative", 0),
-            quantization=case.get("quantization"),
-        )  # fmt: skip
-    finally:
-        dispatch.set_mode("auto")
+    bs = case["block_size"]
+    llm = LLM(
+        str(setup["base"]), dtype=case["dtype"], max_loras=2, max_lora_rank=8,
+        block_size=bs, num_kv_blocks=max(case["blocks"], MAX_LEN // bs),
+        max_model_len=MAX_LEN, max_num_batched_tokens=case["budget"],
+        enable_prefix_caching=case["prefix_caching"],
+        cpu_attention="matmul" if case["path"] == "matmul" else "sdpa", seed=0,
+        num_speculative_tokens=case.get("speculative", 0),
+        quantization=case.get("quantization"),
+        kernel_mode=path if path in ("reference", "triton") else "auto",
+    )  # fmt: skip
     engine = llm.engine
     loras = {
         "base": None,

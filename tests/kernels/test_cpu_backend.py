@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import cpu, reference
+from loraplex.kernels import cpu, cpu_plan, reference
 from tests.kernels.conftest import tolerance
 from tests.kernels.test_kv_int8 import _quantized
 from tests.kernels.test_paged_attention import HEADS, _batch
@@ -66,8 +66,9 @@ def test_one_decode_plan_per_step(gen, monkeypatch):
     scale = heads[2] ** -0.5
     plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]])
     plans, masks = [], []
-    real_plan, real_visible = cpu._DecodePlan, cpu.visible
-    monkeypatch.setattr(cpu, "_DecodePlan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    real_plan, real_visible = cpu_plan.decode_group, cpu.visible
+    monkeypatch.setattr(cpu_plan, "decode_group",
+                        lambda *a, **k: plans.append(1) or real_plan(*a, **k))  # fmt: skip
     monkeypatch.setattr(cpu, "visible", lambda *a, **k: masks.append(1) or real_visible(*a, **k))
 
     def layer(plan, window=None):
@@ -79,7 +80,9 @@ def test_one_decode_plan_per_step(gen, monkeypatch):
     layer(None)
     layer(None)
     assert len(plans) == 4  # two groups per call, planned for the call
-    assert not [k for k, v in vars(cpu).items() if isinstance(v, dict) and not k.startswith("__")]
+    for module in (cpu, cpu_plan):
+        assert not [k for k, v in vars(module).items()
+                    if isinstance(v, dict) and not k.startswith("__")]  # fmt: skip
 
 
 def test_folded_masks_come_from_the_plan(gen, monkeypatch):
@@ -170,7 +173,6 @@ def test_two_engines_in_one_process_keep_their_own_backends(tiny_models, tiny_ad
     CPU backend with each attention form, built in any order in one process, each give
     what a lone engine of their kind gives, bitwise."""
     from loraplex.engine import LLM, LoRARequest, SamplingParams
-    from loraplex.kernels import dispatch
 
     model = str(tiny_models["llama"])
     adapter = LoRARequest("attn8", 1, str(tiny_adapters["llama"]["attn8"]))
@@ -178,12 +180,7 @@ def test_two_engines_in_one_process_keep_their_own_backends(tiny_models, tiny_ad
     prompts = [[5, 9, 33, 70], [7, 8, 200]]
 
     def build(mode: str, impl: str) -> LLM:
-        saved = dispatch.get_mode()
-        dispatch.set_mode(mode)
-        try:
-            return LLM(model, dtype="float32", max_lora_rank=8, cpu_attention=impl)
-        finally:
-            dispatch.set_mode(saved)
+        return LLM(model, dtype="float32", max_lora_rank=8, cpu_attention=impl, kernel_mode=mode)
 
     def run(llm: LLM):
         return [o.outputs[0].logprobs for o in llm.generate(prompts, params, [adapter, None])]
@@ -200,7 +197,7 @@ def test_two_engines_in_one_process_keep_their_own_backends(tiny_models, tiny_ad
 def test_batched_decode_path_equals_per_segment(ranks, monkeypatch):
     """The CPU backend's batched path (many short segments, grouped by width) against its plain
     per-segment shrink/expand; rows past each slot's width and the spare slot hold NaN."""
-    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)
+    monkeypatch.setattr(cpu_plan, "DENSE_MAX_COLUMNS", 0)
     gen = torch.Generator().manual_seed(3)
     a, b, widths, segments, x, _, y = _case(
         "cpu", gen, torch.float32, requests=40, num_adapters=18, ranks=ranks, mix="uniform",
@@ -221,7 +218,7 @@ def test_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
     """A step with the decode rows of many adapters and a few long prefill chunks: the CPU
     backend batches the decode rows and runs the prefills one by one, with the plain per-segment
     result; NaN past the widths and in the spare slot."""
-    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)
+    monkeypatch.setattr(cpu_plan, "DENSE_MAX_COLUMNS", 0)
     gen = torch.Generator().manual_seed(4)
     num_adapters, dtype, in_features = 30, torch.float32, 64
     a, b, widths = slot_weights(
@@ -233,9 +230,9 @@ def test_decode_rows_beside_prefills_run_batched(ranks, monkeypatch):
     _, x = guarded((rows, in_features), dtype, "cpu", gen)
     _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
     plan = cpu.plan_lora(segments, widths, x.device)
-    for _width, segs, index in plan:  # the long segments alone, the decode rows batched
-        assert all((e - s > 1) == (index is None) for s, e, _ in segs)
-    assert sum(len(segs) for _, segs, _ in plan) == num_adapters
+    for group in plan.groups:  # the long segments alone, the decode rows batched
+        assert all((e - s > 1) == (group.form is None) for s, e, _ in group.segments)
+    assert sum(len(group.segments) for group in plan.groups) == num_adapters
     batched, plain = y.clone(), y.clone()
     cpu.lora_apply(batched, x, a, b, segments, widths)
     reference.sgmv_expand(plain, reference.sgmv_shrink(x, a, segments, widths), b, segments,
@@ -288,7 +285,7 @@ def test_few_adapters_run_dense(dtype, ranks):
     _, x = guarded((rows, 64), dtype, "cpu", gen)
     _, y = guarded((rows, sum(QKV)), dtype, "cpu", gen)
     plan = cpu.plan_lora(segments, widths, x.device)
-    assert plan and all(isinstance(index, cpu._Dense) for *_, index in plan)
+    assert plan.groups and all(isinstance(g.form, cpu_plan.Dense) for g in plan.groups)
     dense = y.clone()
     cpu.lora_apply(dense, x, a, b, segments, widths)
     assert dense.isfinite().all()
@@ -306,8 +303,9 @@ def test_dense_run_uses_the_slots_in_place_when_they_are_all_of_them():
     a, b, widths = slot_weights([8, 8], 64, QKV, 2, 8, torch.float32, "cpu", gen)
     segments, rows = make_segments([1, 0, 1], [1, 1, 5])
     x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, sum(QKV), generator=gen)
-    [(width, _, index)] = cpu.plan_lora(segments, widths, x.device)
-    assert index.from_zero and width == a.shape[1]
+    [group] = cpu.plan_lora(segments, widths, x.device).groups
+    width, index = group.width, group.form
+    assert index.run is not None and index.run[0] == 0 and width == a.shape[1]
     assert cpu._stacked(a, index, width).data_ptr() == a.data_ptr()  # a view
     dense = y.clone()
     cpu.lora_apply(dense, x, a, b, segments, widths)
@@ -326,8 +324,8 @@ def test_one_adapter_on_every_row_multiplies_its_own_weights(width):
     y = torch.randn(7, sum(QKV), generator=gen)
     for segments, only in (([(0, 7, 1)], 1), ([(0, 1, -1), (1, 7, 1)], 1),
                            ([(0, 3, 1), (3, 4, -1), (4, 7, 1)], None)):  # fmt: skip
-        [(_, _, index)] = cpu.plan_lora(segments, widths, x.device)
-        assert isinstance(index, cpu._Dense) and index.only == only
+        [group] = cpu.plan_lora(segments, widths, x.device).groups
+        assert isinstance(group.form, cpu_plan.Dense) and group.form.only == only
         # as the engine's modules call it: A^T's view, and both stacks' views slot by slot
         for a_t, views in ((None, None), (a.mT, None), (a.mT, (a.mT.unbind(0), b.unbind(0)))):
             out = y.clone()
@@ -350,7 +348,7 @@ def test_dense_run_keeps_rows_apart_when_another_adapter_overflows():
     a, b, x = a.half(), b.half(), x.half()
     y = torch.zeros(2, sum(QKV), dtype=torch.float16)
     segments = [(0, 1, 0), (1, 2, 1)]
-    assert isinstance(cpu.plan_lora(segments, widths, x.device)[0][2], cpu._Dense)
+    assert isinstance(cpu.plan_lora(segments, widths, x.device).groups[0].form, cpu_plan.Dense)
     assert not torch.isfinite(x[:1] @ a[1].t()).all()
     dense = y.clone()
     cpu.lora_apply(dense, x, a, b, segments, widths)
@@ -368,7 +366,7 @@ def test_whole_decode_step_takes_the_lean_path(gen, monkeypatch, impl, dtype, he
     equals the reference; float32 takes it in both forms, bf16 in sdpa's."""
     _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, *STEPS["decode"])
     plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]])
-    assert plan[0].whole
+    assert plan.decode.whole
     lean = []
     real = cpu._decode_lean
     monkeypatch.setattr(cpu, "_decode_lean", lambda *a, **k: lean.append(1) or real(*a, **k))
@@ -407,7 +405,7 @@ def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, h
     _, clean, q, tables, qsl, lens = _batch("cpu", gen, dtype, heads, 8, *STEPS[step])
     plan = cpu.plan_attention(tables, qsl, lens, clean[0].shape[1], [None, 8], [heads[1]],
                               dtype, heads[0])  # fmt: skip
-    assert not plan[0].whole and plan[0].decode
+    assert not plan.decode.whole and plan.decode.seqs
     masks = []
     real = cpu._sdpa_folded
     monkeypatch.setattr(cpu, "_sdpa_folded", lambda q, k, v, m, s, f=None: masks.append(
@@ -422,7 +420,7 @@ def test_decode_rows_beside_prefills_fold_their_heads(gen, monkeypatch, dtype, h
     assert any(n == 1 and m == dtype for n, m, _ in masks)  # additive, in q's dtype
     if step == "short":  # 2..SHORT_QUERY_ROWS rows: folded too, with the plan's mask
         g = heads[0] // heads[1]
-        want_mask = plan[1]._folded[(window, g)] if g > 1 else plan[1].mask(window)
+        want_mask = plan.short.folded[(window, g)] if g > 1 else plan.short.mask(window)
         assert any(n > 1 and t is want_mask for n, _, t in masks)
 
 
@@ -432,7 +430,7 @@ def test_consecutive_slots_are_read_in_place(slots, uniform, monkeypatch):
     """Segments over consecutive slots (the decode rows of many adapters, in slot order) read
     the slot stacks as views, and equal segments back to back view x and y too: no gather of
     weights or rows, no scatter; the result is the per-segment one."""
-    monkeypatch.setattr(cpu, "DENSE_MAX_COLUMNS", 0)  # the batched form, not the dense one
+    monkeypatch.setattr(cpu_plan, "DENSE_MAX_COLUMNS", 0)  # the batched form, not the dense one
     gen = torch.Generator().manual_seed(5)
     lo, hi = slots
     num_slots, rank, in_features = 12, 8, 64
@@ -443,8 +441,9 @@ def test_consecutive_slots_are_read_in_place(slots, uniform, monkeypatch):
     _, x = guarded((rows, in_features), torch.float32, "cpu", gen)
     _, y = guarded((rows, sum(QKV)), torch.float32, "cpu", gen)
     plan = cpu.plan_lora(segments, widths, x.device)
-    (width, _, index), *more = plan
-    assert not more and isinstance(index, cpu._Batched) and index.slots == (lo, hi)
+    [group] = plan.groups
+    index = group.form
+    assert isinstance(index, cpu_plan.Batched) and index.slots == (lo, hi)
     assert (index.rows is not None) == uniform
     got, want = y.clone(), y.clone()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

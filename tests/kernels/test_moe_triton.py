@@ -1,5 +1,5 @@
 """Grouped matmul for mixture-of-experts: the Triton kernel (under the interpreter on the CPU),
-the CPU backend and the dispatch switch against the reference and torch._grouped_mm, over
+the CPU backend and each backend mode against the reference and torch._grouped_mm, over
 drawn shapes: many empty groups, tiny ranks, no rows, strided weights, all three dtypes."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from loraplex.kernels import cpu, dispatch, moe_triton, reference
+from loraplex.kernels import cpu, cpu_moe, moe_triton, reference
+from loraplex.kernels.backend import KernelBackend
 from tests.kernels.conftest import DEVICE, tolerance
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -116,7 +117,8 @@ def test_grouped_mm_matches_reference_and_torch(case):
     _check(got, want, dtype, rows)
     if DEVICE.type == "cpu":
         _check(cpu.grouped_mm(x, w, offs), want, dtype, rows)
-    if cpu._aligned(x) and cpu._aligned(w) and (DEVICE.type == "cpu" or dtype == torch.bfloat16):
+    aligned = cpu_moe._aligned(x) and cpu_moe._aligned(w)
+    if aligned and (DEVICE.type == "cpu" or dtype == torch.bfloat16):
         _check(torch._grouped_mm(x, w, offs=offs), want, dtype, rows)
 
 
@@ -138,15 +140,8 @@ def test_block_map_gives_each_group_its_blocks():
     assert row[:5].tolist() == [0, 5, 21, 37, 40]
 
 
-@pytest.fixture
-def restore_mode():
-    mode = dispatch.get_mode()
-    yield
-    dispatch.set_mode(mode)
-
-
 @pytest.mark.parametrize("mode", ["auto", "reference", "triton"])
-def test_dispatch_grouped_mm(restore_mode, mode, monkeypatch):
+def test_backend_grouped_mm(mode, monkeypatch):
     """Each mode reaches its backend (the CPU one: torch's grouped matmul) and gives the
     reference's result."""
     x, w, offs = _case([3, 0, 5], 16, 8, torch.float32, "nk", 0, 7)
@@ -155,8 +150,7 @@ def test_dispatch_grouped_mm(restore_mode, mode, monkeypatch):
         real = module.grouped_mm
         monkeypatch.setattr(module, "grouped_mm",
                             lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))  # fmt: skip
-    dispatch.set_mode(mode)
-    got = dispatch.grouped_mm(x, w, offs)
+    got = KernelBackend(mode=mode).grouped_mm(x, w, offs)
     auto = "cpu" if DEVICE.type == "cpu" else "triton"
     assert calls == {"auto": [auto], "reference": [], "triton": ["triton"]}[mode]
     torch.testing.assert_close(got, reference.grouped_mm(x, w, offs))
@@ -238,5 +232,5 @@ def test_cpu_grouped_mm_gathers_in_memory_order():
     copy), not copied element by element into a new layout."""
     w = torch.randn(6, 8, 5).transpose(1, 2)  # [G, K=5, N=8], unit stride along K
     index = torch.tensor([4, 1])
-    got = cpu._take(w, index)
+    got = cpu_moe._take(w, index)
     assert torch.equal(got, w[index]) and got.transpose(1, 2).is_contiguous()

@@ -174,10 +174,11 @@ def test_default_split_k_equals_unsplit_shrink(device, gen, requests):
     torch.testing.assert_close(y, expected, **tolerance(dtype))
 
 
-def test_lora_apply_builds_tiles_once_per_step_memo(device, gen, monkeypatch):
-    """With the step's memo, lora_apply builds the tile metadata once per width set (the
-    layers of a step share the segments); a slot refilled at another width in the same step
-    gets its own tiles; without a memo every call builds; the result stays the reference's."""
+def test_lora_apply_builds_no_tiles_when_given_the_steps_plan(device, gen, monkeypatch):
+    """Given the step's plan (one per width set, built before the forward: the layers of a
+    step share the segments; a slot refilled at another width gets its own), lora_apply builds
+    no tile metadata; a direct call without one builds its own each time and keeps nothing;
+    the result stays the reference's."""
     dtype = torch.float32
     a, b, widths, segments, x, _, y = _case(
         device, gen, dtype, requests=5, num_adapters=3, ranks=[8], mix="uniform",
@@ -187,11 +188,12 @@ def test_lora_apply_builds_tiles_once_per_step_memo(device, gen, monkeypatch):
     real = sgmv.build_meta
     monkeypatch.setattr(sgmv, "build_meta", lambda *a, **k: builds.append(1) or real(*a, **k))
     narrower = [w // 2 if i == segments[0][2] else w for i, w in enumerate(widths)]
-    memo: dict = {}
+    plans = {tuple(ws): sgmv.build_meta(segments, ws, device) for ws in (widths, narrower)}
+    assert len(builds) == 2
     for ws in (widths, narrower, widths, narrower):
         got, expected = y.clone(), y.clone()
         reference.lora_apply(expected, x, a, b, segments, ws)
-        sgmv.lora_apply(got, x, a, b, segments, ws, memo=memo)
+        sgmv.lora_apply(got, x, a, b, segments, ws, plan=plans[tuple(ws)])
         torch.testing.assert_close(got, expected, **tolerance(dtype))
     assert len(builds) == 2
     sgmv.lora_apply(y.clone(), x, a, b, segments, widths)

@@ -222,21 +222,17 @@ def _dequant(t: dict[str, torch.Tensor], prefix: str, qc: dict) -> torch.Tensor:
     return ((q - zero) * scales[gg, nn]).t().contiguous()
 
 
-def assert_fast_path_close(llm, adapter_path, label: str = "") -> None:
-    """The CPU fast kernels (dispatch "auto") against the exact reference path on one LLM:
-    the top-20 next-token logprobs of a mixed batch (one row with an adapter) mostly agree."""
+def assert_fast_path_close(make_llm, adapter_path, label: str = "") -> None:
+    """The CPU fast kernels (kernel_mode "auto") against the exact reference path, on two
+    engines `make_llm(**options)` builds, one per kernel_mode: the top-20 next-token logprobs of
+    a mixed batch (one row with an adapter) mostly agree."""
     from loraplex.engine import LoRARequest, SamplingParams
-    from loraplex.kernels import dispatch
 
     prompts = [[5, 17, 99, 230, 41, 7], [8, 300, 12]]
     lora = [LoRARequest("attn8", 2, str(adapter_path)), None]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
-    fast = llm.generate(prompts, params, lora)
-    dispatch.set_mode("reference")
-    try:
-        exact = llm.generate(prompts, params, lora)
-    finally:
-        dispatch.set_mode("auto")
+    fast = make_llm(kernel_mode="auto").generate(prompts, params, lora)
+    exact = make_llm(kernel_mode="reference").generate(prompts, params, lora)
     for f, e in zip(fast, exact, strict=True):
         top_f, top_e = f.outputs[0].logprobs[0], e.outputs[0].logprobs[0]
         common = set(top_f) & set(top_e)
