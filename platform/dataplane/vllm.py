@@ -329,7 +329,7 @@ class VllmDataPlane:
                     if out is not None and out.finished:
                         await queue.put(out)
                         return
-                async for line in r.content:  # SSE: `data: {...}` lines
+                async for line in sse_lines(r.content.iter_any()):
                     if not line.startswith(b"data: "):
                         continue
                     data = line[6:].strip()
@@ -378,3 +378,16 @@ def traceparent() -> str | None:
         return None
     ctx = trace.span.get_span_context()
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+async def sse_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a byte stream, however long: aiohttp's own line reading refuses a line
+    over twice its buffer (128 KiB), and vLLM's first chunk carries the prompt's token ids
+    (`return_token_ids`), a line of about 6 bytes per prompt token."""
+    rest = b""
+    async for piece in pieces:
+        *lines, rest = (rest + piece).split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest

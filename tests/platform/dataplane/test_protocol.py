@@ -4,12 +4,14 @@ and requests sent where their adapter is already loaded."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from loraplex.engine import SamplingParams
 from loraplex.platform.dataplane import DataPlaneUnavailable, Unsupported
 from loraplex.platform.dataplane.protocol import Assembler, metric, request_body
-from loraplex.platform.dataplane.vllm import VllmDataPlane
+from loraplex.platform.dataplane.vllm import VllmDataPlane, sse_lines
 
 
 def test_request_body_carries_the_sampling_and_asks_for_ids_and_usage():
@@ -149,3 +151,18 @@ def test_requests_go_where_their_adapter_is_loaded(plane_model):
     assert plane.unavailable() is None
     a.healthy = b.healthy = False
     assert "no vLLM endpoint" in plane.unavailable()
+
+
+def test_sse_lines_of_any_length_in_any_pieces():
+    """vLLM's first chunk holds the prompt's ids: a line far over aiohttp's line limit."""
+    long = b"data: " + b"1," * 300_000
+    stream = b"data: a\n\n" + long + b"\n\ndata: [DONE]\n\n"
+
+    async def pieces():
+        for i in range(0, len(stream), 7_000):
+            yield stream[i : i + 7_000]
+
+    async def lines():
+        return [line async for line in sse_lines(pieces())]
+
+    assert [x for x in asyncio.run(lines()) if x] == [b"data: a", long, b"data: [DONE]"]
