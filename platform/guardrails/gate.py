@@ -71,7 +71,9 @@ def load_policies(state, tenant_id: int, key_id: int | None) -> list[Policy]:
         for r in rows:
             guard = None
             if r.guard_adapter:
-                owner = session.get(Tenant, r.guard_tenant_id or r.tenant_id)
+                # Set at creation (the policy's own tenant by default): null only once its
+                # owner is deleted, never a fallback to an adapter of the same name elsewhere.
+                owner = session.get(Tenant, r.guard_tenant_id) if r.guard_tenant_id else None
                 if owner is not None:
                     session.expunge(owner)
                     guard = GuardSpec(r.guard_adapter, owner, r.guard_threshold)

@@ -125,6 +125,8 @@ def create_policy(tenant_id: int, body: PolicyIn, session: SessionDep) -> Policy
     if body.guard_tenant_id is not None and not body.guard_adapter:
         raise APIError(400, "guard_tenant_id needs a guard_adapter", "invalid_policy")
     row = GuardrailPolicy(tenant_id=tenant_id, **body.model_dump())
+    if row.guard_adapter and row.guard_tenant_id is None:
+        row.guard_tenant_id = tenant_id  # the owner is stored: see gate.load_policies
     session.add(row)
     session.commit()
     return PolicyOut.model_validate(row)
