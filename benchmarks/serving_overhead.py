@@ -50,7 +50,7 @@ STAGES = ("forward", "bookkeeping", "delta encoding", "pipe", "decoding", "SSE c
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="8 x 384 and 64 x 32 tokens")
-    ap.add_argument("--long", type=str, default=None, help="N,TOKENS of the long case")
+    ap.add_argument("--long", type=str, default=None, help="N,TOKENS of the long case (0,0: none)")
     ap.add_argument("--short", type=str, default=None, help="N,TOKENS of the short case")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="requests at once, every side")
     ap.add_argument(
@@ -59,6 +59,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     ap.add_argument("--no-traced", action="store_true", help="skip the traced server")
     ap.add_argument("--no-served", action="store_true", help="skip both servers")
+    ap.add_argument(
+        "--served-only",
+        action="store_true",
+        help="only the served sides (to compare two checkouts' servers, A B A B)",
+    )
+    ap.add_argument("--ledger", action="store_true",
+                    help="only the usage ledger: entries from 32 threads, one transaction "
+                         "each against grouped (platform/ledger.py)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="the figures as JSON")
     ap.add_argument("--md", type=Path, default=None, help="the table as markdown")
     ap.add_argument("--png", type=Path, default=None, help="the plot")
@@ -71,7 +79,7 @@ def _cases(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
         if given:
             n, tokens = (int(x) for x in given.split(","))
             cases[name] = (n, tokens)
-    return cases
+    return {name: case for name, case in cases.items() if case[0] > 0}  # "0,0": case left out
 
 
 def _context(tokens: int) -> int:
@@ -300,6 +308,22 @@ def _server_runs(model: str, cases: dict, args, traced: bool, data: Path) -> dic
 # ------------------------------------------------------------------ the run and its table
 
 
+def _engine_sides(doc: dict, model: str, cases: dict, args) -> None:
+    """Offline, its split, and the engine process without HTTP, per case."""
+    longest = max(t for _, t in cases.values())
+    llm = _llm(model, _context(longest), args)
+    for case, (n, tokens) in cases.items():
+        doc["cases"][case]["sides"]["offline"] = _offline(llm, n, tokens)
+        doc["cases"][case]["split_us_per_token"] = _split(llm, n, tokens)
+    del llm
+    engine = _engine_process(model, _context(longest), args)
+    try:
+        for case, (n, tokens) in cases.items():
+            doc["cases"][case]["sides"]["engine process"] = _through(engine, n, tokens, args)
+    finally:
+        engine.shutdown()
+
+
 def run(args: argparse.Namespace) -> dict:
     from benchmarks.assets import factories
     from loraplex.bench.sysinfo import machine
@@ -307,33 +331,24 @@ def run(args: argparse.Namespace) -> dict:
     cases = _cases(args)
     doc: dict = {"bench": "serving-overhead", "machine": machine(), "cases": {},
                  "command": "python -m benchmarks.serving_overhead " + " ".join(sys.argv[1:]),
-                 "max_num_seqs": args.max_num_seqs, "threads": args.threads}  # fmt: skip
+                 "max_num_seqs": args.max_num_seqs, "threads": args.threads,
+                 "loadavg_before": os.getloadavg()}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         longest = max(t for _, t in cases.values())
         model = str(factories().make_tiny_model("llama", Path(tmp) / "llama",
                                                 max_position_embeddings=longest + 64))  # fmt: skip
-        llm = _llm(model, _context(longest), args)
         for case, (n, tokens) in cases.items():
-            doc["cases"][case] = {
-                "requests": n, "tokens": tokens,
-                "sides": {"offline": _offline(llm, n, tokens)},
-                "split_us_per_token": _split(llm, n, tokens),
-            }  # fmt: skip
-        del llm
-        engine = _engine_process(model, _context(longest), args)
-        try:
-            for case, (n, tokens) in cases.items():
-                doc["cases"][case]["sides"]["engine process"] = _through(engine, n, tokens, args)
-        finally:
-            engine.shutdown()
+            doc["cases"][case] = {"requests": n, "tokens": tokens, "sides": {}}
+        if not args.served_only:
+            _engine_sides(doc, model, cases, args)
         for traced in () if args.no_served else (False,) if args.no_traced else (False, True):
             for case, sides in _server_runs(model, cases, args, traced, Path(tmp)).items():
                 doc["cases"][case]["sides"].update(sides)
     doc["loadavg_after"] = os.getloadavg()
     for c in doc["cases"].values():
-        offline = c["sides"]["offline"]["tok_s"]
+        offline = c["sides"].get("offline", {}).get("tok_s")
         for side in c["sides"].values():
-            side["over_offline"] = side["tok_s"] / offline
+            side["over_offline"] = side["tok_s"] / offline if offline else float("nan")
     table = markdown(doc)
     print(table)
     if args.out:
@@ -366,8 +381,13 @@ def markdown(doc: dict) -> str:
     lines += ["", "| case | " + " | ".join(f"{s} µs/tok" for s in STAGES) + " |",
               "| --- |" + " --- |" * len(STAGES)]  # fmt: skip
     for name, c in doc["cases"].items():
-        split = c["split_us_per_token"]
+        split = c.get("split_us_per_token")
+        if split is None:
+            continue
         lines.append(f"| {name} | " + " | ".join(f"{split[s]:,.1f}" for s in STAGES) + " |")
+    if "loadavg_before" in doc and "loadavg_after" in doc:  # how loaded the machine was
+        before, after = doc["loadavg_before"][0], doc["loadavg_after"][0]
+        lines += ["", f"Load average (1 min) {before:.1f} at the start, {after:.1f} at the end."]
     return "\n".join(lines) + "\n"
 
 
@@ -387,6 +407,7 @@ def plot(doc: dict, path: Path) -> None:
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     left.set_ylabel("tokens/s over offline")
     left.legend(fontsize=7)
+    names = [c for c in names if "split_us_per_token" in doc["cases"][c]]
     bottom = [0.0] * len(names)
     for stage in STAGES:
         vals = [doc["cases"][c]["split_us_per_token"][stage] for c in names]
@@ -401,10 +422,70 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def ledger(entries: int = 512, threads: int = 32) -> str:
+    """The usage ledger on SQLite: `entries` request ends from `threads` threads at once, each
+    written in a transaction of its own (`_write_one`, the path before group commit) and
+    through `write` (grouped), alternated twice; CPU and wall microseconds per entry."""
+    rows = ["| writes | CPU µs / entry | wall µs / entry |", "| --- | --- | --- |"]
+    for how in ("one transaction each", "grouped", "one transaction each", "grouped"):
+        with tempfile.TemporaryDirectory() as tmp:
+            cpu, wall = _ledger_arm(Path(tmp), how == "grouped", entries, threads)
+        rows.append(f"| {how} | {1e6 * cpu / entries:,.0f} | {1e6 * wall / entries:,.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+def _ledger_arm(tmp: Path, grouped: bool, entries: int, threads: int) -> tuple[float, float]:
+    from datetime import UTC, datetime
+
+    from loraplex.platform import ledger as book
+    from loraplex.platform.db import crud
+    from loraplex.platform.db.health import DatabaseHealth
+    from loraplex.platform.db.session import make_engine, make_sessionmaker, upgrade
+    from loraplex.platform.journal import Journal
+
+    url = f"sqlite:///{tmp}/registry.db"
+    upgrade(url)
+    db = make_engine(url)
+    sessions = make_sessionmaker(db)
+    with sessions() as s:
+        tenant = crud.create_tenant(s, name="acme").id
+        crud.set_quota(s, tenant_id=tenant, tokens_per_min=10**9)
+    led = book.Ledger(sessions, Journal(tmp / "journal.db"), DatabaseHealth())
+    write = led.write if grouped else led._write_one
+    now = datetime.now(UTC)
+    todo, lock = iter(range(entries)), threading.Lock()
+
+    def ends() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            record = dict(request_id=f"cmpl-{i}", tenant_id=tenant, model="m", status="ok",
+                          prompt_tokens=8, completion_tokens=32, latency_ms=1.0,
+                          created_at=now)  # fmt: skip
+            write(book.usage_entry(record, tenant_id=tenant, adjust=-3, charged_at=now))
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    workers = [threading.Thread(target=ends) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    led.close()
+    db.dispose()
+    return cpu, wall
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks._cli import parser
 
-    run(parser(__doc__, add_args).parse_args(argv))
+    args = parser(__doc__, add_args).parse_args(argv)
+    if args.ledger:
+        print(ledger())
+        return
+    run(args)
 
 
 if __name__ == "__main__":

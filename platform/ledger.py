@@ -45,6 +45,7 @@ from loraplex.platform.journal import Entry, Journal
 log = logging.getLogger("loraplex.platform")
 REPLAY_BATCH = 100
 WRITE_BATCH = 200  # entries per grouped transaction (16 columns each: SQLite's bind limit)
+WAIT_CHECK_S = 0.05  # how often an entry waiting for its turn looks whether the database went
 RELEASES_KEPT = timedelta(days=7)
 
 
@@ -162,8 +163,9 @@ class Ledger:
             self._waiting.append(me)
         while True:  # more than WRITE_BATCH waiting: the batch taken may not hold `me`
             with self._turn:
-                while self._writing and me.done is None:
-                    self._turn.wait()
+                if not self._wait_turn(me):  # the database went away meanwhile
+                    self._waiting.remove(me)
+                    break
                 if me.done is not None:  # a batch took it
                     return me.done
                 self._writing = True
@@ -177,6 +179,20 @@ class Ledger:
                         w.done = done[i] if i < len(done) else False
                     self._writing = False
                     self._turn.notify_all()
+        self._keep(entry)
+        return False
+
+    def _wait_turn(self, me: _Waiting) -> bool:
+        """Wait (holding `_turn`) until no write runs or a batch took `me`; False, at once,
+        if the database is known to be away while `me` waits untaken. The write in progress
+        may be stuck on it until its timeout: an entry that came alone would go to the
+        journal at once (`_write_batch`), and so does this one."""
+        while self._writing and me.done is None:
+            # (`me` in the batch being written waits for that batch's answer.)
+            if (len(self.journal) or not self.health.up) and me in self._waiting:
+                return False
+            self._turn.wait(WAIT_CHECK_S)
+        return True
 
     def _write_batch(self, entries: list[Entry]) -> list[bool]:
         # Behind the entries that wait (see the module doc); and while the database is known

@@ -67,3 +67,15 @@ def test_delta_codec_compares_two_revisions_on_the_same_outputs(capsys):
     for figures in doc.values():
         assert figures["bytes_per_step"] > 0 and figures["encode_us_per_token"] >= 0
     assert "bytes per step message" in capsys.readouterr().out
+
+
+def test_ledger_arms_table_both_ways_of_writing():
+    table = so.ledger(entries=16, threads=4)
+    rows = [r for r in table.splitlines() if r.startswith("| one") or r.startswith("| grouped")]
+    assert [r.split(" |")[0] for r in rows] == ["| one transaction each", "| grouped"] * 2
+    assert all(float(r.split("|")[2].replace(",", "")) > 0 for r in rows)
+
+
+def test_a_case_of_no_requests_is_left_out(tmp_path):
+    args = _args(tmp_path, "--long", "0,0")
+    assert set(so._cases(args)) == {"short"}

@@ -4,9 +4,11 @@ shared transactions, and still each billed exactly once with its own quota corre
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime
 
 from sqlalchemy import event, select
+from sqlalchemy.exc import OperationalError
 
 from loraplex.platform import ledger
 from loraplex.platform.db import crud
@@ -96,3 +98,48 @@ def test_one_refused_entry_in_a_batch_refuses_only_itself(tmp_path, caplog):
     finally:
         book.close()
         db.dispose()
+
+
+def _refused() -> OperationalError:
+    return OperationalError("connect", {}, ConnectionRefusedError("connection refused"))
+
+
+def test_a_write_stuck_on_a_database_gone_holds_no_other_back(tmp_path):
+    """A write waiting on the database (until its timeout) when it goes: the entries that
+    came meanwhile go to the journal as soon as the outage is known, not behind it."""
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade(url)
+    db = make_engine(url)
+    real = make_sessionmaker(db)
+    with real() as s:
+        tenant_id = crud.create_tenant(s, name="acme").id
+    stuck, released = threading.Event(), threading.Event()
+
+    def sessions():
+        if not stuck.is_set():  # the first write hangs on a connection, then fails
+            stuck.set()
+            released.wait(30)
+            raise _refused()
+        return real()
+
+    health = DatabaseHealth()
+    book = ledger.Ledger(sessions, Journal(tmp_path / "j.db"), health)
+    first = threading.Thread(target=book.write, args=(_entry("cmpl-a", tenant_id, 1, 0),))
+    first.start()
+    try:
+        assert stuck.wait(10)
+        health.failed(_refused())  # the probe saw the database go
+        t = time.monotonic()
+        assert not book.write(_entry("cmpl-b", tenant_id, 1, 0))
+        assert time.monotonic() - t < 5  # not held until the stuck write's timeout
+        assert [e.key for e in book.journal.oldest()] == ["cmpl-b"]
+    finally:
+        released.set()
+        first.join(30)
+    assert {e.key for e in book.journal.oldest()} == {"cmpl-a", "cmpl-b"}  # nothing lost
+    health.reached()
+    assert book.replay() == 2
+    with real() as s:
+        assert set(s.scalars(select(UsageRecord.request_id))) == {"cmpl-a", "cmpl-b"}
+    book.close()
+    db.dispose()
