@@ -4,11 +4,14 @@ import { sessionInfo, signOut } from "./portal-api.js";
 import { attempt } from "./dom.js";
 import { accountPage } from "./portal-account.js";
 import { adaptersPage } from "./portal-adapters.js";
+import { guardrailsPage } from "./portal-guardrails.js";
 import { keysPage } from "./portal-keys.js";
 import { usagePage } from "./portal-usage.js";
 
-const pages = { account: accountPage, adapters: adaptersPage, keys: keysPage, usage: usagePage };
-const titles = { account: "Account", adapters: "Adapters", keys: "API keys", usage: "Usage" };
+const pages = { account: accountPage, adapters: adaptersPage, keys: keysPage, usage: usagePage,
+  guardrails: guardrailsPage };
+const titles = { account: "Account", adapters: "Adapters", keys: "API keys", usage: "Usage",
+  guardrails: "Guardrails" };
 
 async function show() {
   const [name, query] = location.hash.slice(1).split("?");

@@ -245,3 +245,19 @@ def test_batch_api_lines_follow_the_policy(server):
     assert err["response"]["body"]["error"]["code"] == "content_filter"
     counts = httpx.get(f"{server.url}/admin/api/billing", headers=ADMIN).json()
     assert {"tenant_id": tid, "block": 1} in counts["guardrail_counts"]
+
+
+def test_the_portal_shows_the_tenants_own_policies_and_events(server):
+    tid, key = new_tenant(server)
+    other_tid, _ = new_tenant(server)
+    add_policy(server, tid, name="mine", stages="input", terms=["walnut"])
+    add_policy(server, other_tid, name="theirs", stages="input", terms=["walnut"])
+    with pytest.raises(openai.BadRequestError):
+        client(server, key).completions.create(model=server.state.model_name, prompt="walnut",
+                                               max_tokens=1)  # fmt: skip
+    with httpx.Client(base_url=server.url, timeout=60) as portal:
+        assert portal.post("/portal/login", data={"api_key": key}).status_code == 303
+        got = portal.get("/portal/api/guardrails").json()
+    assert [p["name"] for p in got["policies"]] == ["mine"]
+    assert [(e["policy_name"], e["action"]) for e in got["events"]] == [("mine", "block")]
+    assert httpx.get(f"{server.url}/portal/api/guardrails").status_code == 401

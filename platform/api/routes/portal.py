@@ -39,6 +39,7 @@ from loraplex.platform.api.routes import adapters as tenant_adapters
 from loraplex.platform.api.routes.admin import KeyIn, ListOf
 from loraplex.platform.api.routes.admin_ui import _HEADERS, UI_DIR
 from loraplex.platform.db.schemas import ApiKeyCreated, ApiKeyPublic
+from loraplex.platform.guardrails import routes as guardrail_routes
 from loraplex.platform.periods import last_day, period
 from loraplex.platform.state import AppState, Caller
 
@@ -220,6 +221,16 @@ def delete_version(name: str, version: str, state: StateDep, caller: PortalCalle
 # ---------------------------------------------------------------------------------- keys
 class PortalKey(ApiKeyPublic):
     current: bool  # the key this session signed in with
+
+
+@api.get("/guardrails")
+def guardrails(state: StateDep, caller: PortalCaller) -> dict:
+    """The tenant's guardrail policies and its newest audit events (platform/guardrails/)."""
+    with state.sessions() as session:
+        policies = guardrail_routes.my_policies(caller, session).data
+        events = guardrail_routes.my_events(caller, session, None, 100).data
+    return {"policies": [p.model_dump(mode="json") for p in policies],
+            "events": [e.model_dump(mode="json") for e in events]}  # fmt: skip
 
 
 @api.get("/keys")
