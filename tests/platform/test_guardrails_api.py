@@ -261,3 +261,30 @@ def test_the_portal_shows_the_tenants_own_policies_and_events(server):
     assert [p["name"] for p in got["policies"]] == ["mine"]
     assert [(e["policy_name"], e["action"]) for e in got["events"]] == [("mine", "block")]
     assert httpx.get(f"{server.url}/portal/api/guardrails").status_code == 401
+
+
+def test_streamed_prompt_list_cuts_only_that_prompt(server):
+    tid, key = new_tenant(server)
+    base = server.state.model_name
+    prompts = [PROMPT, "one two three"]
+    plain = client(server, key).completions.create(model=base, prompt=prompts, **GEN)
+    a, b = (ch.text for ch in plain.choices)
+    term = term_in(a)
+    if term.lower() in b.lower():
+        pytest.skip("the term is in both outputs")
+    add_policy(server, tid, stages="output", terms=[term])
+    chunks = list(client(server, key).completions.create(
+        model=base, prompt=prompts, stream=True, stream_options={"include_usage": True}, **GEN
+    ))  # fmt: skip
+    text = {0: "", 1: ""}
+    reason = {}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.text
+            reason[c.index] = c.finish_reason or reason.get(c.index)
+    assert reason == {0: "content_filter", 1: "length"}
+    assert a.startswith(text[0]) and term.lower() not in text[0].lower() and text[1] == b
+    rid = chunks[0].id
+    first, second = ledger(server, f"{rid}-0"), ledger(server, f"{rid}-1")
+    assert second.completion_tokens == 24 and first.completion_tokens < 24
+    assert first.completion_tokens + 24 == chunks[-1].usage.completion_tokens
