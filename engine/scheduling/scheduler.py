@@ -14,6 +14,10 @@ adapter a step needs fits in a device slot and no adapter in use is ever evicted
 Adapters load in the background: a waiting sequence whose adapter is not in host memory yet
 is skipped by admission (the step goes on without it) and admitted once the load is done.
 
+KV tiers (engine/memory/tiers) look a new sequence's stored prefix up in the background from
+`add` on: admission skips it until the lookup answers, then counts the blocks found as cached
+and has the engine write them into fresh blocks (`SchedulerOutput.tier_in`) before the step.
+
 Priority classes (`Sequence.priority`: 0 interactive, 1 the Batch API's lines): each step
 serves the classes in order, each one's running sequences and then its admissions. A class is
 admitted only while no more urgent sequence waits that could run; when one waits for a seat,
