@@ -50,17 +50,22 @@ class RemoteAgent:
 
     def __init__(self, url: str, timeout_s: float = 300.0) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        # One pooled client: a new one per call would build an SSL context on a request's path.
+        self._http = httpx.Client(timeout=timeout_s)
 
     def ensure(self, name: str, key: str, digest: str) -> None:
         body = {"name": name, "key": key, "digest": digest}
         try:
-            r = httpx.post(f"{self.url}/v1/ensure", json=body, timeout=self.timeout_s)
+            r = self._http.post(f"{self.url}/v1/ensure", json=body)
         except httpx.HTTPError as e:
             raise AdapterUnavailable(f"the adapter agent at {self.url} did not answer: {e}") from e
         if r.status_code == 422:
             raise AdapterError(r.json().get("detail", r.text))
         if r.status_code != 200:
             raise AdapterUnavailable(f"the adapter agent at {self.url} answered {r.status_code}")
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def make_vllm(state: AppState, model_dir: str | Path) -> VllmDataPlane:
