@@ -374,12 +374,13 @@ def markdown(doc: dict) -> str:
             server = s.get("server_cpu_per_1k")
             engine = s.get("engine_cpu_per_1k")
             lines.append(
-                f"| {label} | {side} | {s['tok_s']:,.1f} | {s['over_offline']:.2f} "
+                f"| {label} | {side} | {s['tok_s']:,.1f} | {_ratio(s['over_offline'])} "
                 f"| {'' if server is None else f'{1e3 * server:,.1f}'} "
                 f"| {'' if engine is None else f'{1e3 * engine:,.1f}'} |"
             )
-    lines += ["", "| case | " + " | ".join(f"{s} µs/tok" for s in STAGES) + " |",
-              "| --- |" + " --- |" * len(STAGES)]  # fmt: skip
+    if any("split_us_per_token" in c for c in doc["cases"].values()):
+        lines += ["", "| case | " + " | ".join(f"{s} µs/tok" for s in STAGES) + " |",
+                  "| --- |" + " --- |" * len(STAGES)]  # fmt: skip
     for name, c in doc["cases"].items():
         split = c.get("split_us_per_token")
         if split is None:
@@ -389,6 +390,10 @@ def markdown(doc: dict) -> str:
         before, after = doc["loadavg_before"][0], doc["loadavg_after"][0]
         lines += ["", f"Load average (1 min) {before:.1f} at the start, {after:.1f} at the end."]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float) -> str:
+    return "" if x != x else f"{x:.2f}"  # NaN: no offline side (--served-only)
 
 
 def plot(doc: dict, path: Path) -> None:
