@@ -4,6 +4,7 @@ import { signOut } from "./api.js";
 import { attempt } from "./dom.js";
 import { adaptersPage } from "./page-adapters.js";
 import { batchesPage } from "./page-batches.js";
+import { guardrailsPage } from "./page-guardrails.js";
 import { keysPage } from "./page-keys.js";
 import { overviewPage } from "./page-overview.js";
 import { tenantsPage } from "./page-tenants.js";
@@ -16,6 +17,7 @@ const pages = {
   adapters: adaptersPage,
   usage: usagePage,
   batches: batchesPage,
+  guardrails: guardrailsPage,
 };
 
 let stop = null; // what the current page must do when left (the overview stops polling)
