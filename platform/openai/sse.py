@@ -67,7 +67,9 @@ class MeteredEventStream(Response):
 
     `delivered(tokens)` is called for each write that reached an open connection; an empty
     text carries its tokens over to the next event. While `ready()` says the next event will
-    come at once, events gather into one write (at most `GATHER` of them).
+    come at once, events gather into one write (at most `GATHER` of them). It must say False
+    at the last event: what is still gathered when the generator ends is written after its
+    `finally` ran (AnswerStream's bills the request there).
 
     The generator is closed (running its `finally`) when the stream ends, fails, or the client
     goes away, also while it waits for the engine; then `closed()` runs, also for a generator
