@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.weights import loader
 from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.packing import (
     PACK_FLOAT32_MIN_WEIGHTS,
@@ -20,6 +19,7 @@ from loraplex.engine.models.packing import (
     prepack_cpu_linears,
     prepack_cpu_lm_head,
 )
+from loraplex.engine.weights import loader
 from loraplex.engine.weights.quantization import resident_weight_bytes
 from testkit.factories import make_tiny_model
 from tests.utils.outputs import assert_same_outputs
