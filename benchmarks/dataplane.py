@@ -36,9 +36,9 @@ import httpx
 
 from benchmarks.assets import REPO_ROOT, RESULTS_DIR, make_adapters, tiny_llama
 from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
-from tests.clients.venvs import venvs_root
-from tests.utils.server import ADMIN_KEY, free_port, upload_adapter
-from tests.utils.vllm_peer import vllm_server
+from testkit.server import ADMIN_KEY, free_port, upload_adapter
+from testkit.venvs import venvs_root
+from testkit.vllm_peer import vllm_server
 
 VLLM_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16",
               "--max-lora-rank", "8", *VLLM_SERVER_FLAGS)  # fmt: skip

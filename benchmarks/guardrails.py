@@ -11,7 +11,7 @@ same guard adapter, as a gateway's moderation endpoint would hold its own copy o
 The policy's action is `flag`, so every scenario generates the same tokens and only the
 checks differ; the guard's verdicts change no work, so by default it is an untrained adapter of
 a trained guard's shape (rank 8 on every projection; `--train` trains one as
-tests/platform/guard_training.py does, minutes on a loaded CPU, the same cost per call):
+testkit/guard_training.py does, minutes on a loaded CPU, the same cost per call):
 
 - `none`: the tenant has no policy;
 - `guard adapter`: the tenant's policy runs the guard on the prompt and on each output window
@@ -48,7 +48,7 @@ SCENARIOS = ("none", "guard adapter", "external HTTP")
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:
-    from tests.platform.guard_training import sample_text
+    from testkit.guard_training import sample_text
 
     rng = random.Random(seed)
     return [sample_text(rng, unsafe=False) for _ in range(n)]
@@ -164,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     import_installed_kernels()  # before peft / transformers, from a checkout's root
     from loraplex.engine import Tokenizer
-    from tests.platform.guard_training import train_guard
+    from testkit.guard_training import train_guard
 
     base = tiny_llama()
     tok = Tokenizer.from_dir(base)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loraplex.platform.db.models import UsageRecord
-from tests.clients.venvs import client_venvs
+from testkit.venvs import client_venvs
 from tests.utils.server import ADMIN_KEY, RunningServer, run_server, upload_adapter
 
 ADAPTER = "tuned"

@@ -9,8 +9,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from testkit.venvs import client_env, run
 from tests.clients.conftest import ADAPTER
-from tests.clients.venvs import client_env, run
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 16
 

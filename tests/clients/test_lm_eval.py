@@ -6,15 +6,16 @@ each prompt."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from testkit.venvs import client_env, run
 from tests.clients.conftest import ADAPTER
-from tests.clients.venvs import HERE, client_env, run
 from tests.utils.hf_reference import greedy_decode, peft_reference, prompt_log_softmax
 
-TASKS = HERE / "lm_eval_tasks"
+TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 BATCH, MAX_LENGTH, MAX_GEN_TOKS = 8, 256, 8
 EOS_IDS = (2, 4)  # the tiny models' generation_config
 

