@@ -25,6 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from loraplex.platform.db.models import RequestClass, Tenant, UsageRecord, UsageStatus
+from loraplex.platform.guardrails.audit import counts as guardrail_counts
 
 COST_QUANTUM = Decimal("0.000001")  # costs are rounded half-up to 6 decimal places
 GroupBy = Literal["tenant", "adapter", "version", "day"]
@@ -235,6 +236,13 @@ class BillingRow:
     # (both None for the base model); empty in the per-tenant one.
     adapter: str | None = None
     adapter_version: int | None = None
+    # Guardrail events in the period (platform/guardrails/audit.py), per tenant: filled in the
+    # per-tenant export only (an event is the tenant's, not a version's; a blocked input ran on
+    # none), empty in the per-version one.
+    guardrail_blocks: int | None = None
+    guardrail_redactions: int | None = None
+    guardrail_flags: int | None = None
+    guardrail_fail_opens: int | None = None
 
 
 def _as_utc(moment: datetime) -> datetime:
@@ -328,7 +336,45 @@ def billing_export(
                 adapter_version=s.version if by == "version" else None,
             )
         )
-    return rows
+    return rows if by == "version" else _with_guardrail_counts(session, rows, start, end, tenants)
+
+
+def _with_guardrail_counts(
+    session: Session,
+    rows: list[BillingRow],
+    start: datetime,
+    end: datetime,
+    tenants: dict[int, Tenant],
+) -> list[BillingRow]:
+    found = guardrail_counts(session, start=start, end=end)
+    # A tenant whose every request was blocked has events but no usage: a zero-token row, so
+    # its blocks still appear on the bill.
+    zero = dict.fromkeys(("requests", "prompt_tokens", "completion_tokens", "cached_tokens"), 0)
+    rows += [
+        BillingRow(
+            tenant_id=t,
+            tenant=tenants[t].name,
+            period_start=start,
+            period_end=end,
+            price_prompt_per_1k=tenants[t].price_prompt_per_1k,
+            price_completion_per_1k=tenants[t].price_completion_per_1k,
+            prompt_cost=Decimal(0),
+            completion_cost=Decimal(0),
+            batch_price_factor=tenants[t].batch_price_factor,
+            **zero,
+        )
+        for t in sorted(found.keys() - {r.tenant_id for r in rows})
+    ]
+    return [
+        dataclasses.replace(
+            r,
+            guardrail_blocks=found.get(r.tenant_id, {}).get("block", 0),
+            guardrail_redactions=found.get(r.tenant_id, {}).get("redact", 0),
+            guardrail_flags=found.get(r.tenant_id, {}).get("flag", 0),
+            guardrail_fail_opens=found.get(r.tenant_id, {}).get("fail_open", 0),
+        )
+        for r in rows
+    ]
 
 
 def _plain(value: Any) -> Any:

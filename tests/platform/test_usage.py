@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import func, select
 
 from loraplex.platform.db import crud
-from loraplex.platform.db.models import UsageRecord
+from loraplex.platform.db.models import GuardrailEvent, UsageRecord
 from loraplex.platform.db.session import make_engine, make_sessionmaker
 from loraplex.platform.usage import (
     BillingRow,
@@ -137,3 +137,42 @@ def test_exports_keep_decimals_exact(session, ledger):
     empty = to_csv(billing_export(session, start=DAY1 - timedelta(days=9), end=DAY1))
     assert empty.splitlines() == [",".join(BillingRow.__dataclass_fields__)]
     assert json.loads(to_json([])) == []
+
+
+def test_billing_export_counts_guardrail_events_per_tenant(session, ledger):
+    acme, beta = ledger
+    gamma = crud.create_tenant(session, name="gamma")  # every request blocked: no usage at all
+    events = [
+        (acme, "block", DAY1),
+        (acme, "block", DAY2),
+        (acme, "redact", DAY2),
+        (acme, "flag", PERIOD["end"]),
+        (gamma, "block", DAY2),
+        (gamma, "fail_open", DAY1),
+    ]
+    session.add_all(
+        GuardrailEvent(tenant_id=t.id, policy_name="p", rule="term", stage="input", action=a,
+                       request_id=f"r{i}", route="chat", created_at=when)
+        for i, (t, a, when) in enumerate(events)
+    )  # fmt: skip
+    session.commit()
+    parsed = {
+        r["tenant"]: r
+        for r in csv.DictReader(io.StringIO(to_csv(billing_export(session, **PERIOD))))
+    }
+    counted = (
+        "guardrail_blocks",
+        "guardrail_redactions",
+        "guardrail_flags",
+        "guardrail_fail_opens",
+    )
+    # acme's flag falls in the next period; beta had none; gamma is a zero-token row.
+    assert {t: [r[c] for c in counted] for t, r in parsed.items()} == {
+        "acme": ["2", "1", "0", "0"], "beta": ["0", "0", "0", "0"], "gamma": ["1", "0", "0", "1"],
+    }  # fmt: skip
+    assert (parsed["gamma"]["requests"], parsed["gamma"]["cost"]) == ("0", "0")
+    assert json.loads(to_json(billing_export(session, **PERIOD)))[0]["guardrail_blocks"] == 2
+    by_version = billing_export(session, **PERIOD, by="version")
+    assert {r.guardrail_blocks for r in by_version} == {
+        None
+    }  # a count is a tenant's, not a version's
