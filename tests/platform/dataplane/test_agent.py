@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from loraplex.platform.dataplane.agent import Agent
 from loraplex.platform.dataplane.agent_app import create_agent_app
 from loraplex.platform.store.base import adapter_digest
 from loraplex.platform.store.local import LocalStore
+from testkit.server import wait_ready
 from tests.platform.dataplane.test_end_to_end import PROMPT
 from tests.utils.server import free_port, run_server, upload_adapter
 from tests.utils.uploads import complete
@@ -33,15 +33,7 @@ def agent(vllm_url, tmp_path):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_ready(f"{url}/healthz", 30, "the agent")
     yield agent, url, tmp_path / "store"
     server.should_exit = True
     thread.join(10)
