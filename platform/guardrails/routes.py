@@ -2,7 +2,8 @@
 
 Admin (under /admin/api, the admin check of `admin.py`): create, list and delete a tenant's
 policies; the events of every tenant; the per-tenant counts of a period. Tenant (under /v1,
-its API key): its own policies, read-only, and its own events.
+its API key): its own policies and events, and its opt-in to recorded text per policy (the
+only field of a policy it may change: the text is its own prompts and answers).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ class PolicyIn(BaseModel):
     fail_mode: Literal["open", "closed"] = "closed"
     record_text: bool = False
     api_key_id: int | None = None  # one key's requests only
+
+
+class RecordTextIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    record_text: bool
 
 
 class PolicyOut(BaseModel):
@@ -181,6 +188,19 @@ def _period(start, end):
 def my_policies(caller: CallerDep, session: SessionDep) -> Listing:
     """The policies on this tenant's requests (set by the operator)."""
     return Listing(data=_policies(session, caller.tenant.id))
+
+
+@tenant_router.patch("/guardrails/{policy_id}")
+def set_record_text(policy_id: int, body: RecordTextIn, caller: CallerDep,
+                    session: SessionDep) -> PolicyOut:  # fmt: skip
+    """The tenant opts in (or out) of its events keeping the text that hit this policy; off
+    unless it (or the operator, at creation) says so. Applies from the next request."""
+    row = session.get(GuardrailPolicy, policy_id)
+    if row is None or row.tenant_id != caller.tenant.id:  # another tenant's is not found
+        raise APIError(404, f"no guardrail policy {policy_id}", "policy_not_found", "policy_id")
+    row.record_text = body.record_text
+    session.commit()
+    return PolicyOut.model_validate(row)
 
 
 @tenant_router.get("/guardrails/events")

@@ -141,6 +141,35 @@ def test_input_redaction_and_flag_with_recorded_text(server):
     assert got[("pii:email", "redact")]["text"] is None  # that policy records no text
 
 
+def test_text_is_recorded_only_once_the_tenant_opts_in(server):
+    tid, key = new_tenant(server)
+    other_tid, other_key = new_tenant(server)
+    policy = add_policy(server, tid, name="watch", stages="input", action="flag",
+                        terms=["invoice"])  # fmt: skip
+    assert policy["record_text"] is False  # the default: no prompt text kept
+    url = f"{server.url}/v1/guardrails/{policy['id']}"
+
+    def opt(api_key: str, body) -> httpx.Response:
+        return httpx.patch(url, headers={"Authorization": f"Bearer {api_key}"}, json=body)
+
+    def ask(prompt: str) -> str:
+        r = client(server, key).completions.create(model=server.state.model_name,
+                                                   prompt=prompt, max_tokens=1)  # fmt: skip
+        return r.id
+
+    before = ask("an invoice, please")
+    assert opt(other_key, {"record_text": True}).status_code == 404  # not its policy
+    for bad in ({"record_text": "yes"}, {"record_text": True, "action": "flag"}, {}):
+        assert opt(key, bad).status_code == 400, bad  # nothing else a tenant may change
+    assert opt(key, {"record_text": True}).json()["record_text"] is True
+    during = ask("the invoice again")
+    assert opt(key, {"record_text": False}).status_code == 200
+    after = ask("one more invoice")
+    text = {x["request_id"]: x["text"] for x in events(server, tid)}
+    assert text == {before: None, during: "invoice", after: None}
+    assert events(server, other_tid) == []
+
+
 def test_per_key_policy(server):
     tid, key = new_tenant(server)
     with server.sessions() as session:
