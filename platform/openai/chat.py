@@ -35,6 +35,7 @@ from loraplex.platform.openai.streaming import (
     AnswerStream,
     ChoiceDeltas,
     Envelope,
+    PlainChatChunks,
     RunningUsage,
     run_to_end,
     usage_of,
@@ -83,7 +84,8 @@ async def serve_chat(
         elif tools:
             stream = AutoToolsStream(envelope, running, tools)
         else:
-            stream = TextStream(envelope, running, tok, top)
+            plain = running is None and not body.logprobs  # its events written directly
+            stream = TextStream(envelope, running, tok, top, plain)
         return await AnswerStream(service, job, stream, body.include_usage).start()
     last = await run_to_end(service, job, request)
     extra = {}
@@ -160,12 +162,19 @@ class ChatStream:
 
 
 class TextStream(ChatStream):
-    def __init__(self, envelope, running, tok, top: int) -> None:
+    def __init__(self, envelope, running, tok, top: int, plain: bool = False) -> None:
         super().__init__(envelope, running)
         self.tok, self.top = tok, top
+        self.plain = PlainChatChunks(envelope) if plain else None
 
     def render(self, out):
         n = len(out.delta_token_ids)
+        if self.plain is not None:  # what the pydantic chunk below makes of it, as text
+            first = not self.sent_role
+            if not first and not out.delta_text and not out.finished:
+                return [], n
+            self.sent_role = True
+            return [self.plain.event(out.delta_text, first, _finish(out))], n
         start = len(out.outputs[0].token_ids) - n
         lps = chat_logprobs(self.tok, out, start, start + n, self.top)
         first = not self.sent_role

@@ -122,6 +122,25 @@ class PlainChunks:
         )
 
 
+class PlainChatChunks:
+    """`PlainChunks` for a chat stream of one choice of content (no logprobs, no running
+    usage, no tools): the delta's content, and the role after it in the first."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        empty = json.dumps(
+            {**envelope.fields(), "choices": [{"index": 0, "delta": {"content": ""}}]}
+        )
+        self.head = "data: " + empty[: -len('""}}]}')]  # up to the content's opening quote
+
+    def event(self, content: str, first: bool, finish_reason: str | None) -> Rendered:
+        role = ', "role": "assistant"' if first else ""
+        finish = "null" if finish_reason is None else _escaped(finish_reason)
+        return Rendered(
+            f'{self.head}{_escaped(content)}{role}}}, "logprobs": null, '
+            f'"finish_reason": {finish}}}]}}\n\n'
+        )
+
+
 _escaped = json.encoder.encode_basestring_ascii  # json.dumps of a str (ensure_ascii)
 
 

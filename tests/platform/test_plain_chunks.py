@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loraplex.engine import RequestOutput
 from loraplex.engine.outputs import CompletionOutput
+from loraplex.platform.openai.chat import TextStream
 from loraplex.platform.openai.completions import CompletionChoices, CompletionStream
 from loraplex.platform.openai.protocol import CompletionRequest
 from loraplex.platform.openai.streaming import Envelope, Rendered, event
@@ -49,3 +50,23 @@ def test_plain_events_are_the_pydantic_chunks_bytes():
         assert plain == _events(echo, plain=False)
         assert [n for _, n in plain] == [2, 0, 1, 1, 2]  # the tokens each output carries
         assert plain[1] == ([], 0)  # nothing new: no event
+
+
+def _chat_events(plain: bool) -> list[tuple[str, int]]:
+    envelope = Envelope("chatcmpl-1", "chat.completion.chunk", 1700000000, "m/ünï")
+    stream = TextStream(envelope, None, tok=None, top=0, plain=plain)
+    got = []
+    for out in _outputs():
+        chunks, n = stream.chunks(out)
+        assert all(isinstance(c, Rendered) == plain for c in chunks)
+        got.append(([event(c) for c in chunks], n))
+    return got
+
+
+def test_plain_chat_events_are_the_pydantic_chunks_bytes():
+    plain = _chat_events(plain=True)
+    assert plain == _chat_events(plain=False)
+    assert [n for _, n in plain] == [2, 0, 1, 1, 2]
+    assert '"role": "assistant"' in plain[0][0][0]  # with the first delta only
+    assert not any('"role"' in e for events, _ in plain[1:] for e in events)
+    assert plain[1] == ([], 0)
