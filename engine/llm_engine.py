@@ -346,6 +346,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """On stop, after the last step: the KV tiers store their queued writes, within
+        their bound (engine/memory/tiers/manager.py FLUSH_ON_CLOSE_S), and stop."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+
     # ----------------------------------------------------------------- stepping
     def _poll_adapters(self) -> dict[int, Exception]:
         """Take in finished adapter loads; fail the requests of each load that failed."""

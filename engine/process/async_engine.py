@@ -267,6 +267,8 @@ class AsyncLLMEngine(StreamingEngine):
     def shutdown(self, timeout: float = 10.0) -> None:
         self._source.put(Stop())
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # a stuck step may still queue tier writes
+            self.engine.close()
         self.engine.adapters.close()
 
     @property

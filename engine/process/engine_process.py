@@ -134,6 +134,7 @@ def _child_main(
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
     finally:
+        engine.close()  # within the parent's shutdown grace: the tiers' flush is bounded
         engine.adapters.close()
 
 

@@ -34,6 +34,9 @@ from loraplex.engine.memory.tiers.layout import KVLayout
 log = logging.getLogger("loraplex.engine.kv_tiers")
 
 WRITE_QUEUE = 256  # batches of blocks waiting for the writer; beyond: dropped, counted
+# The most a stopping engine waits for its queued writes (docs/kv-tiers.md): shorter than the
+# server's 10 s shutdown grace, so a slow store cannot turn a stop into a kill.
+FLUSH_ON_CLOSE_S = 5.0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class KVTiers:
         self.counters = {s.name: TierCounters() for s in stores}
         self.host = next((s for s in stores if s.name == "host"), None)
         self.dropped_writes = 0
+        self._closing = False  # set when a close's flush ran out of time: drop what is left
         self.tokens_loaded = 0  # prompt tokens the tiers spared a prefill
         self._ns: dict[int, bytes] = {}  # seq_no -> its namespace (tenant, adapter version)
         self._pending: set[int] = set()
@@ -226,7 +230,10 @@ class KVTiers:
             try:
                 if batch is None:
                     return
-                for sk, payload in batch:
+                for i, (sk, payload) in enumerate(batch):
+                    if self._closing:
+                        self.dropped_writes += len(batch) - i
+                        break
                     rec = K.encode(sk, payload)
                     for store in self.stores:
                         c = self.counters[store.name]
@@ -240,9 +247,13 @@ class KVTiers:
             finally:
                 self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued write is stored (tests, shutdown)."""
-        self._writes.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is stored, at most `timeout` seconds (None: no
+        bound); whether they all were."""
+        # Queue.join has no timeout; its own condition and count give one.
+        done = self._writes.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._writes.unfinished_tasks, timeout)
 
     def wait_lookups(self, timeout: float) -> None:
         """Sleep until a lookup answers or `timeout` passes (an otherwise idle step)."""
@@ -253,9 +264,29 @@ class KVTiers:
     def stored_bytes(self) -> dict[str, int]:
         return {s.name: s.nbytes for s in self.stores if hasattr(s, "nbytes")}  # local ones
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout: float = FLUSH_ON_CLOSE_S) -> bool:
+        """Store the queued writes, for at most `timeout` seconds, then stop the threads;
+        whether every write was stored. Writes still queued at the bound are dropped
+        (counted in dropped_writes): a miss later, never a wrong block."""
+        flushed = self.flush(timeout)
+        if not flushed:
+            self._closing = True
+            while True:  # what the writer has not begun is dropped here, not written
+                try:
+                    batch = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if batch is not None:
+                    self.dropped_writes += len(batch)
+                self._writes.task_done()
+            log.warning("KV tiers: stopped with writes unstored after %.1f s (%d blocks "
+                        "dropped in all)", timeout, self.dropped_writes)  # fmt: skip
         self._lookups.put(None)
         self._writes.put(None)
-        for s in self.stores:
-            s.close()
+        lookup, writer = self._threads
+        lookup.join(1.0)  # a lookup in flight ends at the store's socket timeout at worst
+        writer.join(1.0 if flushed else 0.0)
+        if not writer.is_alive():  # a store still in use by a stuck write stays open
+            for s in self.stores:
+                s.close()
+        return flushed
