@@ -1,9 +1,10 @@
-// Guardrails across tenants: this month's blocks, redactions, flags and fail-opens per tenant,
-// and the newest audit events (policies are made per tenant through the admin API;
-// docs/guardrails.md).
+// Guardrails across tenants: one tenant's policies (made and deleted here), this month's
+// blocks, redactions, flags and fail-opens per tenant, and the newest audit events
+// (docs/guardrails.md).
 
 import { api } from "./api.js";
 import { h, table, when } from "./dom.js";
+import { policiesSection } from "./guardrail-policies.js";
 
 const ACTIONS = ["block", "redact", "flag", "fail_open"];
 
@@ -30,6 +31,7 @@ export async function guardrailsPage(main) {
   ], events.data, "No events.");
   main.append(
     h("h1", {}, "Guardrails"),
+    policiesSection(tenants.data),
     h("section", { class: "card", id: "guardrail-counts" }, h("h2", {}, "This month"), countTable),
     h("section", { class: "card", id: "guardrail-events" }, h("h2", {}, "Newest events"), eventTable),
   );
