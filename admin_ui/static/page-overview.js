@@ -6,7 +6,7 @@
 
 import { api } from "./api.js";
 import { lineChart, sparkline } from "./charts.js";
-import { field, h, number, table } from "./dom.js";
+import { bytes, field, h, number, table } from "./dom.js";
 
 const LATENCY_POLL_MS = 30000;
 const BASE = "(base model)";
@@ -163,6 +163,22 @@ function pct(x) {
   return `${number(100 * x, 1)} %`;
 }
 
+// KV tiers (docs/kv-tiers.md), shown only on a replica that has them: per tier, the share of
+// looked-up prefix blocks it held, bytes read / written since start, and bytes held now.
+function kvTiers(main, tiers) {
+  const names = Object.keys(tiers);
+  if (!names.length) return;
+  if (!main.querySelector("#t-kv-tiers")) main.querySelector(".tiles").append(tile("t-kv-tiers", "KV tiers"));
+  const rate = (t) => (t.hit_rate === null ? "–" : pct(t.hit_rate));
+  set(main, "t-kv-tiers", names.map((n) => `${n} ${rate(tiers[n])}`).join(" · "),
+    names.map((n) => {
+      const t = tiers[n];
+      const held = t.bytes_stored === null ? "" : `, ${bytes(t.bytes_stored)} held`;
+      return `${n}: ${number(t.hits)} of ${number(t.queried)} blocks, ${bytes(t.bytes_read)} read, ` +
+        `${bytes(t.bytes_written)} written${held}`;
+    }).join(" · "));
+}
+
 export async function overviewPage(main) {
   const hist = { rps: [], tps: [], queue: [], kv: [] };
   const status = h("p", { class: "muted" }, "Loading…");
@@ -198,6 +214,7 @@ export async function overviewPage(main) {
     const failed = e.adapter_load_failures ? ` · ${e.adapter_load_failures} failed` : "";
     set(main, "t-adapters", `${e.adapter_slots_used} / ${e.adapter_slots}`,
       `device slots · ${e.adapters_in_host} in host memory · ${e.adapter_loads} loads${mean}${failed}`);
+    kvTiers(main, e.kv_tiers || {});
   }
 
   await poll();

@@ -146,8 +146,26 @@ def live_stats(state: StateDep, session: SessionDep) -> dict:
             "adapter_load_seconds": s.adapter_load_seconds,
             "adapter_load_failures": s.adapter_load_failures,
             "preemptions": s.preemptions,
+            "kv_tiers": _kv_tiers(s),
         }
     return body
+
+
+def _kv_tiers(s) -> dict:
+    """Per KV tier (docs/kv-tiers.md) since the engine started: blocks looked up and found
+    (hit rate = hits / queried), bytes read and written, and bytes held now (host, disk; the
+    shared store's size is its own); empty when the tiers are off."""
+    return {
+        tier: {
+            "queried": queried,
+            "hits": s.kv_tier_hits.get(tier, 0),
+            "hit_rate": s.kv_tier_hits.get(tier, 0) / queried if queried else None,
+            "bytes_read": s.kv_tier_bytes_read.get(tier, 0),
+            "bytes_written": s.kv_tier_bytes_written.get(tier, 0),
+            "bytes_stored": s.kv_tier_bytes_stored.get(tier),
+        }
+        for tier, queried in s.kv_tier_queried.items()
+    }
 
 
 @stats_router.get("/tenants/{tenant_id}/batches")
