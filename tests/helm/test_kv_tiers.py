@@ -74,3 +74,14 @@ def test_helm_refuses_bad_tier_values():
     ):
         values = {"secrets": {"existingSecret": "x"}, "config": {"kvTiers": bad}}
         assert field in template_error(values), bad
+
+
+def test_a_redis_password_travels_in_the_secret(monkeypatch):
+    url = "redis://:Hq3mZx8Lw2@kv-redis.serving:6379/0"
+    values = {
+        "secrets": SECRETS | {"kvTierSharedUrl": url},
+        "config": {"kvTiers": {"sharedUrl": "redis://ignored:6379/0"}},
+    }
+    settings, _ = _settings(values, monkeypatch)
+    assert settings.kv_tier_shared_url == url  # the Secret's wins, as env over envFrom
+    assert "Hq3mZx8Lw2" not in str(kinds(render(values))["ConfigMap"][0]["data"])
