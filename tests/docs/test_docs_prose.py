@@ -83,7 +83,16 @@ def _switches_read_by_code() -> set[str]:
     """`LORAPLEX_*` names the code reads itself (a test's or a tool's switch, the kernels'
     dispatch): quoted in a source file outside these tests."""
     names: set[str] = set()
-    for folder in ("engine", "kernels", "platform", "bench", "benchmarks", "scripts", "tests"):
+    for folder in (
+        "engine",
+        "kernels",
+        "platform",
+        "bench",
+        "benchmarks",
+        "scripts",
+        "testkit",
+        "tests",
+    ):
         for path in (ROOT / folder).rglob("*"):
             if path.suffix in (".py", ".sh") and "docs" not in path.relative_to(ROOT).parts[1:2]:
                 text = path.read_text(errors="replace")
