@@ -107,7 +107,8 @@ class AdapterRaces(RuleBasedStateMachine):
         self.dbs = [make_engine(url), make_engine(url)]
         self.replicas = [
             SimpleNamespace(sessions=make_sessionmaker(db), model_name="base",
-                            store=GatedStore(new_store(), lambda: self.interleaver))
+                            store=GatedStore(new_store(), lambda: self.interleaver),
+                            settings=SimpleNamespace(data_plane="embedded"))
             for db in self.dbs
         ]  # fmt: skip
         self.state = self.replicas[0]
@@ -260,7 +261,7 @@ def test_the_collector_removes_only_what_a_crash_left(tmp_path, monkeypatch, cap
     upgrade(settings.database_url)
     db = make_engine(settings.database_url)
     state = SimpleNamespace(sessions=make_sessionmaker(db), store=store_for(settings),
-                            model_name="base")  # fmt: skip
+                            model_name="base", settings=settings)  # fmt: skip
     with state.sessions() as session:
         tid = crud.create_tenant(session, name="acme").id
     live, gone, crashed = (fake_adapter(tmp_path / f"src{i}", seed=i) for i in range(3))
