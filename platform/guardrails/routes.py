@@ -190,7 +190,7 @@ def my_policies(caller: CallerDep, session: SessionDep) -> Listing:
     return Listing(data=_policies(session, caller.tenant.id))
 
 
-@tenant_router.patch("/guardrails/{policy_id}")
+@tenant_router.patch("/guardrails/policies/{policy_id}")
 def set_record_text(policy_id: int, body: RecordTextIn, caller: CallerDep,
                     session: SessionDep) -> PolicyOut:  # fmt: skip
     """The tenant opts in (or out) of its events keeping the text that hit this policy; off

@@ -147,7 +147,7 @@ def test_text_is_recorded_only_once_the_tenant_opts_in(server):
     policy = add_policy(server, tid, name="watch", stages="input", action="flag",
                         terms=["invoice"])  # fmt: skip
     assert policy["record_text"] is False  # the default: no prompt text kept
-    url = f"{server.url}/v1/guardrails/{policy['id']}"
+    url = f"{server.url}/v1/guardrails/policies/{policy['id']}"
 
     def opt(api_key: str, body) -> httpx.Response:
         return httpx.patch(url, headers={"Authorization": f"Bearer {api_key}"}, json=body)
