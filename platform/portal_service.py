@@ -28,6 +28,7 @@ from loraplex.platform.db.models import (
 )
 from loraplex.platform.db.schemas import ApiKeyCreated, ApiKeyPublic
 from loraplex.platform.errors import APIError
+from loraplex.platform.latency_stats import LatencyStats, latency_stats
 from loraplex.platform.state import AppState, Caller
 
 MAX_KEYS_PER_TENANT = 50  # live keys a tenant may hold: a runaway script cannot mint without end
@@ -177,7 +178,7 @@ def _batch_usage(
     query = (
         select(day, UsageRecord.adapter_name, *usage._totals()[:3])
         .where(
-            *usage._in_period(start, end),
+            *usage.in_period(start, end),
             UsageRecord.tenant_id == tenant_id,
             UsageRecord.request_class == RequestClass.batch.value,
         )
@@ -191,7 +192,7 @@ def _batch_usage(
 
 def tenant_usage(session, tenant: Tenant, start: datetime, end: datetime) -> list[PortalUsageRow]:
     """`usage.tenant_usage` with each row's batch part apart and at the batch price."""
-    start, end = usage._as_utc(start), usage._as_utc(end)
+    start, end = usage.as_utc(start), usage.as_utc(end)
     batch = _batch_usage(session, tenant.id, start, end)
     rows = []
     for r in usage.tenant_usage(session, tenant_id=tenant.id, start=start, end=end):
@@ -223,11 +224,9 @@ def usage_report(
         return tenant.batch_price_factor, tenant_usage(session, tenant, start, end)
 
 
-def latency(
-    state: AppState, caller: Caller, start: datetime, end: datetime
-) -> list[usage.LatencyStats]:
-    """`usage.latency_stats` of the tenant's requests in [start, end), per adapter."""
+def latency(state: AppState, caller: Caller, start: datetime, end: datetime) -> list[LatencyStats]:
+    """`latency_stats` of the tenant's requests in [start, end), per adapter."""
     with state.sessions() as session:
-        return usage.latency_stats(
+        return latency_stats(
             session, start=start, end=end, by="adapter", tenant_id=caller.tenant.id
         )

@@ -20,7 +20,7 @@ from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Integer, case, func, select
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -147,7 +147,7 @@ def _totals() -> list[ColumnElement[Any]]:
     ]
 
 
-def _in_period(start: datetime, end: datetime) -> list[ColumnElement[bool]]:
+def in_period(start: datetime, end: datetime) -> list[ColumnElement[bool]]:
     if end <= start:
         raise ValueError(f"the period ends ({end}) before it starts ({start})")
     return [UsageRecord.created_at >= start, UsageRecord.created_at < end]
@@ -163,7 +163,7 @@ def usage_summary(
 ) -> list[UsageSummary]:
     """Request and token totals per tenant, per (tenant, adapter), per (tenant, adapter,
     version) or per UTC day."""
-    where = _in_period(start, end)
+    where = in_period(start, end)
     if tenant_id is not None:
         where.append(UsageRecord.tenant_id == tenant_id)
     if group_by == "tenant":
@@ -245,7 +245,7 @@ class BillingRow:
     guardrail_fail_opens: int | None = None
 
 
-def _as_utc(moment: datetime) -> datetime:
+def as_utc(moment: datetime) -> datetime:
     # Naive datetimes are UTC, as everywhere in the registry.
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
@@ -288,7 +288,7 @@ def billing_export(
     Uses the prices current at export time (the registry keeps no price history). Batch API
     tokens are in the totals and, apart, in the batch columns, at the batch price.
     """
-    start, end = _as_utc(start), _as_utc(end)
+    start, end = as_utc(start), as_utc(end)
     tenants = {t.id: t for t in session.scalars(select(Tenant))}
     keys: list[Any] = [UsageRecord.tenant_id]
     if by == "version":
@@ -297,7 +297,7 @@ def billing_export(
         tuple(row)[: len(keys)]: row
         for row in session.execute(
             select(*keys, *_totals()[:3])
-            .where(*_in_period(start, end), UsageRecord.request_class == RequestClass.batch.value)
+            .where(*in_period(start, end), UsageRecord.request_class == RequestClass.batch.value)
             .group_by(*keys)
         )
     }
@@ -436,7 +436,7 @@ def tenant_usage(
     keys: list[ColumnElement[Any]] = [day, UsageRecord.adapter_name]
     query = (
         select(*keys, *_totals())
-        .where(*_in_period(_as_utc(start), _as_utc(end)), UsageRecord.tenant_id == tenant_id)
+        .where(*in_period(as_utc(start), as_utc(end)), UsageRecord.tenant_id == tenant_id)
         .group_by(*keys)
         .order_by(day, UsageRecord.adapter_name.nulls_first())
     )
@@ -462,128 +462,6 @@ def tenant_usage(
     return rows
 
 
-# --- latency from the ledger (the admin overview) -------------------------------------------
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    """Requests of one time bucket (or one tenant) and their latency percentiles, in ms;
-    None where no request of the group has that timing."""
-
-    key: Any  # the bucket's start (datetime), the tenant id or the adapter name (None: base)
-    requests: int
-    errors: int
-    aborted: int
-    ttft_p50: float | None
-    ttft_p99: float | None
-    tpot_p50: float | None
-    tpot_p99: float | None
-    queue_p99: float | None
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the nearest ranks, as PostgreSQL's percentile_cont."""
-    if not values:
-        return None
-    values = sorted(values)
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-def _epoch(session: Session) -> ColumnElement[float]:
-    if session.get_bind().dialect.name == "postgresql":
-        return func.extract("epoch", UsageRecord.created_at)
-    return func.cast(func.strftime("%s", UsageRecord.created_at), Integer)  # UTC text
-
-
-def latency_stats(
-    session: Session,
-    *,
-    start: datetime,
-    end: datetime,
-    by: Literal["time", "tenant", "adapter"],
-    bucket_s: int = 300,
-    tenant_id: int | None = None,
-    adapter: str | None = None,
-    base_model: bool = False,
-) -> list[LatencyStats]:
-    """p50/p99 TTFT and TPOT (and p99 queue time) of the interactive requests in [start, end),
-    per time bucket of `bucket_s` seconds (buckets without requests left out), per tenant or
-    per adapter name (the base model first); for one
-    tenant, one adapter name (`adapter`) or the base model only (`base_model`).
-
-    PostgreSQL computes the percentiles itself (percentile_cont); on SQLite the timings are
-    read and ranked here, with the same interpolation."""
-    start, end = _as_utc(start), _as_utc(end)
-    # Interactive requests only: a Batch API line waits for idle capacity by design, and its
-    # latency would hide (or fake) the interactive latency these figures watch.
-    where = [*_in_period(start, end), UsageRecord.request_class == RequestClass.interactive.value]
-    if tenant_id is not None:
-        where.append(UsageRecord.tenant_id == tenant_id)
-    if adapter is not None:
-        where.append(UsageRecord.adapter_name == adapter)
-    elif base_model:
-        where.append(UsageRecord.adapter_name.is_(None))
-    if by == "time":
-        if bucket_s < 1:
-            raise ValueError("bucket_s must be at least 1")
-        group: ColumnElement[Any] = func.floor(_epoch(session) / bucket_s).label("g")
-    elif by == "tenant":
-        group = UsageRecord.tenant_id.label("g")
-    else:
-        group = UsageRecord.adapter_name.label("g")
-    counts = [
-        func.count().label("requests"),
-        func.sum(case((UsageRecord.status == UsageStatus.error.value, 1), else_=0)).label("e"),
-        func.sum(case((UsageRecord.status == UsageStatus.aborted.value, 1), else_=0)).label("a"),
-    ]
-    timings = (UsageRecord.ttft_ms, UsageRecord.tpot_ms, UsageRecord.queue_ms)
-    postgres = session.get_bind().dialect.name == "postgresql"
-    if postgres:
-        pct = [
-            func.percentile_cont(q).within_group(col)
-            for col, q in ((timings[0], 0.5), (timings[0], 0.99), (timings[1], 0.5),
-                           (timings[1], 0.99), (timings[2], 0.99))
-        ]  # fmt: skip
-        query = (
-            select(group, *counts, *pct).where(*where).group_by(group).order_by(group.nulls_first())
-        )
-        rows = [(r[0], r[1], r[2], r[3], *r[4:]) for r in session.execute(query)]
-    else:
-        summary = {
-            r[0]: r[1:]
-            for r in session.execute(select(group, *counts).where(*where).group_by(group))
-        }
-        values: dict[Any, tuple[list[float], list[float], list[float]]] = {
-            g: ([], [], []) for g in summary
-        }
-        for g, ttft, tpot, queue in session.execute(select(group, *timings).where(*where)):
-            for bucket, v in zip(values[g], (ttft, tpot, queue), strict=True):
-                if v is not None:
-                    bucket.append(v)
-        rows = []
-        for g in sorted(summary, key=lambda g: (g is not None, g)):  # None (base) first
-            ttfts, tpots, queues = values[g]
-            rows.append((g, *summary[g], _percentile(ttfts, 0.5), _percentile(ttfts, 0.99),
-                         _percentile(tpots, 0.5), _percentile(tpots, 0.99),
-                         _percentile(queues, 0.99)))  # fmt: skip
-
-    def plain(v: Any) -> float | None:
-        return None if v is None else float(v)
-
-    out = []
-    for g, n, e, a, t50, t99, p50, p99, q99 in rows:
-        if by == "time":
-            key = datetime.fromtimestamp(int(g) * bucket_s, UTC)
-        else:
-            key = int(g) if by == "tenant" else g
-        out.append(LatencyStats(key, int(n), int(e or 0), int(a or 0), plain(t50), plain(t99),
-                                plain(p50), plain(p99), plain(q99)))  # fmt: skip
-    return out
-
-
 # A refused request (429) leaves no ledger row (the ledger bills), so the overview counts
 # refusals here: per tenant, on this replica, since it started (the newest 10,000 a tenant).
 _refusals: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=10_000))
@@ -595,7 +473,7 @@ def count_refusal(tenant_id: int, *, now: float | None = None) -> None:
 
 def refusals_since(since: datetime) -> dict[int, int]:
     """Quota refusals per tenant on this replica from `since` on."""
-    cutoff = _as_utc(since).timestamp()
+    cutoff = as_utc(since).timestamp()
     counts = {
         t: sum(1 for at in list(times) if at >= cutoff) for t, times in list(_refusals.items())
     }
@@ -606,7 +484,7 @@ def adapter_names(
     session: Session, *, start: datetime, end: datetime, tenant_id: int | None = None
 ) -> list[str]:
     """The adapter names in the ledger in [start, end) (deleted adapters included), sorted."""
-    where = [*_in_period(_as_utc(start), _as_utc(end)), UsageRecord.adapter_name.is_not(None)]
+    where = [*in_period(as_utc(start), as_utc(end)), UsageRecord.adapter_name.is_not(None)]
     if tenant_id is not None:
         where.append(UsageRecord.tenant_id == tenant_id)
     query = select(UsageRecord.adapter_name).where(*where).distinct()

@@ -12,7 +12,8 @@ from sqlalchemy import inspect, select, text
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.db.session import downgrade, make_engine, upgrade
-from loraplex.platform.usage import latency_stats, record_usage
+from loraplex.platform.latency_stats import latency_stats
+from loraplex.platform.usage import record_usage
 from tests.utils.server import ADMIN_KEY, run_server
 
 NEW = {"queue_ms", "tpot_ms"}

@@ -23,6 +23,7 @@ from loraplex.platform.api.errors import APIError
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.guardrails import audit as guardrail_audit
+from loraplex.platform.latency_stats import LatencyStats, latency_stats
 from loraplex.platform.periods import last_day, period
 from loraplex.platform.replicas import STALE_BEATS, fleet, replica_id, snapshot
 from loraplex.platform.usage import BillingRow, GroupBy, UsageSummary
@@ -126,7 +127,7 @@ WINDOWS = {
 }
 
 
-def _stats(s: usage.LatencyStats) -> dict:
+def _stats(s: LatencyStats) -> dict:
     return {
         "requests": s.requests,
         "errors": s.errors,
@@ -155,13 +156,11 @@ def latency(
     end = utcnow()
     start = end - timedelta(seconds=length)
     chosen = dict(tenant_id=tenant_id, adapter=adapter or None, base_model=adapter == "")
-    series = usage.latency_stats(
-        session, start=start, end=end, by="time", bucket_s=bucket, **chosen
-    )
-    now = {s.key: s for s in usage.latency_stats(session, start=start, end=end, by="tenant")}
+    series = latency_stats(session, start=start, end=end, by="time", bucket_s=bucket, **chosen)
+    now = {s.key: s for s in latency_stats(session, start=start, end=end, by="tenant")}
     before = {
         s.key: s
-        for s in usage.latency_stats(
+        for s in latency_stats(
             session, start=start - timedelta(seconds=length), end=start, by="tenant"
         )
     }
@@ -169,7 +168,7 @@ def latency(
     names = {t.id: t.name for t in crud.list_tenants(session)}
     tenants = []
     for tid in sorted(set(now) | set(refused), key=lambda t: names.get(t, "")):
-        s = now.get(tid) or usage.LatencyStats(tid, 0, 0, 0, None, None, None, None, None)
+        s = now.get(tid) or LatencyStats(tid, 0, 0, 0, None, None, None, None, None)
         asked = s.requests + refused.get(tid, 0)
         tenants.append(
             {
