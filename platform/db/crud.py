@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import delete, func, inspect, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -567,8 +567,21 @@ def adapter_totals(session: Session, *, tenant_id: int) -> AdapterTotals:
 
 
 def touch_adapter_used(session: Session, *, adapter_id: int, now: datetime | None = None) -> None:
-    """Record a use of the adapter, at most one write a minute."""
+    """Record a use of the adapter, at most one write a minute.
+
+    A request has just read the adapter's row in this session: when that row shows a use
+    less than a minute old, nothing is sent to the database, neither a statement nor a commit.
+    That is every request but about one a minute per adapter: before, each request ran the
+    conditional UPDATE below and a commit (on SQLite, the database's write lock; on
+    PostgreSQL, two round trips), matching no row. Otherwise that one conditional UPDATE, so
+    replicas that touch the same row at once still write it at most once a minute between
+    them. The value is the same as before: the time of a use, at most a minute old."""
     now = now or utcnow()
+    row = session.identity_map.get(inspect(Adapter).identity_key_from_primary_key((adapter_id,)))
+    if row is not None and "last_used_at" not in inspect(row).unloaded:
+        seen = row.last_used_at
+        if seen is not None and now - LAST_USED_RESOLUTION < seen <= now:
+            return
     session.execute(
         update(Adapter)
         .where(
