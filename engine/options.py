@@ -196,6 +196,13 @@ class EngineOptions:
         "'recompute': always that (swap needs swap_space_gib)",
         server=True,
     )
+    tensor_parallel_size: int = option(
+        1,
+        "processes (devices) one base model is split across: each holds 1/N of every layer's "
+        "heads and MLP, of its adapters and of the KV cache (docs/tensor-parallel.md)",
+        flag=True,
+        ge=1,
+    )
 
     # KV tiers below the device pool (engine/memory/tiers, docs/kv-tiers.md): prefix blocks are
     # written through to each configured tier; a new request's stored prefix is loaded, not
