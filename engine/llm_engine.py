@@ -208,6 +208,7 @@ class LLMEngine:
         weight: float = 1.0,
         wait_for_adapter: bool = True,
         priority: int = 0,
+        resume=None,
     ) -> None:
         """Queue a request. Raises ValueError (or AdapterError) for bad input, queuing nothing.
 
@@ -215,6 +216,8 @@ class LLMEngine:
         for it and raises if it cannot be served; without (servers), it returns at once and a
         failed load finishes the request with an error output at a later step.
         `priority`: the request's class (0 interactive, 1 batch; engine/sequence.py).
+        `resume`: the first tokens a prefill worker drew (engine/disagg/resume.py): the
+        request continues after them.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -296,6 +299,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # one request, one prompt: the first sample's
             seqs[0].prompt_logprobs = PromptLogprobs()
         group = self.outputs.new_request(text, seqs)
+        if resume is not None:  # every sample has its first token: no fork
+            self.requests[request_id] = group
+            return resume.start(self, group)
         first = group.samples[0].seq
         first.fork_children = [r.seq for r in group.samples[1:]]
         self.requests[request_id] = group
