@@ -14,6 +14,7 @@ from loraplex.platform.db.models import GuardrailEvent
 
 log = logging.getLogger("loraplex.guardrails")
 TEXT_LIMIT = 2000  # characters of recorded text per event
+EDIT = "policy_edit"  # the action of a policy's edit (policy_audit.py): in the trail, not a count
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,12 @@ def list_events(session: Session, *, tenant_id: int | None, limit: int = 100,
 
 def counts(session: Session, *, start: datetime, end: datetime,
            tenant_id: int | None = None) -> dict[int, dict[str, int]]:  # fmt: skip
-    """tenant id -> action -> events in [start, end): what the billing export counts."""
+    """tenant id -> action -> events in [start, end): what the billing export counts (the
+    decisions; a policy's edits are not)."""
     q = (
         select(GuardrailEvent.tenant_id, GuardrailEvent.action, func.count())
         .where(GuardrailEvent.created_at >= start, GuardrailEvent.created_at < end)
+        .where(GuardrailEvent.action != EDIT)
         .group_by(GuardrailEvent.tenant_id, GuardrailEvent.action)
     )
     if tenant_id is not None:

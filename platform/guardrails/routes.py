@@ -1,9 +1,13 @@
 """Guardrail policies and their audit trail over HTTP.
 
-Admin (under /admin/api, the admin check of `admin.py`): create, list and delete a tenant's
-policies; the events of every tenant; the per-tenant counts of a period. Tenant (under /v1,
-its API key): its own policies and events, and its opt-in to recorded text per policy (the
+Admin (under /admin/api, the admin check of `admin.py`): create, list, edit and delete a
+tenant's policies; the events of every tenant; the per-tenant counts of a period. Tenant (under
+/v1, its API key): its own policies and events, and its opt-in to recorded text per policy (the
 only field of a policy it may change: the text is its own prompts and answers).
+
+Every edit of a policy (the operator's, or the tenant's opt-in) leaves an audit event with
+action `policy_edit` beside the policy's decisions: who (the key, or none for the operator),
+when, and each changed field's old and new value (`policy_audit.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -22,6 +26,7 @@ from loraplex.platform.db.models import ApiKey, GuardrailPolicy
 from loraplex.platform.errors import APIError
 from loraplex.platform.guardrails import audit
 from loraplex.platform.guardrails.checks import check_rules
+from loraplex.platform.guardrails.policy_audit import record_edit
 from loraplex.platform.periods import period
 
 admin_router = APIRouter(tags=["guardrails"])
@@ -44,6 +49,30 @@ class PolicyIn(BaseModel):
     fail_mode: Literal["open", "closed"] = "closed"
     record_text: bool = False
     api_key_id: int | None = None  # one key's requests only
+
+
+class PolicyPatch(BaseModel):
+    """The fields to change, each as in `PolicyIn`; a field left out keeps its value. The
+    result is checked as a whole, as a new policy is (a policy left with no check is a 400).
+    `guard_adapter: null` removes the guard (and its `guard_tenant_id`); a guard named where
+    there was none is the policy's own tenant's unless `guard_tenant_id` says otherwise."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    stages: Literal["input", "output", "both"] | None = None
+    action: Literal["block", "redact", "flag"] | None = None
+    terms: list[Annotated[str, Field(max_length=200)]] | None = Field(default=None, max_length=1000)
+    patterns: list[Annotated[str, Field(max_length=500)]] | None = Field(
+        default=None, max_length=100
+    )
+    pii: list[str] | None = None
+    guard_adapter: str | None = Field(default=None, max_length=160)
+    guard_tenant_id: int | None = None
+    guard_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
+    fail_mode: Literal["open", "closed"] | None = None
+    record_text: bool | None = None
+    api_key_id: int | None = None
 
 
 class RecordTextIn(BaseModel):
@@ -112,10 +141,8 @@ def _policies(session: Session, tenant_id: int) -> list[PolicyOut]:
     return [PolicyOut.model_validate(r) for r in rows]
 
 
-@admin_router.post("/tenants/{tenant_id}/guardrails", status_code=201)
-def create_policy(tenant_id: int, body: PolicyIn, session: SessionDep) -> PolicyOut:
-    """A policy for the tenant (or one of its keys); it applies from the next request."""
-    _tenant(session, tenant_id)
+def _checked(session: Session, tenant_id: int, body: PolicyIn) -> dict:
+    """The policy's stored fields, once every check a new or edited policy must pass holds."""
     why = check_rules(body.terms, body.patterns, body.pii)
     if why is not None:
         raise APIError(400, why, "invalid_policy")
@@ -131,10 +158,48 @@ def create_policy(tenant_id: int, body: PolicyIn, session: SessionDep) -> Policy
         _tenant(session, body.guard_tenant_id)
     if body.guard_tenant_id is not None and not body.guard_adapter:
         raise APIError(400, "guard_tenant_id needs a guard_adapter", "invalid_policy")
-    row = GuardrailPolicy(tenant_id=tenant_id, **body.model_dump())
-    if row.guard_adapter and row.guard_tenant_id is None:
-        row.guard_tenant_id = tenant_id  # the owner is stored: see gate.load_policies
+    values = body.model_dump()
+    if values["guard_adapter"] and values["guard_tenant_id"] is None:
+        values["guard_tenant_id"] = tenant_id  # the owner is stored: see gate.load_policies
+    return values
+
+
+def _owned(session: Session, tenant_id: int, policy_id: int) -> GuardrailPolicy:
+    row = session.get(GuardrailPolicy, policy_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise APIError(404, f"tenant {tenant_id} has no guardrail policy {policy_id}",
+                       "policy_not_found")  # fmt: skip
+    return row
+
+
+@admin_router.post("/tenants/{tenant_id}/guardrails", status_code=201)
+def create_policy(tenant_id: int, body: PolicyIn, session: SessionDep) -> PolicyOut:
+    """A policy for the tenant (or one of its keys); it applies from the next request."""
+    _tenant(session, tenant_id)
+    row = GuardrailPolicy(tenant_id=tenant_id, **_checked(session, tenant_id, body))
     session.add(row)
+    session.commit()
+    return PolicyOut.model_validate(row)
+
+
+@admin_router.patch("/tenants/{tenant_id}/guardrails/{policy_id}")
+def edit_policy(tenant_id: int, policy_id: int, body: PolicyPatch,
+                session: SessionDep) -> PolicyOut:  # fmt: skip
+    """Change some of a policy's fields; it applies from the next request. Checked as a whole
+    before anything is written; the change is an audit event (`policy_edit`)."""
+    row = _owned(session, tenant_id, policy_id)
+    given = body.model_dump(exclude_unset=True)
+    if "guard_adapter" in given and given["guard_adapter"] is None:
+        given.setdefault("guard_tenant_id", None)  # no guard, no guard owner
+    merged = {f: getattr(row, f) for f in PolicyIn.model_fields} | given
+    try:
+        policy = PolicyIn.model_validate(merged)
+    except ValidationError as e:  # a field set to null that must have a value
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"{where}: {first['msg']}", "invalid_policy", where) from None
+    values = _checked(session, tenant_id, policy)
+    record_edit(session, row, values, tenant_id=tenant_id, key_id=None, route="admin")
     session.commit()
     return PolicyOut.model_validate(row)
 
@@ -147,10 +212,7 @@ def list_policies(tenant_id: int, session: SessionDep) -> Listing:
 
 @admin_router.delete("/tenants/{tenant_id}/guardrails/{policy_id}", status_code=204)
 def delete_policy(tenant_id: int, policy_id: int, session: SessionDep) -> Response:
-    row = session.get(GuardrailPolicy, policy_id)
-    if row is None or row.tenant_id != tenant_id:
-        raise APIError(404, f"tenant {tenant_id} has no guardrail policy {policy_id}",
-                       "policy_not_found")  # fmt: skip
+    row = _owned(session, tenant_id, policy_id)
     session.delete(row)  # its events stay, their policy_id set to null (the name stays)
     session.commit()
     return Response(status_code=204)
@@ -198,7 +260,8 @@ def set_record_text(policy_id: int, body: RecordTextIn, caller: CallerDep,
     row = session.get(GuardrailPolicy, policy_id)
     if row is None or row.tenant_id != caller.tenant.id:  # another tenant's is not found
         raise APIError(404, f"no guardrail policy {policy_id}", "policy_not_found", "policy_id")
-    row.record_text = body.record_text
+    record_edit(session, row, {"record_text": body.record_text}, tenant_id=row.tenant_id,
+                key_id=caller.key.id, route="tenant")  # fmt: skip
     session.commit()
     return PolicyOut.model_validate(row)
 

@@ -165,8 +165,77 @@ def test_text_is_recorded_only_once_the_tenant_opts_in(server):
     during = ask("the invoice again")
     assert opt(key, {"record_text": False}).status_code == 200
     after = ask("one more invoice")
-    text = {x["request_id"]: x["text"] for x in events(server, tid)}
+    got = events(server, tid)
+    text = {x["request_id"]: x["text"] for x in got if x["action"] != "policy_edit"}
     assert text == {before: None, during: "invoice", after: None}
+    # Each opt-in and opt-out is in the trail too, made by the tenant's key (newest first).
+    edits = [x for x in got if x["action"] == "policy_edit"]
+    assert [(x["rule"], json.loads(x["text"]), x["route"]) for x in edits] == [
+        ("edit:record_text", {"record_text": [True, False]}, "tenant"),
+        ("edit:record_text", {"record_text": [False, True]}, "tenant"),
+    ]
+    assert all(x["api_key_id"] is not None for x in edits)
+    assert events(server, other_tid) == []
+
+
+def test_the_operator_edits_a_policy_checked_whole_and_audited(server):
+    tid, key = new_tenant(server)
+    other_tid, other_key = new_tenant(server)
+    p = add_policy(server, tid, name="nuts", stages="input", terms=["walnut"])
+    url = f"{server.url}/admin/api/tenants/{tid}/guardrails/{p['id']}"
+    base = server.state.model_name
+
+    def ask(prompt: str) -> None:
+        client(server, key).completions.create(model=base, prompt=prompt, max_tokens=1)
+
+    with pytest.raises(openai.BadRequestError):
+        ask("a walnut")
+    r = httpx.patch(url, headers=ADMIN, json={"action": "flag", "terms": ["pecan"]})
+    assert r.status_code == 200, r.text
+    assert (r.json()["action"], r.json()["terms"], r.json()["name"]) == ("flag", ["pecan"], "nuts")
+    ask("a walnut")  # the old term no longer applies, from the next request on
+    ask("a pecan")  # flagged, not blocked
+    assert [(x["rule"], x["action"]) for x in events(server, tid)][:1] == [("term", "flag")]
+    with server.sessions() as session:
+        from loraplex.platform.db import crud
+
+        _, other_key_row = crud.create_key(session, tenant_id=other_tid)
+    before = httpx.get(f"{server.url}/admin/api/tenants/{tid}/guardrails", headers=ADMIN).json()
+    bad = [
+        ({"patterns": ["("]}, 400, "invalid_policy"),
+        ({"terms": []}, 400, "invalid_policy"),  # left with no check
+        ({"name": None}, 400, "invalid_policy"),
+        ({"action": "erase"}, 400, None),
+        ({"actoin": "block"}, 400, None),
+        ({"guard_tenant_id": tid}, 400, "invalid_policy"),  # no guard to own
+        ({"api_key_id": other_key_row.id}, 404, "key_not_found"),  # another tenant's key
+    ]
+    for body, status, code in bad:
+        r = httpx.patch(url, headers=ADMIN, json=body)
+        assert r.status_code == status, (body, r.text)
+        assert code is None or r.json()["error"]["code"] == code, r.text
+    other_url = f"{server.url}/admin/api/tenants/{other_tid}/guardrails/{p['id']}"
+    assert httpx.patch(other_url, headers=ADMIN, json={"action": "block"}).status_code == 404
+    r = httpx.patch(url, headers={"Authorization": f"Bearer {other_key}"}, json={"name": "x"})
+    assert r.status_code in (401, 403)  # a tenant edits no policy, its own included
+    after = httpx.get(f"{server.url}/admin/api/tenants/{tid}/guardrails", headers=ADMIN).json()
+    assert after == before  # nothing of a refused edit was written
+    # A guard named where there was none is the tenant's own; removing it clears its owner.
+    r = httpx.patch(url, headers=ADMIN, json={"guard_adapter": "g", "fail_mode": "open"})
+    assert (r.json()["guard_adapter"], r.json()["guard_tenant_id"]) == ("g", tid)
+    r = httpx.patch(url, headers=ADMIN, json={"guard_adapter": None})
+    assert (r.json()["guard_adapter"], r.json()["guard_tenant_id"]) == (None, None)
+    assert httpx.patch(url, headers=ADMIN, json={"fail_mode": "open"}).status_code == 200
+    edits = [x for x in events(server, tid) if x["action"] == "policy_edit"]
+    assert [(x["rule"], x["route"], x["api_key_id"]) for x in edits] == [
+        ("edit:guard_adapter,guard_tenant_id", "admin", None),
+        ("edit:fail_mode,guard_adapter,guard_tenant_id", "admin", None),
+        ("edit:action,terms", "admin", None),
+    ]  # an edit that changes nothing (the last) leaves no event
+    assert json.loads(edits[-1]["text"]) == {"action": ["block", "flag"],
+                                             "terms": [["walnut"], ["pecan"]]}  # fmt: skip
+    counts = httpx.get(f"{server.url}/admin/api/billing", headers=ADMIN).json()
+    assert {"tenant_id": tid, "block": 1, "flag": 1} in counts["guardrail_counts"]  # no edits
     assert events(server, other_tid) == []
 
 
