@@ -26,18 +26,18 @@ import uuid
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from loraplex.engine import LLM
-from tests.engine.test_differential import (  # noqa: F401 (adapters, one_thread: fixtures)
+from tests.engine.test_differential import (
     EVERY_FEATURE,
     _check,
     _followups,
     _generate,
-    adapters,
+    _with_extra,
     cases,
-    one_thread,
 )
 from tests.utils.hf_reference import peft_reference
 
@@ -58,6 +58,20 @@ def _redis_up() -> bool:
 
 MODES = ("host", "disk", "shared", "two engines") if _redis_up() else ("host", "disk")
 HITS: Counter[str] = Counter()  # blocks loaded from a tier, per mode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tiny_adapters, tmp_path_factory) -> dict[str, dict]:
+    """The differential test's seven adapters per kind (conftest's four and its extra three)."""
+    return _with_extra(tiny_models, tiny_adapters, tmp_path_factory.mktemp("tier-adapters"))
 
 
 def _every_mode(test):
@@ -163,4 +177,3 @@ def test_generated_examples_load_from_every_tier(tiny_models, adapters, tmp_path
         )
     missing = [m for m in MODES if not HITS[m]]
     assert not missing, f"no generated example loaded blocks from: {missing} ({dict(HITS)})"
-
