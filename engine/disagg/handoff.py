@@ -14,6 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from loraplex.engine.disagg.wire import params_from_dict, prompt_logprobs_from
 from loraplex.engine.outputs import PromptLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import LoRARequest
@@ -45,37 +46,34 @@ class Handoff:
     kv_blocks: int = 0  # full prompt blocks the prefill worker published to the tiers
 
     def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["params"] = dataclasses.asdict(self.params)
         for s in d["samples"]:
             g = s["generator_state"]
             s["generator_state"] = base64.b64encode(g).decode() if g is not None else None
-        return json.dumps(d)
+        return d
 
     @classmethod
     def from_json(cls, text: str) -> Handoff:
-        d = json.loads(text)
-        p = d.pop("params")
-        if p.get("logit_bias"):  # JSON object keys are strings
-            p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
-        params = SamplingParams(**p)
-        samples = []
-        for s in d.pop("samples"):
-            g = s["generator_state"]
-            samples.append(
-                FirstToken(
-                    token=s["token"],
-                    logprob=s["logprob"],
-                    top=[(int(t), float(v)) for t, v in s["top"]],
-                    generator_state=base64.b64decode(g) if g is not None else None,
-                )
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Handoff:
+        d = dict(d)
+        params = params_from_dict(d.pop("params"))
+        samples = [
+            FirstToken(
+                token=s["token"],
+                logprob=s["logprob"],
+                top=[(int(t), float(v)) for t, v in s["top"]],
+                generator_state=base64.b64decode(g) if (g := s["generator_state"]) else None,
             )
-        lora = LoRARequest(**d.pop("lora")) if d.get("lora") else d.pop("lora", None)
-        pl = d.pop("prompt_logprobs")
-        if pl is not None:
-            pl = PromptLogprobs(
-                token_logprobs=pl["token_logprobs"],
-                ranks=pl["ranks"],
-                top=[None if t is None else [(int(a), float(b)) for a, b in t] for t in pl["top"]],
-            )
+            for s in d.pop("samples")
+        ]
+        lora = d.pop("lora")
+        lora = LoRARequest(**lora) if lora else None
+        pl = prompt_logprobs_from(d.pop("prompt_logprobs"))
         return cls(params=params, samples=samples, lora=lora, prompt_logprobs=pl, **d)

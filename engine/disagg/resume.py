@@ -23,6 +23,7 @@ from loraplex.engine.disagg.handoff import Handoff
 class Resume:
     def __init__(self, handoff: Handoff):
         self.handoff = handoff
+        self.output = None  # set by start: the request's output after its first tokens
 
     def start(self, engine, group) -> None:
         """Queue `group`'s samples after their first tokens (the engine's add_request)."""
@@ -54,6 +55,6 @@ class Resume:
             stop = engine.outputs.check_stop(sample)
             if stop is not None:
                 engine._finish(sample, stop.reason, stop.stop_reason)
-        output = engine._output(group)  # the first token's text, delivered at the next step
-        if output is not None:
-            engine._pending.append(output)
+        # The first token's output (its text, what a stop string holds back), for the caller
+        # to deliver now: nothing of it waits for a step.
+        self.output = engine._output(group)

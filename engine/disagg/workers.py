@@ -151,9 +151,10 @@ class DecodeWorker:
         self.tokens_loaded = 0  # prompt tokens found stored, not computed, over all handoffs
 
     def add_handoff(self, handoff: Handoff, lora_request: LoRARequest | None = None,
-                    **kw) -> None:  # fmt: skip
+                    **kw) -> RequestOutput | None:  # fmt: skip
         """Continue `handoff`'s request here (`lora_request`: this worker's own name for the
-        same adapter version, default the prefill worker's)."""
+        same adapter version, default the prefill worker's); returns its first output (the
+        first tokens' text; finished if they ended it), None for best_of until the end."""
         params = copy.copy(handoff.params)
         params.prompt_logprobs = None  # scored by the prefill worker: its prefix may be loaded
         self.engine.add_request(
@@ -162,10 +163,12 @@ class DecodeWorker:
             params,
             lora_request or handoff.lora,
             tenant=handoff.tenant,
-            resume=Resume(handoff),
+            resume=(resume := Resume(handoff)),
             **kw,
         )
         self._live[handoff.request_id] = handoff
+        out = resume.output
+        return self._as_one_engine(out) if out is not None else None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         if self._live.pop(request_id, None) is None:
@@ -173,22 +176,23 @@ class DecodeWorker:
         return self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.engine._pending)
+        return self.engine.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """One engine step's outputs, each as one engine would give it: the prompt's text,
         prompt logprobs and cached tokens are the prefill worker's."""
-        outputs = self.engine.step()
-        for out in outputs:
-            h = self._live.get(out.request_id)
-            if h is None:
-                continue
-            out.prompt = h.prompt
-            out.prompt_logprobs = h.prompt_logprobs
-            out.num_cached_tokens = h.num_cached_tokens
-            if out.finished:
-                del self._live[out.request_id]
-        return outputs
+        return [self._as_one_engine(out) for out in self.engine.step()]
+
+    def _as_one_engine(self, out: RequestOutput) -> RequestOutput:
+        h = self._live.get(out.request_id)
+        if h is None:
+            return out
+        out.prompt = h.prompt
+        out.prompt_logprobs = h.prompt_logprobs
+        out.num_cached_tokens = h.num_cached_tokens
+        if out.finished:
+            del self._live[out.request_id]
+        return out
 
 
 def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker,
@@ -202,7 +206,9 @@ def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker,
     while prefill.has_unfinished() or decode.has_unfinished():
         for item in prefill.step() if prefill.has_unfinished() else []:
             if isinstance(item, Handoff):
-                decode.add_handoff(item)
+                first = decode.add_handoff(item)
+                if first is not None and first.finished:
+                    done[first.request_id] = first
             else:
                 done[item.request_id] = item
         if decode.has_unfinished():

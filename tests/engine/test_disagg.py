@@ -152,7 +152,8 @@ def test_stop_string_held_back_across_the_handoff(engines, loras):
     while prefill.has_unfinished() or decode.has_unfinished():
         for item in prefill.step():
             assert isinstance(item, Handoff)
-            decode.add_handoff(Handoff.from_json(item.to_json()))  # as between processes
+            first = decode.add_handoff(Handoff.from_json(item.to_json()))  # as between processes
+            streamed += first.delta_text
         for out in decode.step() if decode.has_unfinished() else []:
             streamed += out.delta_text
             last = out
