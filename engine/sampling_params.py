@@ -61,6 +61,9 @@ class SamplingParams:
     # specs of registered logits processors, `{"kind": ..., ...}`
     # (engine/sampling/logits_processors.py)
     logits_processors: list[dict] | None = None
+    # a secret in the prefix cache's keys (device pool and KV tiers): only requests with the
+    # same salt share cached KV. The platform sets its tenant's (platform/db/cache_salts.py)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -113,6 +116,10 @@ class SamplingParams:
             if not (_is_int(value) or (optional and value is None)):
                 allowed = "an integer or None" if optional else "an integer"
                 raise BadRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
+        if not (self.cache_salt is None or isinstance(self.cache_salt, str)):
+            raise BadRequestError(
+                f"cache_salt must be a string or None, got {self.cache_salt!r}", param="cache_salt"
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise BadRequestError(

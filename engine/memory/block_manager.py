@@ -66,6 +66,9 @@ class BlockManager:
         h = hashlib.blake2b(parent, digest_size=16)
         if i == 0:
             h.update(f"{seq.adapter_id}|{seq.tenant or ''}|".encode())
+            salt = seq.params.cache_salt
+            if salt:  # length-prefixed; an unsalted key is as it was (stored blocks stay found)
+                h.update(b"salt" + len(salt.encode()).to_bytes(8, "little") + salt.encode())
         h.update(tokens.tobytes())
         return h.digest()
 

@@ -293,3 +293,30 @@ def test_an_unreachable_shared_store_is_only_a_miss(tiny_models, reference):
     assert tokens == reference(history) and computed == len(history)
     c = llm.engine.kv_tiers.counters["shared"]
     assert c.errors >= 2 and c.hits == 0
+
+
+def test_a_cache_salt_separates_device_and_tier_hits(tiny_models, reference):
+    """Requests share cached KV (device pool and tiers) only under the same cache_salt, the
+    per-tenant secret the platform rotates; an unsalted request is a third party."""
+    from loraplex.engine.errors import BadRequestError
+
+    llm = _llm(tiny_models["llama"], kv_tier_host_gib=0.01, kv_tier_salt=_salt())
+    engine, host = llm.engine, llm.engine.kv_tiers.counters["host"]
+    history = _prompt(13)
+
+    def run(salt):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, cache_salt=salt)
+        out = llm.generate([history], params)[0]
+        engine.kv_tiers.flush()
+        assert out.outputs[0].token_ids == reference(history)
+        return out.num_cached_tokens
+
+    assert run("a") == 0
+    assert run("a") == 64  # the device pool's blocks, same salt
+    assert run("b") == 0 and run(None) == 0  # nor a device hit nor a tier hit
+    _evict(llm)
+    hits = host.hits
+    assert run("c") == 0 and host.hits == hits  # a new salt: nothing stored under it
+    assert run("a") == 64 and host.hits == hits + 8  # the old salt's blocks, from the tier
+    with pytest.raises(BadRequestError, match="cache_salt"):
+        SamplingParams(cache_salt=5)
