@@ -16,6 +16,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -29,6 +30,7 @@ from loraplex.engine.memory.swap import HostKVCache, SwapSpace, num_host_blocks
 from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.output_processor import OutputProcessor, RequestState, SampleState
 from loraplex.engine.outputs import PromptLogprobs, RequestOutput
+from loraplex.engine.parallel.runtime import TensorParallel, TPAdapterManager, TPModelRunner
 from loraplex.engine.sampling import structured_output  # noqa: F401  (registers the "grammar" kind)
 from loraplex.engine.sampling.logits_processors import ProcessorContext, build_processors
 from loraplex.engine.sampling.sampler import Sampler
@@ -82,6 +84,8 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine is the user
         self.tokenizer = Tokenizer.from_dir(config.model)
+        # tensor parallelism (engine/parallel): this process is rank 0 and holds a shard
+        self.tp = TensorParallel(config) if config.tensor_parallel_size > 1 else None
         self.model = load_model(
             config.model,
             config.torch_dtype,
@@ -89,12 +93,16 @@ class LLMEngine:
             max_len=config.max_model_len,
             progress=progress,
             quantization=config.quantization,
+            shard=None if self.tp is None else self.tp.shard,
         )
+        if self.tp is not None:
+            self.tp.attach(self.model)
         spec = self.model.spec
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # Adapter slots first: they come out of the same device budget as the KV pool.
         slots = config.max_loras if config.enable_lora else 0
-        self.adapters = AdapterManager(
+        manager = AdapterManager if self.tp is None else partial(TPAdapterManager, self.tp)
+        self.adapters = manager(
             self.model, slots, config.max_lora_rank, config.max_cpu_loras,
             expert_lora=config.expert_lora,
         )  # fmt: skip
@@ -115,7 +123,10 @@ class LLMEngine:
             runner_config = copy.copy(config)  # the runner sizes its pool from what is left
             runner_config.kv_cache_bytes = budget - slot_bytes
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
-        self.runner = ModelRunner(runner_config, self.model, sampler)
+        if self.tp is None:
+            self.runner = ModelRunner(runner_config, self.model, sampler)
+        else:
+            self.runner = TPModelRunner(self.tp, runner_config, self.model, sampler)
         self.memory = MemoryReport(
             budget_bytes=max(budget, slot_bytes + self.runner.kv_cache_bytes),
             adapter_slot_bytes=slot_bytes,
@@ -357,6 +368,8 @@ class LLMEngine:
         their bound (engine/memory/tiers/manager.py FLUSH_ON_CLOSE_S), and stop."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.tp is not None:  # the other ranks stop
+            self.tp.close()
 
     # ----------------------------------------------------------------- stepping
     def _poll_adapters(self) -> dict[int, Exception]:

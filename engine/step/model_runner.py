@@ -93,6 +93,7 @@ class ModelRunner:
             self.device,
         )  # fmt: skip
         impl = choose_cpu_attention(config, model) if self.device.type == "cpu" else "sdpa"
+        self.cpu_attention = impl  # tensor parallelism: rank 0's choice is every rank's
         # This engine's kernels (its kernel_mode option, its own attention form), bound to its
         # model's modules: another engine in the process keeps its own.
         self.backend = kernel_backend.KernelBackend(mode=config.kernel_mode, cpu_attention=impl)
@@ -193,16 +194,20 @@ class ModelRunner:
         dst = torch.tensor([b for _, b in pairs], device=self.device)
         kv_cache.copy_kv_blocks(self.attentions, src, dst)
 
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The final hidden states [rows, hidden] of a prepared step (engine/parallel/
+        runtime.py sends the step to the other ranks first)."""
+        if batch.decode is not None:
+            return self.graphs.run(batch.decode)
+        return self.model(batch.input_ids, batch.positions, batch.ctx)
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, slots: dict[int, int]):
         """Run one step; returns (sampling sequences, SamplerOutput) or None if none sample.
 
         A sequence with k speculative proposals appears k + 1 times in a row."""
         batch = self.prepare(out, slots)
-        if batch.decode is not None:
-            hidden = self.graphs.run(batch.decode)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.ctx)
+        hidden = self.forward(batch)
         self.nonfinite = []
         if batch.prompt_rows.rows:
             score_prompt_rows(self.model, hidden, batch.prompt_rows)

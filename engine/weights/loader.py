@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -160,13 +161,16 @@ def load_model(
     max_len: int = 4096,
     progress: bool = False,
     quantization: str | None = None,
+    shard: Callable[[DecoderLM], DecoderLM] | None = None,
 ) -> DecoderLM:
     """The model in `dtype` on `device`; with `quantization` ("int8" | "int4" | "fp8") its linear
     layers are then quantized in place (peak memory: the float model plus one layer); int4
     runs GPTQ on the texts of engine/weights/calibration.py when the folder has a tokenizer. Without
     quantization, bf16 linear layers on the CPU keep their weights in oneDNN's packed layout
     (same results, less work per matmul; see PackedLoRALinear), and a vocabulary-sized
-    lm_head is packed too (PackedHead)."""
+    lm_head is packed too (PackedHead). `shard` (tensor parallelism, engine/parallel/shard.py)
+    turns the loaded float model into this rank's share of it before anything is packed or
+    quantized (each rank reads the whole checkpoint and keeps its share)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     spec: ModelSpec = spec_from_config(config)
@@ -188,6 +192,11 @@ def load_model(
     if stored is not None and quantization is not None:
         raise ValueError(
             f"{folder} is already quantized ({stored.method}); load it with quantization=None"
+        )
+    if stored is not None and shard is not None:
+        raise ValueError(
+            f"{folder} is stored quantized ({stored.method}): such checkpoints are not split "
+            "across ranks yet; quantize a float checkpoint on load (quantization=...) instead"
         )
     files = weight_files(folder)
     quantized: set[str] = set()
@@ -259,6 +268,8 @@ def load_model(
     if pending:
         n = install(model, pending, stored)
         log.info("%d linear layers loaded from %s checkpoint tensors", n, stored.method)
+    if shard is not None:
+        model = shard(model)
     model.build_buffers(torch.device(device), max_len)  # GPTQ calibration runs the model
     if quantization is not None:
         calibration = calibration_sequences(folder, max_len) if quantization == "int4" else None

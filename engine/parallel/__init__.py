@@ -1,0 +1,1 @@
+"""Tensor parallelism: one base model across several processes (docs/tensor-parallel.md)."""

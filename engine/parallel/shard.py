@@ -1,0 +1,132 @@
+"""How the base model and its adapters split over the ranks (Megatron's layout, S-LoRA's
+adapters).
+
+Each rank keeps a decoder of its own, built from a *local* spec: 1/N of the attention heads
+(q and kv), 1/N of the MLP's intermediate size. So its q|k|v and gate|up projections are
+column-parallel (their output rows split: rank r keeps heads r*h/N.. and intermediate rows
+r*i/N.. of every slice), and its o and down projections row-parallel (their input columns
+split the same way): each rank's o and down give a partial sum of the full output, which an
+all-reduce (`install_all_reduce`) completes. Embeddings, norms, RoPE tables and the LM head
+are whole on every rank; a row-parallel bias is added once, on rank 0. A rank's KV cache
+holds its own kv heads only, so a KV block costs 1/N of the bytes on each rank.
+
+Adapters split the way their base layer does (S-LoRA): on a column-parallel target B's rows
+(its output) are split and A is whole; on a row-parallel target A's columns (its input) are
+split and B is whole, and the all-reduce after the layer sums the LoRA term's partial sums
+with the base's (x_r A_r^T B summed over r is x A^T B). No collective of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from loraplex.engine.adapters.lora import LoRAAdapter
+from loraplex.engine.errors import AdapterError
+from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.spec import ModelSpec
+
+COLUMN = ("qkv_proj", "gate_up_proj")  # our fused modules whose output rows split
+ROW = ("o_proj", "down_proj")  # whose input columns split (followed by the all-reduce)
+# PEFT targets on each side (an adapter's weights are keyed by the split names)
+COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_TARGETS = ("o_proj", "down_proj")
+
+
+def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
+    """One rank's share of the model; ValueError where the model does not split into `world`."""
+    if spec.is_moe:
+        raise ValueError(
+            f"tensor_parallel_size {world}: mixture-of-experts bases ({spec.family}) are not "
+            "split across ranks yet; serve them with tensor_parallel_size 1"
+        )
+    for what, n in (("attention heads", spec.num_heads), ("kv heads", spec.num_kv_heads),
+                    ("intermediate_size", spec.intermediate_size)):  # fmt: skip
+        if n % world:
+            raise ValueError(
+                f"tensor_parallel_size {world} must divide the model's {what} ({n})"
+            )
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // world,
+        num_kv_heads=spec.num_kv_heads // world,
+        intermediate_size=spec.intermediate_size // world,
+    )
+
+
+def _rows(t: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s share of each slice of `t` (dim 0 split into `sizes`), concatenated."""
+    return torch.cat([s.chunk(world)[rank] for s in t.split(sizes)])
+
+
+@torch.no_grad()
+def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
+    """Rank `rank`'s decoder, its weights copied out of `full` (float weights, before any
+    packing or quantization). It keeps `full_spec` (what adapters are checked against)."""
+    spec = full.spec
+    lspec = local_spec(spec, world)
+    with torch.device("meta"):
+        local = DecoderLM(lspec).to(full.dtype)
+    local = local.to_empty(device=full.device)
+    if spec.tie_embeddings:
+        local.lm_head.weight = local.model.embed_tokens.weight
+    src = dict(full.named_parameters())
+    for name, p in local.named_parameters():
+        t = src[name]
+        *owner, mod, leaf = name.split(".")
+        if mod in COLUMN:
+            t = _rows(t, full.get_submodule(".".join([*owner, mod])).out_sizes, rank, world)
+        elif mod in ROW and leaf == "weight":
+            t = t.chunk(world, dim=1)[rank]
+        elif mod in ROW and leaf == "bias" and rank:
+            t = torch.zeros_like(t)
+        elif leaf == "sinks":
+            t = t.chunk(world)[rank]
+        if t.shape != p.shape:
+            raise AssertionError(f"{name}: shard {tuple(t.shape)} != {tuple(p.shape)}")
+        p.copy_(t)
+    local.full_spec = spec
+    local.tp_rank, local.tp_world = rank, world
+    return local
+
+
+def shard_adapter(adapter: LoRAAdapter, rank: int, world: int) -> LoRAAdapter:
+    """Rank `rank`'s share of an adapter read against the whole model (see the module doc)."""
+    if adapter.use_dora or adapter.experts:
+        what = "DoRA" if adapter.use_dora else "expert LoRA"
+        raise AdapterError(
+            f"adapter '{adapter.name}': {what} is not served with tensor_parallel_size > 1 yet"
+        )
+    weights = {}
+    for (layer, target), (a, b) in adapter.weights.items():
+        if target in COLUMN_TARGETS:
+            b = b.chunk(world)[rank]
+        elif target in ROW_TARGETS:
+            a = a.chunk(world, dim=1)[rank]
+        else:  # a router (mixture of experts: refused at load)
+            raise AdapterError(f"adapter '{adapter.name}': {target} cannot be split by rank")
+        weights[(layer, target)] = (a.contiguous(), b.contiguous())
+    return dataclasses.replace(adapter, weights=weights)
+
+
+def install_all_reduce(model: DecoderLM, all_reduce) -> list:
+    """After every row-parallel module (o_proj, down_proj) of the loaded (packed, quantized)
+    model: `all_reduce(t)` sums its output over the ranks, in place. The sum is taken in
+    float32 whatever the dtype, so a bf16 model rounds the summed value once, as one device's
+    matmul does. Returns the hooks' handles."""
+
+    def hook(_module, _args, out: torch.Tensor):
+        if out.dtype == torch.float32:
+            all_reduce(out)
+            return None
+        acc = out.float()
+        all_reduce(acc)
+        out.copy_(acc)
+        return None
+
+    handles = []
+    for layer in model.model.layers:
+        for mod in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            handles.append(mod.register_forward_hook(hook))
+    return handles
