@@ -132,6 +132,10 @@ class Tenant(Base):
     )
     status: Mapped[str] = mapped_column(String(16), default=TenantStatus.active.value)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The prefix cache's salt for the tenant's requests (SamplingParams.cache_salt), a secret
+    # the API never shows: rotating it (platform/db/cache_salts.py) makes the tenant's cached
+    # KV unreachable. Null until the first rotation: keys by tenant id alone.
+    cache_salt: Mapped[str | None] = mapped_column(String(64), default=None)
 
 
 class ApiKey(Base):
