@@ -233,6 +233,16 @@ def guardrails(state: StateDep, caller: PortalCaller) -> dict:
             "events": [e.model_dump(mode="json") for e in events]}  # fmt: skip
 
 
+@api.put("/guardrails/policies/{policy_id}/record_text")
+def set_guardrail_record_text(policy_id: int, body: guardrail_routes.RecordTextIn,
+                              state: StateDep, caller: PortalCaller) -> dict:  # fmt: skip
+    """The portal's switch for the tenant's opt-in to recorded text: the handler of
+    `PATCH /v1/guardrails/policies/{id}` (the same checks, 404 and audit event)."""
+    with state.sessions() as session:
+        policy = guardrail_routes.set_record_text(policy_id, body, caller, session)
+    return policy.model_dump(mode="json")
+
+
 @api.get("/keys")
 def list_keys(state: StateDep, caller: PortalCaller) -> ListOf[PortalKey]:
     keys = service.list_keys(state, caller)
