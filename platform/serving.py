@@ -420,6 +420,9 @@ class InferenceService:
         if job.lora is not None and tracing.current() is not None:
             job.adapter_tier = _adapter_tier(engine, job.lora.lora_name)
         job.submitted = time.monotonic()
+        # The tenant's prefix-cache salt (platform/db/cache_salts.py), read with its row as the
+        # request authenticated: a rotation reaches the next request on every replica.
+        job.params.cache_salt = job.caller.tenant.cache_salt
         try:
             async for out in engine.generate(
                 job.prompt_ids,
