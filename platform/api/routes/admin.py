@@ -17,7 +17,7 @@ from loraplex.platform import adapter_versions as versions
 from loraplex.platform.adapter_service import remove_adapter
 from loraplex.platform.api.deps import AdminDep, SessionDep, StateDep
 from loraplex.platform.api.errors import API_ERRORS, APIError
-from loraplex.platform.api.routes import admin_usage
+from loraplex.platform.api.routes import admin_cache, admin_usage
 from loraplex.platform.db import crud
 from loraplex.platform.db.models import AdapterStatus, Tenant, TenantStatus, utcnow
 from loraplex.platform.db.schemas import (
@@ -301,3 +301,4 @@ def delete_adapter(tenant_id: int, name: str, session: SessionDep, state: StateD
 
 router.include_router(admin_usage.router)
 router.include_router(guardrail_routes.admin_router)  # platform/guardrails/routes.py
+router.include_router(admin_cache.router)  # a tenant's prefix-cache salt
