@@ -76,3 +76,51 @@ def test_a_policy_is_created_and_deleted_from_the_dashboard(page, ui_server):
     # The one error is the refused pattern's 400, which the page showed.
     assert [e for e in page.watch.errors if "400 (Bad Request)" not in e] == []
     assert len(page.watch.errors) == 1 and page.watch.foreign == []
+
+
+def test_a_policy_is_edited_from_the_dashboard(page, ui_server):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    name = f"edited-{secrets.token_hex(3)}"
+    tid, key = ui_server.new_tenant(name)
+    url = f"{ui_server.url}/admin/api/tenants/{tid}/guardrails"
+    r = httpx.post(url, headers=admin, json={"name": "no-figs", "stages": "input",
+                                             "terms": ["fig"]})  # fmt: skip
+    assert r.status_code == 201, r.text
+    before = r.json()
+    page.goto("/admin/login")
+    page.fill("#admin_key", ADMIN_KEY)
+    page.click("button[type=submit]")
+    page.goto("/admin#guardrails")
+    form = page.locator("#create-policy")
+    form.locator("select[name=tenant]").select_option(label=name)
+    row = page.locator("#guardrail-policies tr", has_text="no-figs")
+    row.locator("button", has_text="Edit").click()
+    expect(form.locator("input[name=name]")).to_have_value("no-figs")
+    expect(form.locator("textarea[name=terms]")).to_have_value("fig")
+    form.locator("textarea[name=patterns]").fill("(")  # refused whole: nothing changes
+    form.locator("select[name=action]").select_option("flag")
+    form.locator("button[type=submit]").click()
+    expect(page.locator("#flash")).to_contain_text("pattern")
+    assert httpx.get(url, headers=admin).json()["data"] == [before]
+    form.locator("textarea[name=patterns]").fill("")
+    form.locator("textarea[name=terms]").fill("date")
+    form.locator("button", has_text="Save no-figs").click()
+    expect(row).to_contain_text('"date"')
+    expect(row).to_contain_text("flag")
+    expect(form.locator("button[type=submit]")).to_have_text("Create policy")
+    (after,) = httpx.get(url, headers=admin).json()["data"]
+    assert (after["id"], after["action"], after["terms"]) == (before["id"], "flag", ["date"])
+    auth = {"Authorization": f"Bearer {key}"}
+    for prompt in ("a fig", "a date"):  # the edit applies at once: nothing blocked any more
+        r = httpx.post(f"{ui_server.url}/v1/completions", headers=auth,
+                       json={"model": ui_server.state.model_name, "prompt": prompt,
+                             "max_tokens": 1}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    got = httpx.get(f"{ui_server.url}/admin/api/guardrails/events", headers=admin,
+                    params={"tenant_id": tid}).json()["data"]  # fmt: skip
+    assert [(e["action"], e["rule"]) for e in got] == [
+        ("flag", "term"),
+        ("policy_edit", "edit:action,terms"),
+    ]
+    assert [e for e in page.watch.errors if "400 (Bad Request)" not in e] == []
+    assert page.watch.foreign == []
