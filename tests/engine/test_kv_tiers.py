@@ -10,6 +10,7 @@ where none runs); each test salts its keys (kv_tier_salt) so runs never see each
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 import threading
@@ -53,10 +54,11 @@ def _llm(model, **kw) -> LLM:
     return LLM(str(model), **{**base, **kw})
 
 
-def _run(llm: LLM, prompt, lora=None, tenant=None) -> list[int]:
+def _run(llm: LLM, prompt, lora=None, tenant=None, salt=None) -> list[int]:
     """One greedy request's tokens; its blocks' writes to the tiers are done on return."""
     engine = llm.engine
-    engine.add_request(uuid.uuid4().hex, prompt, GREEDY, lora, tenant=tenant)
+    params = GREEDY if salt is None else dataclasses.replace(GREEDY, cache_salt=salt)
+    engine.add_request(uuid.uuid4().hex, prompt, params, lora, tenant=tenant)
     tokens = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -217,26 +219,32 @@ def crossing(tiny_models, tiny_adapters, tmp_path_factory):
     return _llm(tiny_models["llama"], kv_tier_host_gib=0.01, kv_tier_salt=_salt()), adapters
 
 
-WHO = st.tuples(st.sampled_from([None, "t1", "t2"]), st.sampled_from([None, "v1", "v2", "other"]))
+WHO = st.tuples(
+    st.sampled_from([None, "t1", "t2"]),
+    st.sampled_from([None, "v1", "v2", "other"]),
+    st.sampled_from([None, "salt-1", "salt-2"]),  # the tenant's cache salt, before and after
+)
 PROMPTS = itertools.count(1000)  # a fresh prompt per example: no example sees another's blocks
 
 
 @settings(
-    max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(writer=WHO, reader=WHO)
-@example(writer=("t1", "v1"), reader=("t1", "v1"))  # the hit every other case must not get
-@example(writer=("t1", "v1"), reader=("t1", "v2"))  # same adapter name, a new version
-@example(writer=("t1", None), reader=("t2", None))
+@example(writer=("t1", "v1", None), reader=("t1", "v1", None))  # the hit others must not get
+@example(writer=("t1", "v1", None), reader=("t1", "v2", None))  # same adapter name, new version
+@example(writer=("t1", None, None), reader=("t2", None, None))
+@example(writer=("t1", None, "salt-1"), reader=("t1", None, "salt-2"))  # a rotated salt
+@example(writer=("t1", None, "salt-1"), reader=("t2", None, "salt-1"))  # one salt, two tenants
 def test_no_hit_crosses_tenants_or_adapter_versions(crossing, writer, reader):
-    """Adversarial: a prefix written under (tenant, adapter version) is found by a reader under
-    exactly the same pair and by no other."""
+    """Adversarial: a prefix written under (tenant, adapter version, cache salt) is found by a
+    reader under exactly the same triple and by no other."""
     llm, adapters = crossing
     prompt = _prompt(next(PROMPTS), 33)
-    _run(llm, prompt, adapters[writer[1]], tenant=writer[0])
+    _run(llm, prompt, adapters[writer[1]], tenant=writer[0], salt=writer[2])
     _evict(llm)
     hits = llm.engine.kv_tiers.counters["host"].hits
-    _run(llm, prompt, adapters[reader[1]], tenant=reader[0])
+    _run(llm, prompt, adapters[reader[1]], tenant=reader[0], salt=reader[2])
     found = llm.engine.kv_tiers.counters["host"].hits - hits
     assert found == (4 if reader == writer else 0)
     _evict(llm)
