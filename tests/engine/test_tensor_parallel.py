@@ -1,0 +1,115 @@
+"""Tensor parallelism on the CPU (engine/parallel): TP = 2 (two processes over gloo) is
+token-identical to TP = 1 on the same options, and its logprobs agree to float32 rounding (the
+all-reduce sums two partial products where one device sums one: the last bits differ).
+
+Each family runs one engine of each size over the same two batches: rows with four adapters
+(attention, MLP, both; two slots, so slots are rewritten mid-run on every rank) and none, a KV
+pool small enough to preempt, chunked prefills, and a second batch that hits the first's
+prefixes. Llama runs with speculative decoding and the graph-ready decode path. Then a rank
+killed mid-step: the step and every later one raise EngineDeadError, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from loraplex.engine import LLM, LoRARequest, SamplingParams
+from loraplex.engine.errors import EngineDeadError
+from loraplex.engine.models.spec import spec_from_config
+from loraplex.engine.parallel.shard import local_spec
+from tests.utils.outputs import assert_same_outputs
+
+ADAPTERS = ["qv4", "attn8", "mlp16", "all2"]
+ARGS = dict(dtype="float32", max_loras=2, max_lora_rank=16, block_size=8, max_num_seqs=6,
+            max_model_len=64, num_kv_blocks=9, max_num_batched_tokens=40,
+            cpu_attention="sdpa")  # fmt: skip
+
+
+def _batches(folders):
+    loras = [None] + [LoRARequest(a, i + 1, str(folders[a])) for i, a in enumerate(ADAPTERS)]
+    prompts = [[5 + i, 17, 300 - 7 * i, 41, 9, 77 + i, 12, 250][: 3 + i] for i in range(6)]
+    first = (prompts, [loras[i % 5] for i in range(6)])
+    # the second batch opens with the first's prompts (prefix hits), other adapters
+    second = ([p * 2 + [99, 3] for p in prompts], [loras[(i + 2) % 5] for i in range(6)])
+    return first, second
+
+
+def _run(llm, batches):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    return [llm.generate(p, params, a) for p, a in batches]
+
+
+def _tp2_equals_tp1(base, folders, **extra):
+    batches = _batches(folders)
+    want = _run(LLM(str(base), **ARGS, **extra), batches)
+    tp = LLM(str(base), tensor_parallel_size=2, **ARGS, **extra)
+    try:
+        got = _run(tp, batches)
+        preempted = tp.engine.scheduler.num_preemptions
+        assert tp.engine.runner.tp.group.bytes_reduced > 0
+    finally:
+        tp.engine.close()
+    for g, w in zip(got, want, strict=True):
+        assert_same_outputs(g, w, atol=1e-4, rtol=1e-4)
+    return preempted
+
+
+# llama with speculative decoding and the graph-ready decode path (DecodeInputs cross, every
+# rank replays its own buffers); qwen2 (q|k|v bias, sharded checkpoint), gemma3 (sliding
+# windows, QK-norm, tied embeddings) and phi3 (fused checkpoint, partial RoPE) plain
+FAMILIES = [
+    ("llama", dict(num_speculative_tokens=2, enforce_eager=False)),
+    ("qwen2", {}),
+    ("gemma3", {}),
+    ("phi3", {}),
+    pytest.param("mistral", {}, marks=pytest.mark.slow),
+    pytest.param("qwen3", {}, marks=pytest.mark.slow),
+    pytest.param("llama3", {}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("kind", "extra"), FAMILIES)
+def test_tp2_is_token_identical_to_tp1(kind, extra, parity_models, parity_adapters):
+    preempted = _tp2_equals_tp1(parity_models[kind], parity_adapters[kind], **extra)
+    assert preempted > 0  # the small pool preempted (recompute) on both engines alike
+
+
+def test_a_rank_killed_mid_step_makes_the_engine_dead(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ARGS)
+    tp = llm.engine.runner.tp
+    worker = tp.procs[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    killed = []
+
+    def kill_rank_1(_module, _args):  # rank 0 is inside the step's forward: the peer dies
+        if not killed:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait()
+            killed.append(True)
+
+    llm.engine.model.model.layers[1].self_attn.register_forward_pre_hook(kill_rank_1)
+    with pytest.raises(EngineDeadError, match="rank"):
+        llm.generate([[5, 6, 7, 8]], params)
+    assert killed and tp.dead
+    with pytest.raises(EngineDeadError):  # and stays dead, at once
+        llm.generate([[9, 10]], params)
+    llm.engine.close()
+
+
+def test_what_does_not_split_is_refused(tiny_models, tmp_path):
+    import json
+
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    spec = spec_from_config(cfg)  # 4 heads, 2 kv heads, intermediate 128
+    half = local_spec(spec, 2)
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (2, 1, 64)
+    assert half.head_dim == spec.head_dim and half.query_scale == spec.query_scale
+    with pytest.raises(ValueError, match="kv heads"):
+        local_spec(spec, 4)
+    with pytest.raises(ValueError, match="swap_space_gib"):
+        LLM(str(tiny_models["llama"]), tensor_parallel_size=2, swap_space_gib=0.01,
+            **ARGS)  # fmt: skip
