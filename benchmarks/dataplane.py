@@ -10,6 +10,10 @@
    light tenant sends one short request at a time; the light tenant's TTFT p50 / p99 with
    vLLM alone (both tenants straight to it: first come first served) and through the
    platform (its fair-share window, `vllm_window` in flight).
+3. stages (`--no-stages`: skipped): one more pass of the hop's trace through the platform
+   while py-spy samples it, after the counted runs: the platform's CPU time per request, split
+   by stage (auth, quota and adapter look-up, routing, the upstream call, SSE re-encoding,
+   metering, ...; benchmarks/dataplane_stages.py).
 
 The platform runs as `loraplex serve` in a process of its own; the load generator, vLLM and
 the platform share the machine's cores. Writes
@@ -35,6 +39,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.assets import REPO_ROOT, RESULTS_DIR, make_adapters, tiny_llama
+from benchmarks.dataplane_stages import sample_stages
+from benchmarks.dataplane_stages import table as stage_table
 from loraplex.platform.dataplane.protocol import VLLM_SERVER_FLAGS
 from testkit.server import ADMIN_KEY, free_port, upload_adapter
 from testkit.venvs import venvs_root
@@ -143,7 +149,7 @@ async def flood(url: str, heavy_key: str | None, light_key: str | None, heavy_mo
 @contextmanager
 def platform_server(data_dir: Path, model: Path, vllm: str, window: int, database_url: str = ""):
     """`loraplex serve --data-plane vllm` in a process of its own (the load generator's Python
-    work stays out of it): its URL, and sessions on its database."""
+    work stays out of it): its URL, sessions on its database, and its process id."""
     from loraplex.platform.db.session import make_engine, make_sessionmaker
     from loraplex.platform.settings import normalize_database_url
 
@@ -171,7 +177,7 @@ def platform_server(data_dir: Path, model: Path, vllm: str, window: int, databas
         db = make_engine(
             normalize_database_url(database_url or f"sqlite:///{data_dir}/loraplex.db")
         )
-        yield url, make_sessionmaker(db)
+        yield url, make_sessionmaker(db), proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
@@ -206,6 +212,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=8, help="the platform's vllm_window")
     p.add_argument("--flood-s", type=float, default=40.0)
     p.add_argument("--tag", default="tiny-llama")
+    p.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="skip the platform's CPU split by stage (py-spy)")  # fmt: skip
     p.add_argument("--database-url", default="",
                    help="the platform's database (default: SQLite in its data folder); for "
                    "PostgreSQL as deployed, an empty database made with createdb")  # fmt: skip
@@ -222,6 +230,7 @@ def main() -> None:
         platform_server(tmp / "data", model, vllm, args.window, args.database_url) as (
             url,
             sessions,
+            platform_pid,
         ),  # fmt: skip
     ):
         from loraplex.platform.db import crud
@@ -259,6 +268,17 @@ def main() -> None:
             )
             print("hop", results["hop"]["direct"][-1], results["hop"]["platform"][-1],
                   flush=True)  # fmt: skip
+        results["stages"] = None
+        if args.stages:
+            # The trace twice: enough samples of a process that is idle most of the time.
+            results["stages"] = sample_stages(
+                platform_pid,
+                lambda: [asyncio.run(run_trace(url, keys["bench"], bodies(ours) * 2,
+                                               args.concurrency))],
+                requests=2 * len(trace),
+                tokens=2 * 64 * len(trace),
+            )  # fmt: skip
+            print(stage_table(results["stages"]), flush=True)
         results["flood"] = None  # --flood-s 0: the hop only
         if args.flood_s > 0:
             results["flood"] = {
