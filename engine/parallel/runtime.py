@@ -175,7 +175,7 @@ class TPAdapterManager(AdapterManager):
         return rows
 
     def _write_slot(self, slot: int, adapter) -> None:
-        mine = shard_adapter(adapter, 0, self.tp.world)
+        mine = shard_adapter(adapter, self.spec, 0, self.tp.world)
         self.tp.ops.append(("slot", slot, adapter))
         super()._write_slot(slot, mine)
 

@@ -8,7 +8,9 @@ r*i/N.. of every slice), and its o and down projections row-parallel (their inpu
 split the same way): each rank's o and down give a partial sum of the full output, which an
 all-reduce (`install_all_reduce`) completes. Embeddings, norms, RoPE tables and the LM head
 are whole on every rank; a row-parallel bias is added once, on rank 0. A rank's KV cache
-holds its own kv heads only, so a KV block costs 1/N of the bytes on each rank.
+holds its own kv heads only, so a KV block costs 1/N of the bytes on each rank; a model with
+fewer kv heads than ranks keeps on each rank the kv head its query heads read (replicated, as
+vLLM does: no KV bytes saved there).
 
 Adapters split the way their base layer does (S-LoRA): on a column-parallel target B's rows
 (its output) are split and A is whole; on a row-parallel target A's columns (its input) are
@@ -41,23 +43,41 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
             f"tensor_parallel_size {world}: mixture-of-experts bases ({spec.family}) are not "
             "split across ranks yet; serve them with tensor_parallel_size 1"
         )
-    for what, n in (("attention heads", spec.num_heads), ("kv heads", spec.num_kv_heads),
+    for what, n in (("attention heads", spec.num_heads),
                     ("intermediate_size", spec.intermediate_size)):  # fmt: skip
         if n % world:
             raise ValueError(
                 f"tensor_parallel_size {world} must divide the model's {what} ({n})"
             )
+    kv = spec.num_kv_heads
+    if kv % world and world % kv:
+        raise ValueError(
+            f"tensor_parallel_size {world} and the model's {kv} kv heads: one must divide "
+            "the other"
+        )
     return dataclasses.replace(
         spec,
         num_heads=spec.num_heads // world,
-        num_kv_heads=spec.num_kv_heads // world,
+        num_kv_heads=max(kv // world, 1),
         intermediate_size=spec.intermediate_size // world,
     )
 
 
-def _rows(t: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s share of each slice of `t` (dim 0 split into `sizes`), concatenated."""
-    return torch.cat([s.chunk(world)[rank] for s in t.split(sizes)])
+def head_share(t: torch.Tensor, heads: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s share of `t`'s dim 0, `heads` groups of rows (heads, or intermediate
+    rows): 1/world of them; with fewer kv heads than ranks (world a multiple of heads), the one
+    kv head its query heads read, as vLLM replicates them."""
+    if heads % world == 0:
+        return t.chunk(world)[rank]
+    return t.chunk(heads)[rank * heads // world]
+
+
+def _rows(t: torch.Tensor, sizes: list[int], heads: list[int], rank: int,
+          world: int) -> torch.Tensor:  # fmt: skip
+    """Rank `rank`'s share of each slice of `t` (dim 0 split into `sizes`, slice i of
+    heads[i] groups), concatenated."""
+    parts = t.split(sizes)
+    return torch.cat([head_share(p, n, rank, world) for p, n in zip(parts, heads, strict=True)])
 
 
 @torch.no_grad()
@@ -76,7 +96,10 @@ def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
         t = src[name]
         *owner, mod, leaf = name.split(".")
         if mod in COLUMN:
-            t = _rows(t, full.get_submodule(".".join([*owner, mod])).out_sizes, rank, world)
+            sizes = full.get_submodule(".".join([*owner, mod])).out_sizes
+            heads = ([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads]
+                     if mod == "qkv_proj" else [world, world])  # fmt: skip
+            t = _rows(t, sizes, heads, rank, world)
         elif mod in ROW and leaf == "weight":
             t = t.chunk(world, dim=1)[rank]
         elif mod in ROW and leaf == "bias" and rank:
@@ -91,8 +114,9 @@ def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
     return local
 
 
-def shard_adapter(adapter: LoRAAdapter, rank: int, world: int) -> LoRAAdapter:
-    """Rank `rank`'s share of an adapter read against the whole model (see the module doc)."""
+def shard_adapter(adapter: LoRAAdapter, spec: ModelSpec, rank: int, world: int) -> LoRAAdapter:
+    """Rank `rank`'s share of an adapter read against the whole model `spec` (see the module
+    doc)."""
     if adapter.use_dora or adapter.experts:
         what = "DoRA" if adapter.use_dora else "expert LoRA"
         raise AdapterError(
@@ -101,7 +125,8 @@ def shard_adapter(adapter: LoRAAdapter, rank: int, world: int) -> LoRAAdapter:
     weights = {}
     for (layer, target), (a, b) in adapter.weights.items():
         if target in COLUMN_TARGETS:
-            b = b.chunk(world)[rank]
+            heads = spec.num_kv_heads if target in ("k_proj", "v_proj") else world
+            b = head_share(b, heads, rank, world)
         elif target in ROW_TARGETS:
             a = a.chunk(world, dim=1)[rank]
         else:  # a router (mixture of experts: refused at load)

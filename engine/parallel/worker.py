@@ -34,6 +34,7 @@ def serve(config: EngineConfig, rank: int, world: int, group: Group) -> None:
         quantization=config.quantization, shard=lambda m: shard_model(m, rank, world),
     )  # fmt: skip
     install_all_reduce(model, group.all_reduce)
+    full = model.full_spec
     slots = config.max_loras if config.enable_lora else 0
     adapters = AdapterManager(model, slots, config.max_lora_rank, config.max_cpu_loras,
                               expert_lora=config.expert_lora)  # fmt: skip
@@ -50,7 +51,7 @@ def serve(config: EngineConfig, rank: int, world: int, group: Group) -> None:
         with torch.inference_mode():
             for op in ops:
                 if op[0] == "slot":
-                    adapters._write_slot(op[1], shard_adapter(op[2], rank, world))
+                    adapters._write_slot(op[1], shard_adapter(op[2], full, rank, world))
                 elif op[0] == "copy":
                     runner.copy_blocks(op[1])
             if isinstance(step, tuple):
