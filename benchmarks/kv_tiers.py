@@ -8,12 +8,18 @@ Two parts, both printed side by side and written to `--out` (JSON) and `--png`:
   Redis (127.0.0.1:6379, SET / MGET, as the tier does) and from S3 (a local moto server over
   HTTP, PUT / GET per block), best of `--repeats`: the measured ground for the docs' choice.
 - TTFT: `--conversations` chats per history length (`--histories`, tokens), `--turns` turns
-  each, turn t on replica (conversation + t) mod 2. Each turn sends the whole history (the
-  previous turns' prompts and answers) plus `--new-tokens` new ones and asks for
-  `--max-tokens`. Fleet "tiers": both replicas on one Redis tier; fleet "recompute": the same
-  without tiers (each replica still has its own device prefix cache). Between turns the
-  replicas' tier writes are let finish (a user reads an answer before sending the next turn).
+  each, turn t on replica (conversation + t) mod 2. Conversation c belongs to tenant
+  c mod `--tenants` (its requests carry the tenant and the tenant's cache salt, as the
+  platform's do) and runs on adapter c mod (`--adapters` + 1) (0: the base model). Each
+  turn sends the whole history (the previous turns' prompts and answers) plus
+  `--new-tokens` new ones and asks for `--max-tokens`. Fleet "tiers": both replicas on one
+  Redis tier; fleet "recompute": the same without tiers (each replica still has its own
+  device prefix cache). Between turns the replicas' tier writes are let finish (a user reads
+  an answer before sending the next turn).
   TTFT is timed in-process from add_request to the first token, on the engine's own thread.
+  p50 and p99 (nearest rank: with few later turns, p99 is their maximum) per history length;
+  the shared tier's hit rate (blocks found of blocks looked up) and the bytes it read per
+  prompt token it spared.
 
     python -m benchmarks.kv_tiers --model demo --histories 2048,4096,8192
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -31,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.assets import prepare
-from loraplex.engine import LLM, SamplingParams
+from loraplex.engine import LLM, LoRARequest, SamplingParams
 from loraplex.engine.memory.tiers import keys as K
 from loraplex.engine.memory.tiers.stores import RedisStore, S3Store
 
@@ -75,11 +82,12 @@ def store_costs(block_bytes: int, blocks: int, repeats: int) -> dict:
     return out
 
 
-def _ttft(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+def _ttft(llm: LLM, prompt: list[int], params: SamplingParams, lora=None,
+          tenant=None) -> tuple[float, list[int]]:  # fmt: skip
     engine = llm.engine
     rid = uuid.uuid4().hex
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, params)
+    engine.add_request(rid, prompt, params, lora, tenant=tenant)
     first, tokens = None, []
     while engine.has_unfinished():
         for out in engine.step():
@@ -90,10 +98,13 @@ def _ttft(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, l
     return first, tokens
 
 
-def chats(model: Path, args) -> tuple[list[dict], int, int]:
+def chats(model: Path, adapters: list[Path], args) -> tuple[list[dict], int, int]:
     longest = max(args.histories) + args.turns * (args.new_tokens + args.max_tokens) + 64
-    base = dict(dtype=args.dtype, max_model_len=longest, max_lora_rank=8, max_loras=1,
+    base = dict(dtype=args.dtype, max_model_len=longest, max_lora_rank=8,
+                max_loras=max(1, len(adapters)),
                 kv_cache_bytes=args.kv_cache_mib << 20)  # fmt: skip
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
+    tenant_salts = [uuid.uuid4().hex for _ in range(args.tenants)]
     salt = uuid.uuid4().hex  # this run's blocks only
     fleets = {
         "tiers": [
@@ -102,7 +113,6 @@ def chats(model: Path, args) -> tuple[list[dict], int, int]:
         "recompute": [LLM(str(model), **base) for _ in range(2)],
     }
     vocab = fleets["tiers"][0].engine.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     g = torch.Generator().manual_seed(0)
     for h in args.histories:
@@ -111,19 +121,25 @@ def chats(model: Path, args) -> tuple[list[dict], int, int]:
             news = [torch.randint(100, vocab, (args.new_tokens,), generator=g).tolist()
                     for _ in range(args.turns)]  # fmt: skip
             answers = {}
+            tenant, lora = c % args.tenants, loras[c % len(loras)]
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                    cache_salt=tenant_salts[tenant])  # fmt: skip
             for fleet, replicas in fleets.items():
                 history = list(first)
                 for t in range(args.turns):
                     llm = replicas[(c + t) % 2]
                     shared = llm.engine.kv_tiers.counters["shared"] if fleet == "tiers" else None
                     hits0, read0 = (shared.hits, shared.bytes_read) if shared else (0, 0)
-                    ttft, out = _ttft(llm, history, params)
+                    asked0 = shared.queried if shared else 0
+                    ttft, out = _ttft(llm, history, params, lora, tenant=f"t{tenant}")
                     for r in replicas:  # the user reads the answer: writes finish meanwhile
                         if r.engine.kv_tiers:
                             r.engine.kv_tiers.flush()
                     rows.append({
                         "history": h, "conversation": c, "turn": t, "fleet": fleet,
+                        "tenant": tenant, "adapter": lora.lora_name if lora else None,
                         "prompt_tokens": len(history), "ttft_s": ttft,
+                        "shared_queried_blocks": shared.queried - asked0 if shared else 0,
                         "shared_hit_blocks": shared.hits - hits0 if shared else 0,
                         "shared_bytes": shared.bytes_read - read0 if shared else 0,
                     })  # fmt: skip
@@ -136,6 +152,12 @@ def chats(model: Path, args) -> tuple[list[dict], int, int]:
     return rows, engine.kv_tiers.layout.block_bytes, engine.config.block_size
 
 
+def _p99(values: list[float]) -> float:
+    """Nearest-rank 99th percentile (of fewer than 100 values: the largest)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
 def summarize(rows: list[dict], block_size: int) -> list[dict]:
     table = []
     for h in sorted({r["history"] for r in rows}):
@@ -144,11 +166,13 @@ def summarize(rows: list[dict], block_size: int) -> list[dict]:
         t = [r["ttft_s"] for r in later["tiers"]]
         rc = [r["ttft_s"] for r in later["recompute"]]
         hits = sum(r["shared_hit_blocks"] for r in later["tiers"])
+        asked = sum(r["shared_queried_blocks"] for r in later["tiers"])
         table.append({
             "history": h, "later_turns": len(t),
-            "tiers_p50_s": statistics.median(t), "tiers_max_s": max(t),
-            "recompute_p50_s": statistics.median(rc), "recompute_max_s": max(rc),
+            "tiers_p50_s": statistics.median(t), "tiers_p99_s": _p99(t),
+            "recompute_p50_s": statistics.median(rc), "recompute_p99_s": _p99(rc),
             "ratio_p50": statistics.median(t) / statistics.median(rc),
+            "shared_hit_rate": hits / asked if asked else None,
             "shared_hit_tokens": hits * block_size,
             "bytes_per_token_saved": (sum(r["shared_bytes"] for r in later["tiers"])
                                       / max(1, hits * block_size)),
@@ -193,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--histories", default="2048,4096,8192")
     p.add_argument("--conversations", type=int, default=2)
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=2, help="conversation c is tenant c mod this")
+    p.add_argument("--adapters", type=int, default=1, help="besides the base model")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
@@ -202,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--png", default="docs/kv-tiers.png")
     args = p.parse_args(argv)
     args.histories = [int(x) for x in args.histories.split(",")]
-    model, _ = prepare(args.model, 0)
-    rows, block_bytes, block_size = chats(model, args)
+    model, adapters = prepare(args.model, args.adapters)
+    rows, block_bytes, block_size = chats(model, adapters, args)
     costs = store_costs(block_bytes, args.blocks, args.repeats)
     table = summarize(rows, block_size)
     print(f"\nstore costs, {args.blocks} blocks of {block_bytes} bytes (best of {args.repeats}):")
@@ -212,13 +238,15 @@ def main(argv: list[str] | None = None) -> None:
         mbps = args.blocks * block_bytes / c["get_s"] / 1e6
         print(f"{name:>6} {c['put_s'] / args.blocks * 1e3:13.3f} "
               f"{c['get_s'] / args.blocks * 1e3:13.3f} {mbps:9.0f}")  # fmt: skip
-    print("\nlater turns on the other replica (TTFT, s):")
+    print("\nlater turns (TTFT, s; p99 by nearest rank):")
     print(f"{'history':>7} {'turns':>5} {'recompute p50':>13} {'tiers p50':>9} {'ratio':>6} "
-          f"{'recompute max':>13} {'tiers max':>9} {'B/token saved':>13}")  # fmt: skip
+          f"{'recompute p99':>13} {'tiers p99':>9} {'shared hits':>11} "
+          f"{'B/token saved':>13}")  # fmt: skip
     for r in table:
+        rate = "-" if r["shared_hit_rate"] is None else f"{r['shared_hit_rate']:.3f}"
         print(f"{r['history']:>7} {r['later_turns']:>5} {r['recompute_p50_s']:13.3f} "
-              f"{r['tiers_p50_s']:9.3f} {r['ratio_p50']:6.3f} {r['recompute_max_s']:13.3f} "
-              f"{r['tiers_max_s']:9.3f} {r['bytes_per_token_saved']:13.0f}")  # fmt: skip
+              f"{r['tiers_p50_s']:9.3f} {r['ratio_p50']:6.3f} {r['recompute_p99_s']:13.3f} "
+              f"{r['tiers_p99_s']:9.3f} {rate:>11} {r['bytes_per_token_saved']:13.0f}")  # fmt: skip
     equal = all(r.get("greedy_equal", True) for r in rows)
     print(f"\ngreedy answers equal with and without tiers: {equal}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
