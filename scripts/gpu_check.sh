@@ -11,6 +11,8 @@
 #                base rows: what enabling LoRA costs when no adapter is active
 #   serve        `loraplex serve` on its defaults (device auto, graphs, gpu_memory_utilization):
 #                a tiny Llama, one completion through the API, /metrics' device and KV bytes
+#   tensor_parallel  TP = 2 against TP = 1 over NCCL (tests/engine/test_tensor_parallel.py -m gpu)
+#                where the device has two GPUs or more; recorded as skipped, saying so, on one
 #   kernels_compiled  the interpreter-sized kernel tests compiled for this GPU (if time is left)
 # Everything lands in $OUT (default ./gpu-check-out): gpu_check.json (every part's exit code,
 # seconds, limit and command; the engine figures; a summary: roofline share, LoRA overhead,
@@ -314,6 +316,18 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
         done
         [ "$batch" = "${BATCHES[0]}" ] && { no_lora; serve_check; }
     done
+    # Tensor parallelism (issue 58) needs several GPUs: TP = 2 against TP = 1 (NCCL) where
+    # the lent device has them; where it has one, the JSON says so (a part recorded skipped)
+    NGPU=0
+    [ "$DRY" = 0 ] && NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)
+    case $NGPU in '' | *[!0-9]*) NGPU=0 ;; esac
+    if [ "$DRY" = 1 ] || [ "$NGPU" -ge 2 ]; then
+        part tensor_parallel 120 - "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+            tests/engine/test_tensor_parallel.py
+    else
+        log "=== tensor_parallel: skipped, this device has $NGPU GPU(s); TP = 2 needs two"
+        record tensor_parallel skipped 0 0 - "tensor_parallel_size 2: needs 2 GPUs, found $NGPU"
+    fi
     if [ "$DRY" != cpu ]; then
         part kernels_compiled 90 - "$PY" -m pytest -q -p no:cacheprovider \
             tests/kernels/test_sgmv.py tests/kernels/test_paged_attention.py \

@@ -135,8 +135,12 @@ def test_a_failing_or_hanging_part_is_recorded_and_the_rest_still_runs(scratch, 
     parts = {p["name"]: p for p in report["parts"]}
     assert list(parts) == ["env", "gpu_tests", "engine_b64_graphs", "engine_b64_eager",
                            "no_lora_b64", "serve", "engine_b32_graphs", "engine_b32_eager",
-                           "engine_b1_graphs", "engine_b1_eager", "kernels_compiled"]  # fmt: skip
+                           "engine_b1_graphs", "engine_b1_eager", "tensor_parallel",
+                           "kernels_compiled"]  # fmt: skip
     status = {n: (p["rc"], p["status"]) for n, p in parts.items()}
+    # the stand-in device has one GPU: the tensor-parallel part says so instead of running
+    assert status["tensor_parallel"] == (None, "skipped")
+    assert "needs 2 GPUs" in parts["tensor_parallel"]["command"]
     assert status["env"] == (0, "ok")
     assert status["gpu_tests"] == (1, "failed")
     assert status["engine_b64_eager"] == (124, "timed out")

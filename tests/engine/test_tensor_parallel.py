@@ -126,3 +126,13 @@ def test_what_does_not_split_is_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="swap_space_gib"):
         LLM(str(tiny_models["llama"]), tensor_parallel_size=2, swap_space_gib=0.01,
             **ARGS)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_tp2_on_two_gpus_is_token_identical_to_one(tiny_models, tiny_adapters):
+    """The NCCL path (scripts/gpu_check.sh runs it where the device has two GPUs or more)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    _tp2_equals_tp1(tiny_models["llama"], tiny_adapters["llama"], device="cuda")
