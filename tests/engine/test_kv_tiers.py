@@ -328,3 +328,15 @@ def test_a_cache_salt_separates_device_and_tier_hits(tiny_models, reference):
     assert run("a") == 64 and host.hits == hits + 8  # the old salt's blocks, from the tier
     with pytest.raises(BadRequestError, match="cache_salt"):
         SamplingParams(cache_salt=5)
+
+
+def test_the_cache_salt_crosses_into_the_engine_process():
+    """A server's engine runs in a child process: the salt survives the command pipe's JSON."""
+    import json
+
+    from loraplex.engine.core import AddRequest
+    from loraplex.engine.process.engine_process import _command, _encode_command
+
+    sent = AddRequest("r", [1, 2], SamplingParams(cache_salt="s" * 64), None, "7", 1.0)
+    got = _command(json.loads(json.dumps(_encode_command(sent))))
+    assert got.params.cache_salt == "s" * 64 and got.tenant == "7"
