@@ -56,6 +56,7 @@ def _settings(args: argparse.Namespace):
 
     names = ["host", "port", "model", "stream_interval", "otlp_traces_endpoint"]
     names += ["data_plane", "vllm_urls", "vllm_agent_urls"]
+    names += ["role", "disagg_prefill_urls", "disagg_decode_urls"]
     names += [o.setting for o in _engine_flags()]
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return Settings(**overrides)
@@ -130,6 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
     embedded = settings.database_url == f"sqlite:///{settings.data_dir / 'loraplex.db'}"
     if embedded:  # the embedded default migrates itself; shared databases need `db upgrade`
         upgrade(settings.database_url)
+    if settings.role != "both":  # a prefill or decode worker (platform/disagg_worker.py)
+        from loraplex.platform.disagg_worker import serve_role
+
+        return serve_role(settings, settings.role, args.log_level)
     if args.ray:  # Ray Serve replicas, each the app below (platform/ray_serve.py)
         from loraplex.platform import ray_serve
 
@@ -256,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vllm-agent-url", dest="vllm_agent_urls", metavar="URL[,URL...]",
                    help="the `loraplex agent` beside each vLLM, same order (default: this "
                    "server writes adapters where vLLM reads them: one host)")  # fmt: skip
+    s.add_argument("--role", choices=["both", "prefill", "decode"],
+                   help="'both' (default): prefill and decode here; 'prefill' / 'decode': a "
+                   "worker of that role for a front (docs/disaggregation.md)")  # fmt: skip
+    s.add_argument("--prefill-url", dest="disagg_prefill_urls", metavar="URL[,URL...]",
+                   help="this front's prefill workers (with --decode-url)")  # fmt: skip
+    s.add_argument("--decode-url", dest="disagg_decode_urls", metavar="URL[,URL...]",
+                   help="this front's decode workers (with --prefill-url)")  # fmt: skip
     s.add_argument("--ray", action="store_true",
                    help="serve as a Ray Serve application multiplexed over adapters (the `ray` "
                    "extra; joins RAY_ADDRESS or starts a local cluster)")  # fmt: skip

@@ -84,6 +84,10 @@ def load_engine(state: AppState, model_dir: str) -> None:
         state.spec = engine.model.spec
         state.metrics.set_memory(engine.memory)
         state.engine = AsyncLLMEngine(engine)
+    if state.settings.disagg_prefill_urls and state.settings.disagg_decode_urls:
+        from loraplex.platform.disagg import disaggregated  # prefill / decode workers
+
+        state.engine = disaggregated(state.engine, state.settings)
     log.info("model %s ready", state.model_name)
 
 

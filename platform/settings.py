@@ -159,6 +159,20 @@ class Settings(_engine_settings()):  # type: ignore[misc]
     vllm_max_adapters: int = Field(
         64, ge=1, description="adapters one vLLM keeps registered (least recently used unloaded)"
     )
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both",
+        description="'both': serve tenants with prefill and decode here (colocated); "
+        "'prefill' / 'decode': a worker of that role for a front (docs/disaggregation.md)",
+    )
+    disagg_prefill_urls: str = Field(
+        "", description="a front's prefill workers (loraplex serve --role prefill), comma-separated"
+    )
+    disagg_decode_urls: str = Field(
+        "", description="a front's decode workers (loraplex serve --role decode), comma-separated"
+    )
+    disagg_secret: str = Field(
+        "", description="shared by a front and its workers; a worker answers only calls carrying it"
+    )
     engine_process: bool = Field(
         True,
         description="run the engine in a process of its own, so that it never waits for the "
