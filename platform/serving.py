@@ -7,12 +7,14 @@ client was actually sent, whether it finished, was cancelled or failed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -41,6 +43,18 @@ from loraplex.platform.state import AppState, Caller
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
+# The usage ledger's writes wait on threads of their own: a write waits there for the group
+# commit in progress (platform/ledger.py), and on the loop's default executor (a few threads)
+# those waits held back the next requests' authentication, policy read and quota charge.
+_LEDGER_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="loraplex-ledger")
+
+
+def _write_ledger(state: AppState, entry) -> asyncio.Future:
+    """`state.ledger.write(entry)` on a ledger thread, in this request's context."""
+    run = contextvars.copy_context().run
+    return asyncio.get_running_loop().run_in_executor(
+        _LEDGER_THREADS, run, state.ledger.write, entry
+    )
 
 
 def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
@@ -237,6 +251,16 @@ class InferenceService:
             msg = "the engine has not answered for a while; retry shortly"
             raise APIError(503, msg, "engine_unresponsive", headers={"Retry-After": "5"})
         return engine
+
+    async def resolve(
+        self, caller: Caller, model: str, user: str | None = None
+    ) -> tuple[LoRARequest | None, AdapterUse | None]:
+        """`resolve_model` from the event loop: on a worker thread where it reads the database
+        (an adapter), on the loop for the base model, which reads nothing (a thread hop costs
+        a short request more than the lookup; benchmarks/serving_overhead.py)."""
+        if model == self.state.model_name:
+            return self.resolve_model(caller, model, user)
+        return await asyncio.to_thread(self.resolve_model, caller, model, user)
 
     def resolve_model(
         self, caller: Caller, model: str, user: str | None = None
@@ -558,7 +582,7 @@ class InferenceService:
         )
         # Shielded: a cancelled request (client gone) must still be billed. In flight until the
         # write is done, whether or not this task is cancelled meanwhile.
-        written = asyncio.ensure_future(asyncio.to_thread(self.state.ledger.write, entry))
+        written = _write_ledger(self.state, entry)
         written.add_done_callback(lambda _: self.state.inflight.discard(job.request_id))
         await asyncio.shield(written)
 
@@ -574,4 +598,4 @@ class InferenceService:
             adjust=-job.estimate,
             charged_at=datetime.fromtimestamp(job.charged_at, UTC),
         )
-        await asyncio.to_thread(self.state.ledger.write, entry)
+        await _write_ledger(self.state, entry)

@@ -9,7 +9,6 @@ it is decided (`AutoToolsStream`). See platform/openai/tool_calls.py for the for
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import Request
@@ -55,7 +54,7 @@ async def serve_chat(
 ) -> ChatCompletion | MeteredEventStream:
     service = InferenceService(state)
     body.check_supported()
-    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model, body.user)
+    lora, adapter = await service.resolve(caller, body.model, body.user)
     mode = body.tool_mode
     tools = body.tools if mode else None
     text, fallback = service.chat_prompt(body.chat_messages(), tools)

@@ -4,7 +4,6 @@ vLLM's continuous usage."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import Request
@@ -42,7 +41,7 @@ async def serve_completion(
 ) -> Completion | MeteredEventStream:
     service = InferenceService(state)
     body.check_supported()
-    lora, adapter = await asyncio.to_thread(service.resolve_model, caller, body.model, body.user)
+    lora, adapter = await service.resolve(caller, body.model, body.user)
     samples = max(body.n, body.best_of or 1)
     prompts, gate = await guard_input(
         state, caller, "completions", body.prompts(), stream=body.stream, n=samples,
