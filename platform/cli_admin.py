@@ -194,6 +194,18 @@ def tenants_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def tenants_rotate_cache_salt(args: argparse.Namespace) -> int:
+    """A new prefix-cache salt for the tenant: its cached KV unreachable (docs/kv-tiers.md)."""
+    from loraplex.platform.db import cache_salts
+
+    with registry_session() as session:
+        tenant = resolve_tenant(session, args.tenant)
+        name, tenant_id = tenant.name, tenant.id
+        cache_salts.rotate(session, tenant_id)
+    print(f"tenant {name} (id {tenant_id}): cache salt rotated; its cached KV is unreachable")
+    return 0
+
+
 def end_streams(urls: list[str] | None, method: str, path: str, body: dict | None = None) -> None:
     """Repeat an admin call with `end_streams=true` on each server in `urls` (each replica
     ends the streams it runs; the registry change itself is already made, and idempotent)."""
@@ -380,6 +392,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         if status == "suspended":
             p.add_argument("--end-streams", action="append", metavar="URL", help=END_STREAMS)
         p.set_defaults(func=_set_status(status))
+    p = t.add_parser("rotate-cache-salt", help="drop the tenant's cached KV on every replica")
+    p.add_argument("tenant", help="name or id")
+    p.set_defaults(func=tenants_rotate_cache_salt)
 
     k = group("keys", "create, list, revoke API keys")
     p = k.add_parser("create", parents=[out], help="create a key (the secret is printed once)")

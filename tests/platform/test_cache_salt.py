@@ -71,3 +71,32 @@ def test_rotation_is_the_admins_and_names_a_tenant(server):
     missing = _rotate(server, 10**6)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "tenant_not_found"
+
+
+def test_the_cli_rotates_a_salt(tmp_path, monkeypatch, capsys):
+    """`loraplex tenants rotate-cache-salt TENANT` (name or id) on the registry directly."""
+    import os
+
+    from loraplex.platform.cli import main
+    from loraplex.platform.db.session import make_engine, make_sessionmaker
+
+    for var in [v for v in os.environ if v.startswith("LORAPLEX_")]:
+        monkeypatch.delenv(var)
+    url = f"sqlite:///{tmp_path / 'data' / 'registry.db'}"
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", url)
+    assert main(["db", "upgrade"]) == 0
+    assert main(["tenants", "create", "acme"]) == 0
+    db = make_engine(url)
+    salts = []
+    try:
+        for ref in ("acme", "1"):
+            capsys.readouterr()
+            assert main(["tenants", "rotate-cache-salt", ref]) == 0
+            assert "tenant acme (id 1): cache salt rotated" in capsys.readouterr().out
+            with make_sessionmaker(db)() as session:
+                salts.append(session.get(Tenant, 1).cache_salt)
+    finally:
+        db.dispose()
+    assert len(set(salts)) == 2 and all(len(s) == 64 for s in salts)
+    assert main(["tenants", "rotate-cache-salt", "nobody"]) == 2
