@@ -45,7 +45,7 @@ FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
 # The usage ledger's writes wait on threads of their own: a write waits there for the group
 # commit in progress (platform/ledger.py), and on the loop's default executor (a few threads)
-# those waits held back the next requests' authentication, policy read and quota charge.
+# those waits held back the next requests' guardrail policy read and quota charge.
 _LEDGER_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="loraplex-ledger")
 
 
