@@ -3,7 +3,9 @@ r"""The output filter: the engine's outputs of one request as the client may see
 Text is released to the route only once it has been judged: the filter keeps the newest
 `HOLDBACK` characters back (so a term or pattern up to that long is caught before any of it
 is sent), and judges the window (the last `CONTEXT` characters already sent + all held text)
-every `STRIDE` new characters and at the end. A block ends the request there:
+every `STRIDE` new characters and at the end, but never while all it holds is `HOLDBACK`
+characters or fewer: such a judgement could release nothing (the first comes with the first
+token past `HOLDBACK`, the earliest any text may leave). A block ends the request there:
 the text before the hit goes out, then `finish_reason: "content_filter"`, and the engine
 request is aborted. A redaction replaces the held span. The route bills the tokens of the
 text it was given (`delta_token_ids`, `num_generated_tokens`), so a cut stream is billed
@@ -55,10 +57,10 @@ class OutputFilter:
     async def _step(self, out: RequestOutput) -> RequestOutput:
         self.held.append((out.delta_text, list(out.delta_token_ids)))
         self.unjudged += len(out.delta_text)
-        if not out.finished and self.unjudged < STRIDE:
-            return self._emit(out, [], finished=False)
-        self.unjudged = 0
         held = "".join(t for t, _ in self.held)
+        if not out.finished and (self.unjudged < STRIDE or len(held) <= HOLDBACK):
+            return self._emit(out, [], finished=False)  # nothing judged, nothing to release
+        self.unjudged = 0
         context = self.sent_text[-CONTEXT:]
         origin = len(self.sent_text) - len(context)  # the window's first character, overall
         v = await self.gate.evaluate(

@@ -8,7 +8,7 @@ import asyncio
 from loraplex.engine import CompletionOutput, RequestOutput
 from loraplex.platform.guardrails.checks import Checks, check_rules, redact
 from loraplex.platform.guardrails.gate import Gate, Policy
-from loraplex.platform.guardrails.stream import HOLDBACK, OutputFilter
+from loraplex.platform.guardrails.stream import HOLDBACK, STRIDE, OutputFilter
 
 
 def rules(text: str, **kw) -> list[tuple[str, str]]:
@@ -41,6 +41,11 @@ class Recording(Gate):
     def __init__(self, policies) -> None:
         super().__init__(None, None, "completions", policies)
         self.recorded = []
+        self.windows = []  # each judged output window
+
+    async def evaluate(self, stage, text, start=0, new_from=0):
+        self.windows.append(text)
+        return await super().evaluate(stage, text, start, new_from)
 
     async def record(self, request_id, events) -> None:
         self.recorded += events
@@ -105,3 +110,15 @@ def test_redaction_while_streaming_equals_redacting_the_whole():
     held = [len("".join(pieces[: i + 1])) - len("".join(o.delta_text for o in outs[: i + 1]))
             for i in range(len(outs) - 1)]  # fmt: skip
     assert all(h > 0 for h in held) and max(held) >= HOLDBACK
+
+
+def test_the_first_text_leaves_with_the_first_token_past_the_holdback():
+    # One character a token: no judgement while everything held is HOLDBACK or fewer
+    # characters (it could release nothing), then one every STRIDE characters and at the end.
+    pieces = list("abcdefghij" * 10)
+    outs, gate = run_filter(policy("flag", ["zzz"]), pieces)
+    first = next(i for i, o in enumerate(outs) if o.delta_text)
+    assert first == HOLDBACK  # the token that makes HOLDBACK + 1 characters held
+    assert "".join(o.delta_text for o in outs) == "".join(pieces)
+    starts = [HOLDBACK + 1 + k * STRIDE for k in range(6) if HOLDBACK + 1 + k * STRIDE < 100]
+    assert [len(w) for w in gate.windows] == [*starts, 100]

@@ -131,7 +131,7 @@ def test_the_guard_cuts_a_stream_whose_output_it_flags(server, guard_dir):
     clean = c.completions.create(prompt="one two three", **body)  # no marker in its answer
     assert "tea" not in clean.choices[0].text and clean.choices[0].finish_reason == "length"
     # The tiny Llama answers "The sky" with " tea tea tea ...": the guard's first window
-    # (16 characters) is unsafe, so nothing of it goes out.
+    # (the first token past the 32 held-back characters) is unsafe, so nothing goes out.
     chunks = list(c.completions.create(prompt="The sky", stream=True,
                                        stream_options={"include_usage": True}, **body))  # fmt: skip
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ""
