@@ -23,6 +23,7 @@ as a dead engine (its readiness, its requests' errors).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -62,6 +63,16 @@ def check_config(config) -> None:
         count = torch.cuda.device_count()
         if count < n:
             raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs; torch sees {count}")
+
+
+def eager_on_cuda(config):
+    """The runner's config: on CUDA, decode is not captured as graphs under TP yet (each
+    rank's capture runs forwards, whose all-reduces need every rank capturing at once)."""
+    if torch.device(config.device).type != "cuda" or config.enforce_eager:
+        return config
+    config = copy.copy(config)
+    config.enforce_eager = True
+    return config
 
 
 def worker_options(config) -> dict:
@@ -184,7 +195,7 @@ class TPModelRunner(ModelRunner):
     """Rank 0's model runner: each step's plan goes to every rank before its forward."""
 
     def __init__(self, tp: TensorParallel, config, model, sampler):
-        super().__init__(config, model, sampler)
+        super().__init__(eager_on_cuda(config), model, sampler)
         self.tp = tp
         # the KV pool's size and the CPU attention form are rank 0's, so every rank's
         # kernels round alike and the pools hold the same blocks

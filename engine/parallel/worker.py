@@ -20,6 +20,7 @@ import torch
 from loraplex.engine.adapters.manager import AdapterManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.parallel.comm import Group
+from loraplex.engine.parallel.runtime import eager_on_cuda
 from loraplex.engine.parallel.shard import install_all_reduce, shard_adapter, shard_model
 from loraplex.engine.sampling.sampler import Sampler
 from loraplex.engine.step.model_runner import ModelRunner
@@ -42,7 +43,7 @@ def serve(config: EngineConfig, rank: int, world: int, group: Group) -> None:
     assert kind == "init", kind
     cfg = copy.copy(config)
     cfg.num_kv_blocks, cfg.cpu_attention = num_blocks, cpu_attention
-    runner = ModelRunner(cfg, model, Sampler(set()))
+    runner = ModelRunner(eager_on_cuda(cfg), model, Sampler(set()))
     while True:
         message = group.broadcast_object(idle=True)
         if message[0] == "stop":
