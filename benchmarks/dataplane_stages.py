@@ -1,13 +1,16 @@
 """The platform's hop over vLLM split by stage (issue 60, item 3), for benchmarks/dataplane.py.
 
-While one more run of the hop's trace goes through `loraplex serve --data-plane vllm` (after
-the counted runs, so that sampling slows none of them), py-spy samples the platform process
+While the hop's trace goes through `loraplex serve --data-plane vllm` once more (after the
+counted runs, so that sampling slows none of them), py-spy samples the platform process's
+thread that holds the GIL (its Python at work, not a thread blocked on a socket or the disk)
 and each sample is put in one stage by its stack: from the innermost frame outwards, the
 first frame that names a stage's code decides (a database call made while checking the key
 is auth, the same call made while recording usage is metering). The process's own CPU time
 over the run (/proc, all its threads) gives the total; the stages share it in proportion to
-their samples. A CPU millisecond of the platform is one vLLM could not use where both share
-the cores, as on the benchmark's machine; the latency the hop adds is in the hop's table.
+their samples (C code that runs with the GIL released, SQLite's or a socket's, is counted
+only in the total). A CPU millisecond of the platform is one vLLM could not use where both
+share the cores, as on the benchmark's machine; the latency the hop adds is in the hop's
+table.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from pathlib import Path
 # fmt: off
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("poller (vLLM's health, models, metrics; each second)", ("_poll_loop (", "poll_once (",
-                                                               "._poll (&/dataplane/vllm.py")),
+                                                               "._poll (&/dataplane/vllm.py",
+                                                               "metrics_of (")),
     ("auth (API key)", ("current_caller (", "authenticate (", "/security.py", "/api/deps.py")),
     ("quota and adapter look-up", ("resolve_model (", "_version_row (", "/quotas.py",
                                    "_charge (&/serving.py", "touch_adapter_used (",
@@ -104,8 +108,9 @@ def sample_stages(pid: int, run: Callable[[], dict], requests: int, tokens: int,
     with tempfile.TemporaryDirectory(prefix="dataplane-spy-") as tmp:
         out = Path(tmp) / "samples.txt"
         # --nonblocking: the platform is not paused to read a sample (it would slow the hop
-        # it measures); a torn stack now and then lands in "other".
-        cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking",
+        # it measures); a torn stack now and then lands in "other". --gil: only the thread
+        # running Python counts, not one blocked in a socket read or a disk write.
+        cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "--gil",
                "--full-filenames", "--format", "raw", "--output", str(out),
                "--duration", "600"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
