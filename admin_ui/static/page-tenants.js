@@ -1,4 +1,4 @@
-// Tenants: create; edit weight, prices and quotas; suspend and reactivate.
+// Tenants: create; edit weight, prices and quotas; suspend and reactivate; drop cached KV.
 
 import { api } from "./api.js";
 import { attempt, badge, field, h, table } from "./dom.js";
@@ -100,6 +100,12 @@ export async function tenantsPage(main) {
           const path = `/tenants/${t.id}${cut ? "?end_streams=true" : ""}`;
           if (await attempt(() => api.patch(path, { status }), `${t.name} is ${status}.`)) reload();
         } }, t.status === "active" ? "Suspend" : "Activate"),
+        // A new prefix-cache salt: the tenant's cached KV unreachable on every replica.
+        h("button", { type: "button", onclick: async () => {
+          if (!confirm(`Drop ${t.name}'s cached KV? Its next prompts are computed anew.`)) return;
+          await attempt(() => api.post(`/tenants/${t.id}/cache-salt/rotate`),
+            `${t.name}'s cached KV dropped (cache salt rotated).`);
+        } }, "Drop cached KV"),
         h("a", { class: "button", href: `#keys?tenant=${t.id}` }, "Keys"),
         h("a", { class: "button", href: `#batches?tenant=${t.id}` }, "Batches")) },
     ], data, "No tenants yet: create the first one above."));

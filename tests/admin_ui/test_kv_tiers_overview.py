@@ -49,3 +49,23 @@ def test_overview_shows_each_kv_tier(page, ui_server):
     assert set(stats) == {"host"}  # only the tiers the replica has
     assert page.watch.errors == []
     assert page.watch.foreign == []
+
+
+def test_tenants_page_drops_a_tenants_cached_kv(page, ui_server):
+    """The tenants list's "Drop cached KV" rotates the tenant's prefix-cache salt (admin API
+    POST /admin/api/tenants/{id}/cache-salt/rotate); another tenant's salt is untouched."""
+    from loraplex.platform.db.models import Tenant
+    from tests.admin_ui.test_dashboard import _go
+
+    tenant, _ = ui_server.new_tenant("saltco")
+    other, _ = ui_server.new_tenant("keepco")
+    page.goto("/admin/login")
+    page.fill("#admin_key", ADMIN_KEY)
+    page.click("button[type=submit]")
+    _go(page, "tenants")
+    page.locator("tr", has_text="saltco").get_by_role("button", name="Drop cached KV").click()
+    expect(page.locator("#flash")).to_contain_text("saltco's cached KV dropped")
+    with ui_server.sessions() as session:
+        assert len(session.get(Tenant, tenant).cache_salt) == 64
+        assert session.get(Tenant, other).cache_salt is None
+    assert page.watch.errors == []
