@@ -18,7 +18,9 @@ layout, and must never reach another tenant. Its store key is therefore
     salt                  kv_tier_salt: changing it makes every stored entry unreachable
 
 The chain key already hashes every token of the prefix (engine/memory/block_manager.py), so
-two prefixes share a store key only if blake2b collides.
+two prefixes share a store key only if blake2b collides; it also holds the request's cache
+salt (SamplingParams.cache_salt: the tenant's, which the platform rotates), so a rotated salt
+reaches the store key through it.
 
 A stored record is its header, then the block's raw bytes (no pickle: a store another
 process writes must never be able to run code here):
