@@ -4,6 +4,8 @@ its workers, by real helm (tests/helm/tools.py)."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from loraplex.platform.settings import Settings
@@ -44,3 +46,17 @@ def test_a_front_reads_its_workers(monkeypatch):
 
 def test_an_unknown_role_is_refused():
     assert "role" in template_error({"secrets": SECRETS, "config": {"role": "router"}})
+
+
+def test_the_secret_reaches_the_workers_from_the_secret_only():
+    values = {
+        "secrets": SECRETS | {"disaggSecret": "Qm4pW8zX2cV7bN1k"},
+        "config": {"role": "decode"},
+    }
+    docs = kinds(render(values))
+    assert "Qm4pW8zX2cV7bN1k" not in str(docs["ConfigMap"][0]["data"])
+    c = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    ref = next(e for e in c["env"] if e["name"] == "LORAPLEX_DISAGG_SECRET")
+    secret = next(s for s in docs["Secret"] if "annotations" not in s["metadata"])
+    key = ref["valueFrom"]["secretKeyRef"]["key"]
+    assert base64.b64decode(secret["data"][key]).decode() == "Qm4pW8zX2cV7bN1k"
