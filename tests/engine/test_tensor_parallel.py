@@ -17,9 +17,10 @@ import signal
 import pytest
 
 from loraplex.engine import LLM, LoRARequest, SamplingParams
-from loraplex.engine.errors import EngineDeadError
+from loraplex.engine.errors import AdapterError, EngineDeadError
 from loraplex.engine.models.spec import spec_from_config
 from loraplex.engine.parallel.shard import local_spec
+from testkit.dora import make_dora_adapter
 from testkit.factories import make_adapter, make_tiny_model
 from tests.conftest import ADAPTER_SPECS
 from tests.utils.outputs import assert_same_outputs
@@ -88,11 +89,16 @@ def test_tp2_with_fewer_kv_heads_than_ranks(tmp_path):
     assert _tp2_equals_tp1(base, folders) > 0
 
 
-def test_a_rank_killed_mid_step_makes_the_engine_dead(tiny_models):
+def test_a_rank_killed_mid_step_makes_the_engine_dead(tiny_models, tmp_path):
     llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ARGS)
     tp = llm.engine.runner.tp
     worker = tp.procs[0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    # a DoRA adapter is refused under TP (its norms need whole weight rows), nothing else
+    dora = make_dora_adapter(tiny_models["llama"], tmp_path / "dora")
+    with pytest.raises(AdapterError, match="DoRA"):
+        llm.generate([[5, 6]], params, LoRARequest("dora", 9, str(dora)))
     assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
     killed = []
 
