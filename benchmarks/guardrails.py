@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--train", action="store_true", help="train the guard (same cost per call)")
     args = ap.parse_args()
+    load_start = os.getloadavg()
     import_installed_kernels()  # before peft / transformers, from a checkout's root
     from loraplex.engine import Tokenizer
     from testkit.guard_training import train_guard
@@ -199,8 +200,21 @@ def main() -> None:
     for n, s in summary.items():
         print(f"| {n} | {s['tokens_per_s']:.1f} | {100 * (s['tokens_per_s'] / none - 1):+.1f} % "
               f"| {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} |")  # fmt: skip
-    doc = {"args": vars(args), "cpus": os.cpu_count(), "load": os.getloadavg(),
-           "summary": summary, "runs": runs}  # fmt: skip
+    # Each round's throughput over the same round's `none`: the load swings between rounds
+    # more than between the scenarios of one round, so the median of these ratios is the
+    # steadier figure of the cost.
+    ratios = {
+        n: [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["none"], strict=True)]
+        for n, rs in runs.items()
+    }
+    for n, rs in ratios.items():
+        print(f"{n:14s} per-round tok/s vs none: median {statistics.median(rs):.3f}, "
+              f"range {min(rs):.3f} to {max(rs):.3f}")  # fmt: skip
+    doc = {"args": vars(args), "cpus": os.cpu_count(), "load_start": load_start,
+           "load": os.getloadavg(), "summary": summary,
+           "round_ratios": {n: {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+                            for n, rs in ratios.items()},
+           "runs": runs}  # fmt: skip
     (DOCS / "guardrails-bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(summary, DOCS / "guardrails-bench.png")
 
