@@ -356,9 +356,26 @@ def test_the_portal_shows_the_tenants_own_policies_and_events(server):
     with httpx.Client(base_url=server.url, timeout=60) as portal:
         assert portal.post("/portal/login", data={"api_key": key}).status_code == 303
         got = portal.get("/portal/api/guardrails").json()
+        # The portal's opt-in switch: the session's CSRF token needed, its own policy only.
+        csrf = {"X-CSRF-Token": portal.get("/portal/session").json()["csrf_token"]}
+        others = f"{server.url}/admin/api/tenants/{other_tid}/guardrails"
+        mine = got["policies"][0]["id"]
+        theirs = httpx.get(others, headers=ADMIN).json()["data"][0]["id"]
+        path = "/portal/api/guardrails/policies/{}/record_text"
+        on = {"record_text": True}
+        assert portal.put(path.format(mine), json=on).status_code == 403  # no CSRF header
+        assert portal.put(path.format(theirs), json=on, headers=csrf).status_code == 404
+        bad = portal.put(path.format(mine), json={"record_text": "yes"}, headers=csrf)
+        assert bad.status_code == 400
+        r = portal.put(path.format(mine), json=on, headers=csrf)
+        assert r.status_code == 200 and r.json()["record_text"] is True
     assert [p["name"] for p in got["policies"]] == ["mine"]
     assert [(e["policy_name"], e["action"]) for e in got["events"]] == [("mine", "block")]
     assert httpx.get(f"{server.url}/portal/api/guardrails").status_code == 401
+    mine_now = httpx.get(f"{server.url}/v1/guardrails", headers={"Authorization": f"Bearer {key}"})
+    assert [p["record_text"] for p in mine_now.json()["data"]] == [True]
+    theirs_now = httpx.get(f"{server.url}/admin/api/tenants/{other_tid}/guardrails", headers=ADMIN)
+    assert [p["record_text"] for p in theirs_now.json()["data"]] == [False]
 
 
 def test_streamed_prompt_list_cuts_only_that_prompt(server):
