@@ -56,6 +56,7 @@ from loraplex.platform.dataplane.protocol import Assembler, http_error, metrics_
 
 log = logging.getLogger("loraplex.dataplane")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+MISSES_TO_DOWN = 3  # polls in a row without an answer in time before an endpoint is down
 
 # (ensure) name, lora request, endpoint -> None; raises AdapterError / AdapterUnavailable
 Loader = Callable[["Endpoint", str, LoRARequest], None]
@@ -82,6 +83,7 @@ class Endpoint:
     waiting: int = 0
     kv_usage: float = 0.0
     ever_seen: bool = False
+    misses: int = 0  # polls in a row that got no answer in time
 
     @property
     def load(self) -> int:
@@ -189,10 +191,18 @@ class VllmDataPlane:
             models = http.get(f"{e.url}/v1/models").json()["data"]
             metrics = http.get(f"{e.url}/metrics").text
         except (httpx.HTTPError, ValueError, KeyError) as err:
+            # Refused, or vLLM saying it is unhealthy: down now. A slow answer (a busy host)
+            # only after MISSES_TO_DOWN polls in a row: one late poll under load must not
+            # send an adapter's requests to a server that does not hold it.
+            slow = isinstance(err, httpx.TimeoutException)
+            e.misses += 1
+            if slow and e.healthy and e.misses < MISSES_TO_DOWN:
+                return
             if e.healthy:
                 log.warning("vLLM at %s stopped answering: %s", e.url, err)
             e.healthy = False
             return
+        e.misses = 0
         base = next((m for m in models if m.get("parent") is None), None)
         was_down = not e.healthy
         e.base_id = base["id"] if base else e.base_id
