@@ -453,7 +453,11 @@ OWN_PAGES = "\n".join(
         "| The fused per-layer kernels' op counts, the int4 wrapper's per-call time | see the page "
         "| [step-overhead-kernels.md](step-overhead-kernels.md) |",
         "| Interactive TTFT and machine throughput beside a Batch API job | "
-        "`python -m benchmarks.batch_priority` | [batch-priority.md](batch-priority.md) |\n",
+        "`python -m benchmarks.batch_priority` | [batch-priority.md](batch-priority.md) |",
+        "| Decode ITL during prefill bursts, TTFT, throughput and KV moved: prefill and decode "
+        "workers against colocated engines, cores split equally | "
+        "`python -m benchmarks.disagg --model demo --dtype float32` | "
+        "[disaggregation.md](disaggregation.md) |\n",
     ]
 )
 
