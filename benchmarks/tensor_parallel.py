@@ -24,14 +24,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="'demo' (Gemma 3 270M) or a model folder")
+    p.add_argument("--model", default="demo",
+                   help="'demo' (Gemma 3 270M), 'tiny-llama' or a model folder")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where 'demo' is converted (default cache)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=12, help="decode steps timed per batch")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--kv-cache-mib", type=int, default=64, help="KV pool per rank")
     p.add_argument("--threads", type=int, default=2, help="TP = 1's threads; TP = 2: 1 each")
-    p.add_argument("--adapter", default=None, help="a PEFT adapter folder every row uses")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="every row on one generated adapter of this rank (0: the base alone)")
     p.add_argument("--out", default=str(RESULTS / "tensor-parallel.json"))
     p.add_argument("--png", default=None, help="the chart (default: beside --out)")
     p.add_argument("--no-plot", action="store_true")
@@ -69,15 +71,26 @@ def run(args: argparse.Namespace) -> dict:
     from loraplex.engine.sequence import LoRARequest
     from loraplex.engine.step.model_runner import kv_block_bytes
 
-    model = resolve_model(args.model, Path(args.data_dir) if args.data_dir else None)
-    lora = LoRARequest("bench", 1, args.adapter) if args.adapter else None
+    from benchmarks import assets
+
+    if args.model == "tiny-llama":
+        model = str(assets.tiny_llama())
+    else:
+        model = resolve_model(args.model, Path(args.data_dir) if args.data_dir else None)
+    lora = None
+    if args.lora_rank:
+        name = Path(model).name
+        folder = assets.make_adapters(Path(model), name, 1, rank=args.lora_rank)[0]
+        lora = LoRARequest("bench", 1, str(folder))
     rows = []
-    for tp, threads in ((1, args.threads), (2, 1)):
+    # TP = 1 with one thread too: on a loaded machine two threads can lose more to each
+    # other than they gain, and the one-thread row says how much
+    for tp, threads in ((1, args.threads), (1, 1), (2, 1)):
         config = EngineConfig(
             model=model, tensor_parallel_size=tp, num_threads=threads,
             kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.prompt_len + args.steps + 16,
-            max_num_seqs=max(args.batches), enable_lora=bool(args.adapter), max_loras=1,
-            max_lora_rank=16, cpu_attention="sdpa",
+            max_num_seqs=max(args.batches), enable_lora=lora is not None, max_loras=1,
+            max_lora_rank=max(args.lora_rank, 1), cpu_attention="sdpa",
         )  # fmt: skip
         engine = LLMEngine(config)
         try:
@@ -98,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"model": args.model, "layers": spec.num_layers, "hidden": spec.hidden_size,
             "kv_heads": spec.num_kv_heads, "prompt_len": args.prompt_len,
             "kv_cache_mib": args.kv_cache_mib,
-            "steps": args.steps, "adapter": bool(args.adapter), "rows": rows}  # fmt: skip
+            "steps": args.steps, "lora_rank": args.lora_rank, "rows": rows}  # fmt: skip
 
 
 def table(doc: dict) -> str:
@@ -121,11 +134,13 @@ def plot(doc: dict, path: Path) -> Path:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
     batches = sorted({r["batch"] for r in doc["rows"]})
-    width = 0.38
-    for k, tp in enumerate((1, 2)):
-        rows = {r["batch"]: r for r in doc["rows"] if r["tp"] == tp}
-        label = "TP=1, 2 threads" if tp == 1 else "TP=2, 1 thread/rank"
-        xs = [i + (k - 0.5) * width for i in range(len(batches))]
+    systems = list(dict.fromkeys((r["tp"], r["threads_per_rank"]) for r in doc["rows"]))
+    width = 0.8 / len(systems)
+    for k, (tp, threads) in enumerate(systems):
+        rows = {r["batch"]: r for r in doc["rows"]
+                if (r["tp"], r["threads_per_rank"]) == (tp, threads)}  # fmt: skip
+        label = f"TP={tp}, {threads} thread{'s' if threads > 1 else ''}" + ("/rank" if tp > 1 else "")
+        xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(batches))]
         a.bar(xs, [rows[b]["decode_tok_s"] for b in batches], width, label=label)
         b.bar(xs, [rows[b]["itl_ms"] for b in batches], width, label=label)
     for ax, ylabel in ((a, "decode tok/s"), (b, "ITL (median step, ms)")):
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._cli import parser, require
 
     args = parser(__doc__, add_args).parse_args(argv)
-    require("tensor_parallel", adapters=False, plot=not args.no_plot)
+    require("tensor_parallel", adapters=args.lora_rank > 0, plot=not args.no_plot)
     doc = run(args)
     print(table(doc))
     out = Path(args.out)
