@@ -75,6 +75,14 @@ class DisaggregatedEngine:
     def __getattr__(self, name):  # everything else is the colocated engine's
         return getattr(self.local, name)
 
+    def shutdown(self, *args, **kw):
+        """Close the connections to the workers, then stop the colocated engine."""
+        for loop, session in list(self._sessions.items()):
+            if not loop.is_closed() and not session.closed:
+                loop.call_soon_threadsafe(lambda s=session, lp=loop: lp.create_task(s.close()))
+        self._sessions.clear()
+        return self.local.shutdown(*args, **kw)
+
     def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         s = self._sessions.get(loop)

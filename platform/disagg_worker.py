@@ -71,6 +71,7 @@ class RoleEngine:
             "free_blocks": len(e.block_manager.free_queue),
             "num_blocks": e.block_manager.num_blocks,
             "adapters": sorted(i for i in e.adapters.slots if i),  # lora ids in slots
+            "tokens_generated": e.num_generated_tokens,  # since start, every request
             # prompt tokens found in the KV tiers instead of computed, since start
             "tokens_loaded": e.kv_tiers.tokens_loaded if e.kv_tiers is not None else 0,
         }

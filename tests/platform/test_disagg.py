@@ -13,6 +13,7 @@ colocated engine and succeeds.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -23,14 +24,17 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from sqlalchemy import select
 
 from loraplex.engine import AsyncLLMEngine, LLMEngine, LoRARequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import EngineDeadError
+from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.disagg import DisaggregatedEngine
 from testkit.server import free_port, wait_ready
+from tests.utils.server import run_server
 
-ENGINE = dict(block_size=8, max_model_len=512, max_lora_rank=16, dtype="float32")
+ENGINE = dict(max_model_len=512, max_lora_rank=16, dtype="float32")  # block size 16: default
 LORAPLEX = str(Path(sys.executable).with_name("loraplex"))
 
 
@@ -132,19 +136,22 @@ def test_front_streams_through_both_workers_identically(fleet, loras):
     assert front.counts["disaggregated"] == 3 and front.counts["ended_at_prefill"] == 1
     status = httpx.get(f"{durl}/disagg/status").json()
     assert status["role"] == "decode" and status["requests"] == 0
-    assert status["tokens_loaded"] >= 8 * (30 // 8 + 17 // 8 + 41 // 8)  # every full block
+    assert status["tokens_loaded"] >= 16 * (30 // 16 + 17 // 16 + 41 // 16)  # every full block
 
 
 def test_a_dropped_stream_frees_the_decode_worker(fleet, loras):
-    front, _, _, durl = fleet
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    front, _, decode, durl = fleet
+    params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    before = httpx.get(f"{durl}/disagg/status").json()["tokens_generated"]
 
     async def drop():
         stream = front.generate(_prompt(9, 30), params, loras[1], request_id="drop")
         async for _ in stream:
-            break  # the client went away after its first token
+            decode.send_signal(signal.SIGSTOP)  # held mid-stream while the client goes away
+            break
         await stream.aclose()
         await front.close()
+        decode.send_signal(signal.SIGCONT)
 
     asyncio.run(drop())
     deadline = time.monotonic() + 30
@@ -154,6 +161,50 @@ def test_a_dropped_stream_frees_the_decode_worker(fleet, loras):
             break
         assert time.monotonic() < deadline, s
         time.sleep(0.1)
+    assert s["tokens_generated"] - before < 400  # aborted, not run to its end (479 more)
+
+
+def _sse_text(resp: httpx.Response) -> tuple[str, dict | None]:
+    text, usage = "", None
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            text += "".join(c.get("text", "") for c in event.get("choices", []))
+            usage = event.get("usage") or usage
+    return text, usage
+
+
+def test_the_server_streams_one_request_through_the_workers(fleet, tiny_models, tmp_path):
+    """The OpenAI route on a front server: one stream, one usage record, the colocated
+    engine's text."""
+    _, _, _, durl = fleet
+    purl = fleet[0].prefill[0].url
+    with run_server(tiny_models["llama"], tmp_path, disagg_prefill_urls=purl,
+                    disagg_decode_urls=durl, engine_process=False,
+                    max_model_len=512, max_lora_rank=16) as srv:  # fmt: skip
+        tenant, key = srv.new_tenant("disagg")
+        body = {"model": srv.state.model_name, "prompt": "The quick brown fox jumps over the",
+                "max_tokens": 12, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        auth = {"Authorization": f"Bearer {key}"}
+        front = srv.state.engine
+        assert isinstance(front, DisaggregatedEngine)
+        got = httpx.post(f"{srv.url}/v1/completions", json=body, headers=auth, timeout=120)
+        assert got.status_code == 200, got.text
+        assert front.counts["disaggregated"] == 1
+        srv.state.engine = front.local  # the same request, colocated
+        want = httpx.post(f"{srv.url}/v1/completions", json=body, headers=auth, timeout=120)
+        srv.state.engine = front
+        (gtext, gusage), (wtext, wusage) = _sse_text(got), _sse_text(want)
+        assert gtext == wtext and gtext
+        assert gusage["completion_tokens"] == wusage["completion_tokens"]
+        assert gusage["prompt_tokens"] == wusage["prompt_tokens"]
+        with srv.sessions() as session:
+            records = session.scalars(
+                select(UsageRecord).where(UsageRecord.tenant_id == tenant)
+            ).all()
+        assert len(records) == 2  # one per request, the disaggregated one included
+        assert {r.completion_tokens for r in records} == {gusage["completion_tokens"]}
 
 
 def test_decode_worker_death_ends_the_stream_then_falls_back(fleet, loras):
