@@ -21,6 +21,14 @@ _EXPORTS = {
     "StreamingEngine": "process.async_engine",
     "EngineProcess": "process.engine_process",
     "keep_freed_memory": "memory.host_malloc",
+    # prefill and decode on different workers (docs/disaggregation.md)
+    "PrefillWorker": "disagg.workers",
+    "DecodeWorker": "disagg.workers",
+    "Handoff": "disagg.handoff",
+    "output_to_dict": "disagg.wire",
+    "output_from_dict": "disagg.wire",
+    "request_to_dict": "disagg.wire",
+    "request_from_dict": "disagg.wire",
     # configuration
     "EngineConfig": "config",
     "EngineOptions": "options",

@@ -28,12 +28,16 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from loraplex.engine.disagg import Handoff
-from loraplex.engine.disagg.wire import output_from_dict, request_to_dict
-from loraplex.engine.errors import BadRequestError, EngineDeadError
-from loraplex.engine.outputs import RequestOutput
-from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.sequence import LoRARequest
+from loraplex.engine import (
+    BadRequestError,
+    EngineDeadError,
+    Handoff,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+    output_from_dict,
+    request_to_dict,
+)
 
 log = logging.getLogger("loraplex.disagg")
 DOWN_S = 5.0

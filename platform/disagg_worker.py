@@ -25,10 +25,15 @@ import threading
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from loraplex.engine import LLMEngine
-from loraplex.engine.disagg import DecodeWorker, Handoff, PrefillWorker
-from loraplex.engine.disagg.wire import output_to_dict, request_from_dict
-from loraplex.engine.errors import EngineError
+from loraplex.engine import (
+    DecodeWorker,
+    EngineError,
+    Handoff,
+    LLMEngine,
+    PrefillWorker,
+    output_to_dict,
+    request_from_dict,
+)
 
 log = logging.getLogger("loraplex.disagg")
 IDLE_WAIT_S = 0.05  # the thread's wait for a command when nothing runs
