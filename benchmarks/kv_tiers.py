@@ -27,6 +27,7 @@ Two parts, both printed side by side and written to `--out` (JSON) and `--png`:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -98,7 +99,14 @@ def _ttft(llm: LLM, prompt: list[int], params: SamplingParams, lora=None,
     return first, tokens
 
 
+def _fleet(model: Path, tiers: bool, base: dict, salt: str) -> list[LLM]:
+    kw = dict(kv_tier_shared_url=REDIS, kv_tier_salt=salt) if tiers else {}
+    return [LLM(str(model), **kw, **base) for _ in range(2)]
+
+
 def chats(model: Path, adapters: list[Path], args) -> tuple[list[dict], int, int]:
+    """The conversations on fleet "tiers", then on fleet "recompute" (one fleet resident at a
+    time: two fleets of the demo model at once outgrow a small machine's memory)."""
     longest = max(args.histories) + args.turns * (args.new_tokens + args.max_tokens) + 64
     base = dict(dtype=args.dtype, max_model_len=longest, max_lora_rank=8,
                 max_loras=max(1, len(adapters)),
@@ -106,25 +114,24 @@ def chats(model: Path, adapters: list[Path], args) -> tuple[list[dict], int, int
     loras = [None] + [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     tenant_salts = [uuid.uuid4().hex for _ in range(args.tenants)]
     salt = uuid.uuid4().hex  # this run's blocks only
-    fleets = {
-        "tiers": [
-            LLM(str(model), kv_tier_shared_url=REDIS, kv_tier_salt=salt, **base) for _ in range(2)
-        ],  # fmt: skip
-        "recompute": [LLM(str(model), **base) for _ in range(2)],
-    }
-    vocab = fleets["tiers"][0].engine.vocab_size
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    for h in args.histories:
-        for c in range(args.conversations):
-            first = torch.randint(100, vocab, (h,), generator=g).tolist()
-            news = [torch.randint(100, vocab, (args.new_tokens,), generator=g).tolist()
-                    for _ in range(args.turns)]  # fmt: skip
-            answers = {}
-            tenant, lora = c % args.tenants, loras[c % len(loras)]
-            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                    cache_salt=tenant_salts[tenant])  # fmt: skip
-            for fleet, replicas in fleets.items():
+    rows, answers, block = [], {}, None
+    for fleet in ("tiers", "recompute"):
+        replicas = _fleet(model, fleet == "tiers", base, salt)
+        vocab = replicas[0].engine.vocab_size
+        if fleet == "tiers":
+            engine = replicas[0].engine
+            block = engine.kv_tiers.layout.block_bytes, engine.config.block_size
+        g = torch.Generator().manual_seed(0)  # the same conversations in both fleets
+        for h in args.histories:
+            for c in range(args.conversations):
+                first = torch.randint(100, vocab, (h,), generator=g).tolist()
+                news = [torch.randint(100, vocab, (args.new_tokens,), generator=g).tolist()
+                        for _ in range(args.turns)]  # fmt: skip
+                tenant, lora = c % args.tenants, loras[c % len(loras)]
+                params = SamplingParams(
+                    temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                    cache_salt=tenant_salts[tenant],
+                )  # fmt: skip
                 history = list(first)
                 for t in range(args.turns):
                     llm = replicas[(c + t) % 2]
@@ -143,13 +150,21 @@ def chats(model: Path, adapters: list[Path], args) -> tuple[list[dict], int, int
                         "shared_hit_blocks": shared.hits - hits0 if shared else 0,
                         "shared_bytes": shared.bytes_read - read0 if shared else 0,
                     })  # fmt: skip
-                    answers.setdefault(t, []).append(out)
+                    answers.setdefault((h, c, t), []).append(out)
                     print(f"{fleet:>9}  history {h:>5}  conv {c}  turn {t}: "
                           f"{len(history):>5} tokens, TTFT {ttft:7.3f} s", flush=True)  # fmt: skip
                     history = history + out + news[t]
-            rows[-1]["greedy_equal"] = all(a[0] == a[1] for a in answers.values())
-    engine = fleets["tiers"][0].engine
-    return rows, engine.kv_tiers.layout.block_bytes, engine.config.block_size
+        for r in replicas:
+            r.engine.close()
+            r.engine.adapters.close()
+        del replicas, llm
+        gc.collect()
+    for r in rows:
+        if r["fleet"] == "recompute" and r["turn"] == args.turns - 1:
+            key = r["history"], r["conversation"]
+            r["greedy_equal"] = all(a[0] == a[1] for (h, c, _), a in answers.items()
+                                    if (h, c) == key)  # fmt: skip
+    return rows, *block
 
 
 def _p99(values: list[float]) -> float:
