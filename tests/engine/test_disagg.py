@@ -10,6 +10,8 @@ the decode engine loaded the prompts' full blocks rather than computing them.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 
@@ -33,11 +35,30 @@ def _llm(model, **kw) -> LLM:
     return LLM(str(model), **{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_models, tmp_path_factory):
-    """(colocated, prefill worker, decode worker) on the tiny llama."""
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _redis_up() -> bool:
+    try:
+        import redis
+
+        redis.Redis.from_url(REDIS, socket_timeout=1).ping()
+    except Exception:  # noqa: BLE001 (no client or no server: that tier is left out, saying so)
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["disk", "redis"])
+def engines(request, tiny_models, tmp_path_factory):
+    """(colocated, prefill worker, decode worker) on the tiny llama, the workers sharing a
+    disk folder (one host) or Redis (between hosts; each run salted apart)."""
     model = tiny_models["llama"]
-    tier = dict(kv_tier_disk_path=str(tmp_path_factory.mktemp("kv-tier")))
+    if request.param == "disk":
+        tier = dict(kv_tier_disk_path=str(tmp_path_factory.mktemp("kv-tier")))
+    elif _redis_up():
+        tier = dict(kv_tier_shared_url=REDIS, kv_tier_salt=uuid.uuid4().hex, kv_tier_ttl_s=600)
+    else:
+        pytest.skip(f"no Redis at {REDIS}: the shared tier's case is left out")
     colocated = _llm(model)
     prefill = PrefillWorker(_llm(model, **tier).engine)
     decode = DecodeWorker(_llm(model, **tier).engine)
