@@ -71,7 +71,8 @@ class PolicyPatch(BaseModel):
     guard_tenant_id: int | None = None
     guard_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     fail_mode: Literal["open", "closed"] | None = None
-    record_text: bool | None = None
+    # No record_text: once a policy exists, whether its events keep the tenant's text is the
+    # tenant's to say (PATCH /v1/guardrails/policies/{id}); the operator's edit is a 400.
     api_key_id: int | None = None
 
 

@@ -209,6 +209,7 @@ def test_the_operator_edits_a_policy_checked_whole_and_audited(server):
         ({"actoin": "block"}, 400, None),
         ({"guard_tenant_id": tid}, 400, "invalid_policy"),  # no guard to own
         ({"api_key_id": other_key_row.id}, 404, "key_not_found"),  # another tenant's key
+        ({"record_text": True}, 400, None),  # the tenant's choice, not the operator's
     ]
     for body, status, code in bad:
         r = httpx.patch(url, headers=ADMIN, json=body)
