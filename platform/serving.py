@@ -7,14 +7,12 @@ client was actually sent, whether it finished, was cancelled or failed.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import errno
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -43,18 +41,6 @@ from loraplex.platform.state import AppState, Caller
 
 FALLBACK_STOP = "\nUser:"
 log = logging.getLogger("loraplex.requests")
-# The usage ledger's writes wait on threads of their own: a write waits there for the group
-# commit in progress (platform/ledger.py), and on the loop's default executor (a few threads)
-# those waits held back the next requests' guardrail policy read and quota charge.
-_LEDGER_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="loraplex-ledger")
-
-
-def _write_ledger(state: AppState, entry) -> asyncio.Future:
-    """`state.ledger.write(entry)` on a ledger thread, in this request's context."""
-    run = contextvars.copy_context().run
-    return asyncio.get_running_loop().run_in_executor(
-        _LEDGER_THREADS, run, state.ledger.write, entry
-    )
 
 
 def fallback_chat_prompt(messages: list[dict[str, Any]]) -> str:
@@ -125,7 +111,9 @@ class Job:
     first_token: float | None = None
     submitted: float | None = None  # handed to the engine
     finish_reason: str | None = None
-    engine_times: tracing.EngineTimes | None = None  # the engine's own, where it sends them
+    # The latest engine output that carried the engine's times (`engine_times` reads them
+    # once, when the request ends: not per streamed token).
+    timed: RequestOutput | None = None
     adapter_tier: str | None = None  # tracing only: where the engine held the adapter
     sent_tokens: int = 0
     cached_tokens: int = 0
@@ -141,6 +129,11 @@ class Job:
     @property
     def adapter_name(self) -> str | None:
         return self.adapter.name if self.adapter else None
+
+    @property
+    def engine_times(self) -> tracing.EngineTimes | None:
+        """The engine's own times of the request, where it sends them."""
+        return None if self.timed is None else tracing.engine_times(self.timed)
 
 
 def _merged(outs: list[RequestOutput]) -> RequestOutput:
@@ -463,7 +456,8 @@ class InferenceService:
                 if job.first_token is None and out.delta_token_ids:
                     job.first_token = time.monotonic()
                 job.cached_tokens = out.num_cached_tokens
-                job.engine_times = tracing.engine_times(out) or job.engine_times
+                if getattr(out, "metrics", None) is not None:
+                    job.timed = out
                 if out.finished and out.outputs:
                     job.finish_reason = out.outputs[0].finish_reason
                 if interval > 1:
@@ -524,6 +518,7 @@ class InferenceService:
                 if interactive:
                     m.tpot.observe(tpot)
         actual = len(job.prompt_ids) + job.sent_tokens
+        times = job.engine_times
         # One record: the usage row and the structured log line say the same thing.
         record = {
             "request_id": job.request_id,
@@ -535,7 +530,7 @@ class InferenceService:
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": job.sent_tokens,
             "cached_tokens": job.cached_tokens,
-            "queue_ms": job.engine_times.queue_ms if job.engine_times else None,
+            "queue_ms": times.queue_ms if times else None,
             "ttft_ms": ttft_ms,
             "tpot_ms": tpot_ms,
             "latency_ms": (now - job.started) * 1000,
@@ -554,7 +549,7 @@ class InferenceService:
                     completion_tokens=job.sent_tokens,
                     finish_reason=job.finish_reason,
                     status=status,
-                    engine=job.engine_times,
+                    engine=times,
                     tenant_id=job.caller.tenant.id,
                     model=job.model,
                     request_id=job.request_id,
@@ -582,7 +577,7 @@ class InferenceService:
         )
         # Shielded: a cancelled request (client gone) must still be billed. In flight until the
         # write is done, whether or not this task is cancelled meanwhile.
-        written = _write_ledger(self.state, entry)
+        written = asyncio.ensure_future(asyncio.to_thread(self.state.ledger.write, entry))
         written.add_done_callback(lambda _: self.state.inflight.discard(job.request_id))
         await asyncio.shield(written)
 
@@ -598,4 +593,4 @@ class InferenceService:
             adjust=-job.estimate,
             charged_at=datetime.fromtimestamp(job.charged_at, UTC),
         )
-        await _write_ledger(self.state, entry)
+        await asyncio.to_thread(self.state.ledger.write, entry)
