@@ -185,6 +185,19 @@ class TPAdapterManager(AdapterManager):
 
         return rows
 
+    def poll(self) -> dict[int, Exception]:
+        """As the base class; an adapter on the experts fails its load here (before any slot
+        write): expert adapters are not split across ranks yet."""
+        failed = super().poll()
+        for lora_id, adapter in list(self.host.items()):
+            if adapter.experts:
+                del self.host[lora_id]
+                failed[lora_id] = AdapterError(
+                    f"adapter '{adapter.name}': expert LoRA is not served with "
+                    "tensor_parallel_size > 1 yet"
+                )
+        return failed
+
     def _write_slot(self, slot: int, adapter) -> None:
         mine = shard_adapter(adapter, self.spec, 0, self.tp.world)
         self.tp.ops.append(("slot", slot, adapter))

@@ -16,6 +16,11 @@ Adapters split the way their base layer does (S-LoRA): on a column-parallel targ
 (its output) are split and A is whole; on a row-parallel target A's columns (its input) are
 split and B is whole, and the all-reduce after the layer sums the LoRA term's partial sums
 with the base's (x_r A_r^T B summed over r is x A^T B). No collective of its own.
+
+A mixture of experts splits every expert the way an MLP splits (1/N of each expert's
+intermediate rows; Qwen2-MoE's shared expert too), the router whole on every rank (each rank
+routes every token alike), and one all-reduce after the whole routed block. Expert adapters
+are not split yet (refused); attention, router and shared-expert adapters are.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from loraplex.engine.adapters.lora import LoRAAdapter
 from loraplex.engine.errors import AdapterError
 from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.moe import SparseMoE
 from loraplex.engine.models.spec import ModelSpec
 
 COLUMN = ("qkv_proj", "gate_up_proj")  # our fused modules whose output rows split
@@ -38,13 +44,11 @@ ROW_TARGETS = ("o_proj", "down_proj")
 
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
     """One rank's share of the model; ValueError where the model does not split into `world`."""
+    sizes = [("attention heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
     if spec.is_moe:
-        raise ValueError(
-            f"tensor_parallel_size {world}: mixture-of-experts bases ({spec.family}) are not "
-            "split across ranks yet; serve them with tensor_parallel_size 1"
-        )
-    for what, n in (("attention heads", spec.num_heads),
-                    ("intermediate_size", spec.intermediate_size)):  # fmt: skip
+        sizes += [("moe_intermediate_size", spec.moe_intermediate_size),
+                  ("shared expert's intermediate size", spec.shared_expert_size)]  # fmt: skip
+    for what, n in sizes:
         if n % world:
             raise ValueError(
                 f"tensor_parallel_size {world} must divide the model's {what} ({n})"
@@ -60,6 +64,8 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
         num_heads=spec.num_heads // world,
         num_kv_heads=max(kv // world, 1),
         intermediate_size=spec.intermediate_size // world,
+        moe_intermediate_size=spec.moe_intermediate_size // world,
+        shared_expert_size=spec.shared_expert_size // world,
     )
 
 
@@ -95,7 +101,14 @@ def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
     for name, p in local.named_parameters():
         t = src[name]
         *owner, mod, leaf = name.split(".")
-        if mod in COLUMN:
+        if mod == "experts":  # [experts, 2i, h] gate|up rows, [experts, h, i] down columns
+            if leaf.startswith("gate_up_proj"):
+                t = torch.cat([g.chunk(world, dim=1)[rank] for g in t.chunk(2, dim=1)], dim=1)
+            elif leaf == "down_proj":
+                t = t.chunk(world, dim=2)[rank]
+            elif leaf == "down_proj_bias" and rank:
+                t = torch.zeros_like(t)
+        elif mod in COLUMN:
             sizes = full.get_submodule(".".join([*owner, mod])).out_sizes
             heads = ([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads]
                      if mod == "qkv_proj" else [world, world])  # fmt: skip
@@ -117,6 +130,7 @@ def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
 def shard_adapter(adapter: LoRAAdapter, spec: ModelSpec, rank: int, world: int) -> LoRAAdapter:
     """Rank `rank`'s share of an adapter read against the whole model `spec` (see the module
     doc)."""
+    router = spec.router_name
     if adapter.use_dora or adapter.experts:
         what = "DoRA" if adapter.use_dora else "expert LoRA"
         raise AdapterError(
@@ -124,12 +138,13 @@ def shard_adapter(adapter: LoRAAdapter, spec: ModelSpec, rank: int, world: int) 
         )
     weights = {}
     for (layer, target), (a, b) in adapter.weights.items():
-        if target in COLUMN_TARGETS:
-            heads = spec.num_kv_heads if target in ("k_proj", "v_proj") else world
+        proj = target.rpartition(".")[2]  # a shared expert's: shared_expert.gate_proj, ...
+        if proj in COLUMN_TARGETS:
+            heads = spec.num_kv_heads if proj in ("k_proj", "v_proj") else world
             b = head_share(b, heads, rank, world)
-        elif target in ROW_TARGETS:
+        elif proj in ROW_TARGETS:
             a = a.chunk(world, dim=1)[rank]
-        else:  # a router (mixture of experts: refused at load)
+        elif proj != router:  # the router is whole on every rank, and so is its adapter
             raise AdapterError(f"adapter '{adapter.name}': {target} cannot be split by rank")
         weights[(layer, target)] = (a.contiguous(), b.contiguous())
     return dataclasses.replace(adapter, weights=weights)
@@ -152,6 +167,9 @@ def install_all_reduce(model: DecoderLM, all_reduce) -> list:
 
     handles = []
     for layer in model.model.layers:
-        for mod in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        # a routed layer: once after the whole block (experts and shared expert are both
+        # split by intermediate rows, and the block's output is linear in their partial sums)
+        mlp = layer.mlp if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj
+        for mod in (layer.self_attn.o_proj, mlp):
             handles.append(mod.register_forward_hook(hook))
     return handles

@@ -32,7 +32,8 @@ ARGS = dict(dtype="float32", max_loras=2, max_lora_rank=16, block_size=8, max_nu
 
 
 def _batches(folders):
-    loras = [None] + [LoRARequest(a, i + 1, str(folders[a])) for i, a in enumerate(ADAPTERS)]
+    loras = [None] + [LoRARequest(a, i + 1, str(f)) for i, (a, f) in enumerate(folders.items())]
+    loras = (loras * 5)[:5]  # fewer adapters: some repeat
     prompts = [[5 + i, 17, 300 - 7 * i, 41, 9, 77 + i, 12, 250][: 3 + i] for i in range(6)]
     first = (prompts, [loras[i % 5] for i in range(6)])
     # the second batch opens with the first's prompts (prefix hits), other adapters
@@ -87,6 +88,24 @@ def test_tp2_with_fewer_kv_heads_than_ranks(tmp_path):
     folders = {name: make_adapter(base, tmp_path / name, seed=30 + i, **ADAPTER_SPECS[name])
                for i, name in enumerate(ADAPTERS)}  # fmt: skip
     assert _tp2_equals_tp1(base, folders) > 0
+
+
+MOE = [
+    ("qwen2_moe", ["qv4", "attn8", "mlp16"]),  # mlp16: on the shared expert
+    pytest.param("qwen3_moe", ["qv4", "attn8"], marks=pytest.mark.slow),  # a dense layer too
+    pytest.param("mixtral", ["qv4", "attn8"], marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("kind", "names"), MOE)
+def test_tp2_mixture_of_experts(kind, names, tmp_path):
+    """Every expert split by intermediate rows (Qwen2-MoE's shared expert too), the router
+    whole on each rank; adapters on attention and the shared expert (expert adapters are
+    refused under TP: not split yet)."""
+    base = make_tiny_model(kind, tmp_path / kind, seed=7)
+    folders = {name: make_adapter(base, tmp_path / name, seed=40 + i, **ADAPTER_SPECS[name])
+               for i, name in enumerate(names)}  # fmt: skip
+    _tp2_equals_tp1(base, folders, expert_lora=False)
 
 
 def test_a_rank_killed_mid_step_makes_the_engine_dead(tiny_models, tmp_path):
