@@ -36,6 +36,24 @@ class SampleState:
     sent_tokens: int = 0
     checked: int = 0  # output tokens already taken in by check_stop
     logprobs: list[dict[int, float]] = field(default_factory=list)  # built once per token
+    # The running sum of seq.logprobs[:summed], added in order (what `sum` of them gives):
+    # summing the whole list per output made each output cost O(tokens so far).
+    summed: int = 0
+    logprob_sum: float = 0.0
+    summed_of: list[float] | None = None  # the list it was summed from
+    summed_last: float | None = None  # the very object last summed (a cut list regrown: anew)
+
+    def cumulative_logprob(self) -> float | None:
+        lps = self.seq.logprobs
+        if not lps:
+            return None
+        n = self.summed
+        if lps is not self.summed_of or len(lps) < n or (n and lps[n - 1] is not self.summed_last):
+            self.summed_of, self.summed, self.logprob_sum = lps, 0, 0.0  # replaced or cut: anew
+        if self.summed < len(lps):
+            self.logprob_sum = sum(lps[self.summed :], self.logprob_sum)
+            self.summed, self.summed_last = len(lps), lps[-1]
+        return self.logprob_sum
 
     def completion(self, visible_only: bool) -> tuple[CompletionOutput, str, list[int]]:
         """This sample's output, and the text and token ids new since the previous call.
@@ -65,7 +83,7 @@ class SampleState:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(self.logprobs) if asked and seq.logprobs else None,
-            cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
+            cumulative_logprob=self.cumulative_logprob(),
         )
         return completion, delta_text, delta_ids
 

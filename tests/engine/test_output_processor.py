@@ -80,3 +80,26 @@ def test_best_of_returns_only_the_n_best_at_the_end(tok):
     assert out.finished and [c.index for c in out.outputs] == [0, 1]
     assert [c.cumulative_logprob for c in out.outputs] == [-1.0, -2.1]
     assert all(c.logprobs is None for c in out.outputs)
+
+
+def test_cumulative_logprob_is_the_sum_of_the_logprobs_as_they_grow_are_cut_and_replaced(tok):
+    # Kept as a running sum (not re-summed per output): it must equal sum() of the sample's
+    # logprobs after each output, also once the list is cut (a stop) and grown again, or
+    # replaced (a resumed sequence).
+    proc = OutputProcessor(tok, {0}, max_model_len=512)
+    state = make(proc, SamplingParams(ignore_eos=True, max_tokens=100))
+    (sample,) = state.samples
+    seq = sample.seq
+    assert state.output().outputs[0].cumulative_logprob is None
+    for grow in ([-0.25, -1.5], [-0.125], [-3.0, -0.5, -0.0625]):
+        seq.output_token_ids += [5] * len(grow)
+        seq.logprobs += grow
+        seq.top_logprobs += [[]] * len(grow)
+        assert state.output().outputs[0].cumulative_logprob == sum(seq.logprobs)
+    del seq.output_token_ids[3:], seq.logprobs[3:], seq.top_logprobs[3:]
+    seq.output_token_ids += [6, 6, 6]
+    seq.logprobs += [-7.0, -0.75, -2.0]
+    seq.top_logprobs += [[], [], []]
+    assert state.output().outputs[0].cumulative_logprob == sum(seq.logprobs) == -11.625
+    seq.logprobs = [-0.5]
+    assert state.output().outputs[0].cumulative_logprob == -0.5
