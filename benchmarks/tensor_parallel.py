@@ -32,8 +32,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--kv-cache-mib", type=int, default=64, help="KV pool per rank")
     p.add_argument("--threads", type=int, default=2, help="TP = 1's threads; TP = 2: 1 each")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="every row on one generated adapter of this rank (0: the base alone)")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="every row on one generated adapter of this rank (0: the base alone)",
+    )
     p.add_argument("--out", default=str(RESULTS / "tensor-parallel.json"))
     p.add_argument("--png", default=None, help="the chart (default: beside --out)")
     p.add_argument("--no-plot", action="store_true")
@@ -55,23 +59,29 @@ def _decode(engine, batch: int, prompt_len: int, steps: int, lora) -> dict:
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    sent = (tp.group.bytes_broadcast - sent0[0], tp.group.bytes_reduced - sent0[1]) if tp else (0, 0)
+    sent = (
+        (tp.group.bytes_broadcast - sent0[0], tp.group.bytes_reduced - sent0[1]) if tp else (0, 0)
+    )
     while engine.has_unfinished():
         engine.step()
     engine.requests.clear()
     mean = statistics.fmean(times)
-    return {"batch": batch, "decode_tok_s": batch / mean, "itl_ms": statistics.median(times) * 1e3,
-            "plan_bytes_per_step": sent[0] / steps, "reduce_bytes_per_step": sent[1] / steps}  # fmt: skip
+    return {
+        "batch": batch,
+        "decode_tok_s": batch / mean,
+        "itl_ms": statistics.median(times) * 1e3,
+        "plan_bytes_per_step": sent[0] / steps,
+        "reduce_bytes_per_step": sent[1] / steps,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
+    from benchmarks import assets
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.llm import resolve_model
     from loraplex.engine.llm_engine import LLMEngine
     from loraplex.engine.sequence import LoRARequest
     from loraplex.engine.step.model_runner import kv_block_bytes
-
-    from benchmarks import assets
 
     if args.model == "tiny-llama":
         model = str(assets.tiny_llama())
@@ -115,14 +125,18 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(doc: dict) -> str:
-    lines = ["| TP | threads/rank | batch | decode tok/s | ITL ms | KV B/token/rank | KV blocks "
-             f"in {doc['kv_cache_mib']} MiB/rank | plan B/step | all-reduce B/step/rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| TP | threads/rank | batch | decode tok/s | ITL ms | KV B/token/rank | KV blocks "
+        f"in {doc['kv_cache_mib']} MiB/rank | plan B/step | all-reduce B/step/rank |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
-        lines.append(f"| {r['tp']} | {r['threads_per_rank']} | {r['batch']} | "
-                     f"{r['decode_tok_s']:.1f} | {r['itl_ms']:.1f} | {r['kv_bytes_per_token']} | "
-                     f"{r['kv_budget_blocks']} | "
-                     f"{r['plan_bytes_per_step']:.0f} | {r['reduce_bytes_per_step']:.0f} |")
+        lines.append(
+            f"| {r['tp']} | {r['threads_per_rank']} | {r['batch']} | "
+            f"{r['decode_tok_s']:.1f} | {r['itl_ms']:.1f} | {r['kv_bytes_per_token']} | "
+            f"{r['kv_budget_blocks']} | "
+            f"{r['plan_bytes_per_step']:.0f} | {r['reduce_bytes_per_step']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -139,7 +153,9 @@ def plot(doc: dict, path: Path) -> Path:
     for k, (tp, threads) in enumerate(systems):
         rows = {r["batch"]: r for r in doc["rows"]
                 if (r["tp"], r["threads_per_rank"]) == (tp, threads)}  # fmt: skip
-        label = f"TP={tp}, {threads} thread{'s' if threads > 1 else ''}" + ("/rank" if tp > 1 else "")
+        label = f"TP={tp}, {threads} thread{'s' if threads > 1 else ''}" + (
+            "/rank" if tp > 1 else ""
+        )
         xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(batches))]
         a.bar(xs, [rows[b]["decode_tok_s"] for b in batches], width, label=label)
         b.bar(xs, [rows[b]["itl_ms"] for b in batches], width, label=label)

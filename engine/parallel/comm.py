@@ -28,8 +28,9 @@ class Group:
 
     def __init__(self, rank: int, world: int, host: str, port: int, backend: str = "gloo"):
         self.rank, self.world, self.backend = rank, world, backend
-        self.store = dist.TCPStore(host, port, world, rank == 0, timeout=STEP_TIMEOUT,
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore(
+            host, port, world, rank == 0, timeout=STEP_TIMEOUT, wait_for_workers=False
+        )
         self.port = self.store.port
         self.pg = None
         self.bytes_reduced = 0

@@ -23,6 +23,7 @@ as a dead engine (its readiness, its requests' errors).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -85,10 +86,8 @@ def worker_options(config) -> dict:
 def _shutdown(group: Group, procs: list, state: dict) -> None:
     """Stop the workers: a stop message while the group works, then their exit (or a kill)."""
     if not state.get("dead") and all(p.poll() is None for p in procs):
-        try:
+        with contextlib.suppress(RuntimeError):  # a peer already gone: nothing to stop
             group.broadcast_object(("stop",))
-        except RuntimeError:
-            pass
     for p in procs:
         try:
             p.wait(timeout=10)

@@ -50,14 +50,11 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
                   ("shared expert's intermediate size", spec.shared_expert_size)]  # fmt: skip
     for what, n in sizes:
         if n % world:
-            raise ValueError(
-                f"tensor_parallel_size {world} must divide the model's {what} ({n})"
-            )
+            raise ValueError(f"tensor_parallel_size {world} must divide the model's {what} ({n})")
     kv = spec.num_kv_heads
     if kv % world and world % kv:
         raise ValueError(
-            f"tensor_parallel_size {world} and the model's {kv} kv heads: one must divide "
-            "the other"
+            f"tensor_parallel_size {world} and the model's {kv} kv heads: one must divide the other"
         )
     return dataclasses.replace(
         spec,
