@@ -62,12 +62,14 @@ def _tp2_equals_tp1(base, folders, **extra):
 
 
 # llama with speculative decoding and the graph-ready decode path (DecodeInputs cross, every
-# rank replays its own buffers); qwen2 (q|k|v bias, sharded checkpoint) and phi3 (fused
-# checkpoint, partial RoPE) plain; gemma3 below with one kv head, as the demo model has
+# rank replays its own buffers); the other families plain: qwen2 (q|k|v bias, sharded
+# checkpoint), phi3 (fused checkpoint, partial RoPE), gemma3 (and below with one kv head, as
+# the demo model has), mistral, qwen3 (QK-norm), llama3 (tied, llama3 RoPE)
 FAMILIES = [
     ("llama", dict(num_speculative_tokens=2, enforce_eager=False)),
-    ("qwen2", {}),
-    ("phi3", {}),
+    # the rest in the slow set (CI's budget): each passed at this commit
+    pytest.param("qwen2", {}, marks=pytest.mark.slow),
+    pytest.param("phi3", {}, marks=pytest.mark.slow),
     pytest.param("gemma3", {}, marks=pytest.mark.slow),
     pytest.param("mistral", {}, marks=pytest.mark.slow),
     pytest.param("qwen3", {}, marks=pytest.mark.slow),
