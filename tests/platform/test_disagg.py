@@ -44,10 +44,22 @@ def _worker(role: str, model: Path, tier: Path, data: Path) -> tuple[subprocess.
            "LORAPLEX_KV_TIER_DISK_PATH": str(tier), "LORAPLEX_DEVICE": "cpu",
            **{f"LORAPLEX_{k.upper()}": str(v) for k, v in ENGINE.items()}}  # fmt: skip
     proc = subprocess.Popen(
-        [LORAPLEX, "serve", "--role", role, "--model", str(model), "--port", str(port),
-         "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            LORAPLEX,
+            "serve",
+            "--role",
+            role,
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(data / f"{role}.log").open("wb"),
+    )  # fmt: skip  (a file, not a pipe: a full pipe would stall the worker)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -63,7 +75,9 @@ def fleet(tiny_models, tmp_path_factory):
 
             def alive(proc=proc):
                 if proc.poll() is not None:
-                    raise RuntimeError(proc.stderr.read().decode()[-2000:])
+                    raise RuntimeError(
+                        proc.stderr.name + ": " + Path(proc.stderr.name).read_text()[-2000:]
+                    )
 
             wait_ready(f"{url}/healthz", 120, "a worker", check=alive)
         torch.set_num_threads(1)
