@@ -14,10 +14,11 @@ per collective, for docs/tensor-parallel.md's bytes-per-step figures.
 from __future__ import annotations
 
 import datetime
-import pickle
 
 import torch
 import torch.distributed as dist
+
+from loraplex.engine.parallel import codec
 
 STEP_TIMEOUT = datetime.timedelta(seconds=120)
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -54,13 +55,13 @@ class Group:
         self.pg.allreduce([t], opts).wait()
         self.bytes_reduced += t.numel() * t.element_size()
 
-    def broadcast_object(self, obj=None, idle: bool = False):
-        """Rank 0 sends `obj` (pickled: the group's processes are this engine's own), the
-        others receive and return it. `idle`: wait without a bound for it (a worker between
-        steps)."""
+    def broadcast(self, message=None, idle: bool = False, device: str = "cpu"):
+        """Rank 0 sends `message` (engine/parallel/codec.py's bytes: nothing is pickled), the
+        others receive and return it, its GPU tensors on `device`. `idle`: wait without a
+        bound for it (a worker between steps)."""
         timeout = _IDLE_TIMEOUT if idle else STEP_TIMEOUT
         if self.rank == 0:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            data = codec.encode(message)
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -71,5 +72,5 @@ class Group:
         self.cpu_pg.broadcast(buf, 0, STEP_TIMEOUT).wait()
         self.bytes_broadcast += n + 8
         if self.rank == 0:
-            return obj
-        return pickle.loads(buf.numpy().tobytes())
+            return message
+        return codec.decode(buf.numpy().data, device)

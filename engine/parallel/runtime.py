@@ -10,10 +10,10 @@ that decides anything.
     forward on its shard  <--- all-reduce after every o_proj and down_proj --->  forward
     LM head, sampler
 
-The plan crosses as it is built (one pickled message per step, engine/parallel/comm.py): no
-rank plans, schedules or samples on its own, and the others replay exactly the step rank 0
-runs. A graph-ready decode step (engine/step/graph_runner.py) crosses as its `DecodeInputs`
-and every rank runs it through its own persistent buffers.
+The plan crosses as it is built (one message per step, engine/parallel/codec.py's bytes, never
+a pickle): no rank plans, schedules or samples on its own, and the others replay exactly the
+step rank 0 runs. A graph-ready decode step (engine/step/graph_runner.py) crosses as its
+`DecodeInputs` and every rank runs it through its own persistent buffers.
 
 Failure: a rank whose process has exited, or a collective that fails (a peer's sockets
 closed mid-step) or outlasts comm.STEP_TIMEOUT, makes the group dead: every rank is stopped
@@ -87,7 +87,7 @@ def _shutdown(group: Group, procs: list, state: dict) -> None:
     """Stop the workers: a stop message while the group works, then their exit (or a kill)."""
     if not state.get("dead") and all(p.poll() is None for p in procs):
         with contextlib.suppress(RuntimeError):  # a peer already gone: nothing to stop
-            group.broadcast_object(("stop",))
+            group.broadcast(("stop",))
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -160,7 +160,7 @@ class TensorParallel:
     def send(self, message: tuple) -> None:
         self.check_alive()
         try:
-            self.group.broadcast_object(message)
+            self.group.broadcast(message)
         except RuntimeError as e:
             self.fail(f"sending the step failed: {e}")
 

@@ -39,13 +39,13 @@ def serve(config: EngineConfig, rank: int, world: int, group: Group) -> None:
     slots = config.max_loras if config.enable_lora else 0
     adapters = AdapterManager(model, slots, config.max_lora_rank, config.max_cpu_loras,
                               expert_lora=config.expert_lora)  # fmt: skip
-    kind, num_blocks, cpu_attention = group.broadcast_object(idle=True)
+    kind, num_blocks, cpu_attention = group.broadcast(idle=True)
     assert kind == "init", kind
     cfg = copy.copy(config)
     cfg.num_kv_blocks, cfg.cpu_attention = num_blocks, cpu_attention
     runner = ModelRunner(eager_on_cuda(cfg), model, Sampler(set()))
     while True:
-        message = group.broadcast_object(idle=True)
+        message = group.broadcast(idle=True, device=model.device)
         if message[0] == "stop":
             return
         _, ops, step = message
