@@ -84,8 +84,8 @@ def cpu_seconds(pid: int) -> float:
 
 def hook_costs(calls: int) -> dict:
     """Nanoseconds per call of each request-path hook with tracing off (no trace current),
-    and of `engine_times`, which the server calls per engine output whether or not it traces
-    (the ledger's queue time comes from it)."""
+    and of `engine_times`, which the server calls once per request, when it ends, whether or
+    not it traces (the ledger's queue time comes from it)."""
     from loraplex.engine.outputs import RequestMetrics, RequestOutput
     from loraplex.platform import tracing
 

@@ -96,8 +96,9 @@ def _ns(seconds: float | None) -> int | None:
 def engine_times(out: Any) -> EngineTimes | None:
     """The engine's times of a request from its output's `metrics` (vLLM's `RequestMetrics`
     names, `time.time()` seconds), or None when the output carries none. The server calls it
-    on every engine output (the ledger's queue time comes from it), tracing or not: kept to
-    plain reads."""
+    once per request, when the request ends, on the last output that carried metrics
+    (`Job.engine_times`; the ledger's queue time comes from it), tracing or not: kept to plain
+    reads."""
     m = getattr(out, "metrics", None)
     if m is None:
         return None
