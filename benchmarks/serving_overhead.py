@@ -3,7 +3,9 @@ socket, split by stage and tabled against the same engine offline (issue 60).
 
 Two cases on the tiny random Llama (float32, greedy, ignore_eos): long outputs (8 requests x
 3,072 tokens) and many short ones (256 x 32 tokens, at most `--max-num-seqs` in flight on every
-side). In one run, per case:
+side). Every side runs the engine options `loraplex serve` builds from the same settings
+(`vtc` scheduling, 8 LoRA slots and the server's other defaults, `_engine_options`). In one
+run, per case:
 
 - offline: the `LLM` API, every request in one `generate` (the reference);
 - engine process: `EngineProcess.generate` in this process, no HTTP (adds the engine core's
@@ -95,11 +97,30 @@ def _params(tokens: int):
 # ------------------------------------------------------------------ offline and its split
 
 
+def _settings(context: int, args) -> dict:
+    """The engine's LORAPLEX_* settings, every side: the served side gets them as its
+    environment, the offline and engine-process sides the `EngineConfig` the server builds from
+    them (`_engine_options`), so every side runs the same engine options."""
+    return {"dtype": "float32", "engine_threads": args.threads,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": context}  # fmt: skip
+
+
+def _engine_options(model: str, context: int, args) -> dict:
+    """The engine options `loraplex serve` runs with these settings (platform/main.py
+    `engine_config`: the server's defaults, such as `vtc` scheduling and 8 LoRA slots, where
+    `EngineConfig`'s own are first-come and 4), as keyword arguments."""
+    from loraplex.engine import server_options
+    from loraplex.platform.main import engine_config
+    from loraplex.platform.settings import Settings
+
+    config = engine_config(Settings(**_settings(context, args)), model)
+    return {o.name: getattr(config, o.name) for o in server_options()}
+
+
 def _llm(model: str, context: int, args):
     from loraplex.engine import LLM
 
-    llm = LLM(model, dtype="float32", num_threads=args.threads, max_model_len=context,
-              max_num_seqs=args.max_num_seqs)  # fmt: skip
+    llm = LLM(model, **_engine_options(model, context, args))
     llm.generate([PROMPT], _params(4))
     return llm
 
@@ -181,8 +202,7 @@ def _engine_process(model: str, context: int, args):
     from loraplex.engine import EngineConfig
     from loraplex.engine.process.engine_process import EngineProcess
 
-    config = EngineConfig(model, dtype="float32", num_threads=args.threads,
-                          max_model_len=context, max_num_seqs=args.max_num_seqs)  # fmt: skip
+    config = EngineConfig(model, **_engine_options(model, context, args))
     return EngineProcess(config)
 
 
@@ -288,9 +308,8 @@ def _server_runs(model: str, cases: dict, args, traced: bool, data: Path) -> dic
     name = "traced" if traced else "plain"
     results: dict = {}
     try:
-        with LoraplexServer(model, data / name, log=data / f"{name}.log", dtype="float32",
-                            engine_threads=args.threads, max_num_seqs=args.max_num_seqs,
-                            max_model_len=_context(longest), **extra) as srv:  # fmt: skip
+        with LoraplexServer(model, data / name, log=data / f"{name}.log",
+                            **_settings(_context(longest), args), **extra) as srv:  # fmt: skip
             for case, (n, tokens) in cases.items():
                 if traced:
                     results[case] = {"served stream traced": _served(srv, n, tokens, True, args)}
@@ -339,6 +358,7 @@ def run(args: argparse.Namespace) -> dict:
                                                 max_position_embeddings=longest + 64))  # fmt: skip
         for case, (n, tokens) in cases.items():
             doc["cases"][case] = {"requests": n, "tokens": tokens, "sides": {}}
+        doc["engine_options"] = _engine_options(model, _context(longest), args)
         if not args.served_only:
             _engine_sides(doc, model, cases, args)
         for traced in () if args.no_served else (False,) if args.no_traced else (False, True):

@@ -23,6 +23,9 @@ def _args(tmp_path, *extra: str) -> argparse.Namespace:
 def test_bench_serving_overhead_smoke(tmp_path, capsys):
     doc = so.run(_args(tmp_path, "--no-served"))
     assert set(doc["cases"]) == {"long", "short"}
+    # every side runs the server's engine options, not EngineConfig's (first-come, 4 slots)
+    assert doc["engine_options"]["scheduling_policy"] == "vtc"
+    assert doc["engine_options"]["max_loras"] == 8
     for case in doc["cases"].values():
         assert set(case["sides"]) == {"offline", "engine process"}
         for side in case["sides"].values():
