@@ -14,6 +14,7 @@ from sqlalchemy import select
 from loraplex.platform.dataplane.agent import vllm_name
 from loraplex.platform.dataplane.protocol import metrics_of
 from loraplex.platform.db.models import Adapter
+from testkit.factories import make_adapter
 from tests.platform.dataplane.test_end_to_end import new_tenant
 from tests.utils.server import run_server
 from tests.utils.tcp_proxy import tcp_proxy
@@ -51,9 +52,14 @@ def stored(srv, tenant_id: int, adapter: str) -> tuple[str, str, str]:
     return vllm_name(f"{tenant_id}/{adapter}@v1", digest), key, digest
 
 
-def test_requests_go_to_the_vllm_that_has_their_adapter(vllm_urls, plane_model, plane_adapters,
-                                                        tmp_path_factory):  # fmt: skip
+def test_requests_go_to_the_vllm_that_has_their_adapter(vllm_urls, plane_model, tmp_path_factory):
     first, second = vllm_urls
+    # Adapters of their own: a version's name in vLLM hashes the tenant id (1 in every test's
+    # fresh database), adapter name, version and content, and the first vLLM has served the
+    # package's other tests, so the shared plane_adapters may already be loaded there.
+    root = tmp_path_factory.mktemp("fleet-adapters")
+    adapters = {n: make_adapter(plane_model, root / n, r=8, seed=seed, init_std=0.3)
+                for n, seed in (("a", 101), ("b", 102))}  # fmt: skip
     parts = urlsplit(first)
     with (
         tcp_proxy(parts.hostname, parts.port) as proxy,  # the first server, as one that can go
@@ -65,7 +71,7 @@ def test_requests_go_to_the_vllm_that_has_their_adapter(vllm_urls, plane_model, 
         ) as srv,  # fmt: skip
     ):
         plane = srv.app.state.lp.engine
-        tenant_id, key = new_tenant(srv, plane_adapters, names=("a", "b"))
+        tenant_id, key = new_tenant(srv, adapters, names=("a", "b"))
         name_a = stored(srv, tenant_id, "a")[0]
         name_b, b_key, b_digest = stored(srv, tenant_id, "b")
         before = {u: served(u) for u in (first, second)}
