@@ -32,7 +32,9 @@ import torch
 from loraplex.engine.adapters.lora import LoRAAdapter
 from loraplex.engine.errors import AdapterError
 from loraplex.engine.models.decoder import DecoderLM
+from loraplex.engine.models.layers import LoRALinear
 from loraplex.engine.models.moe import SparseMoE
+from loraplex.engine.models.packing import PackedLoRALinear
 from loraplex.engine.models.spec import ModelSpec
 
 COLUMN = ("qkv_proj", "gate_up_proj")  # our fused modules whose output rows split
@@ -121,6 +123,16 @@ def shard_model(full: DecoderLM, rank: int, world: int) -> DecoderLM:
         p.copy_(t)
     local.full_spec = spec
     local.tp_rank, local.tp_world = rank, world
+    # bf16 / fp16: the row-parallel weights in float32, taken before any packing or
+    # quantization, for their float32 partial sums (`install_all_reduce`)
+    local.tp_float32 = {}
+    if local.dtype in (torch.float16, torch.bfloat16):
+        for i, layer in enumerate(local.model.layers):
+            row = [("self_attn.o_proj", layer.self_attn.o_proj)]
+            if not isinstance(layer.mlp, SparseMoE):
+                row.append(("mlp.down_proj", layer.mlp.down_proj))
+            for name, mod in row:
+                local.tp_float32[f"{i}.{name}"] = mod.weight.detach().float()
     return local
 
 
@@ -147,26 +159,60 @@ def shard_adapter(adapter: LoRAAdapter, spec: ModelSpec, rank: int, world: int) 
     return dataclasses.replace(adapter, weights=weights)
 
 
+def _float32_output(mod, w32: torch.Tensor) -> None:
+    """Make a row-parallel LoRALinear of a bf16 / fp16 model return its partial sum in
+    float32: x W^T (and the bias, rank 0's) multiplied in float32 against `w32`, a float32
+    copy of its weight shard, plus the LoRA term as the module computes it (on a zero base).
+    The all-reduce then sums unrounded partials and the sum is rounded once, as one device's
+    matmul rounds its own float32 accumulation once."""
+    b32 = None if mod.bias is None else mod.bias.detach().float()
+    layer_forward = type(mod).forward
+
+    def zero_base(x):
+        return x.new_zeros(*x.shape[:-1], mod.out_features)
+
+    def forward(x, lora):
+        y = torch.matmul(x.float(), w32.t())
+        if b32 is not None:
+            y += b32
+        if lora is not None and mod.lora_a is not None:
+            mod.base = zero_base  # the module's own LoRA path, its base term zero
+            try:
+                y += layer_forward(mod, x, lora).float()
+            finally:
+                del mod.base
+        return y
+
+    mod.forward = forward
+    mod.tp_float32_output = True
+
+
 def install_all_reduce(model: DecoderLM, all_reduce) -> list:
     """After every row-parallel module (o_proj, down_proj) of the loaded (packed, quantized)
-    model: `all_reduce(t)` sums its output over the ranks, in place. The sum is taken in
-    float32 whatever the dtype, so a bf16 model rounds the summed value once, as one device's
-    matmul does. Returns the hooks' handles."""
+    model: `all_reduce(t)` sums its output over the ranks. The sum is taken in float32
+    whatever the dtype; in bf16 / fp16 a dense layer's o and down products (not quantized
+    ones) are made in float32 too (`_float32_output`), so each rank's partial is not
+    rounded before the sum. Returns the hooks' handles."""
 
-    def hook(_module, _args, out: torch.Tensor):
+    def hook(module, _args, out: torch.Tensor):
         if out.dtype == torch.float32:
             all_reduce(out)
-            return None
+            return out.to(model.dtype) if getattr(module, "tp_float32_output", False) else None
         acc = out.float()
         all_reduce(acc)
         out.copy_(acc)
         return None
 
+    weights32 = getattr(model, "tp_float32", {})
     handles = []
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         # a routed layer: once after the whole block (experts and shared expert are both
         # split by intermediate rows, and the block's output is linear in their partial sums)
         mlp = layer.mlp if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj
-        for mod in (layer.self_attn.o_proj, mlp):
+        for name, mod in (("self_attn.o_proj", layer.self_attn.o_proj), ("mlp.down_proj", mlp)):
+            # plain or pre-packed (the same weights); a quantized one multiplies its own
+            w32 = weights32.get(f"{i}.{name}")
+            if w32 is not None and type(mod) in (LoRALinear, PackedLoRALinear):
+                _float32_output(mod, w32)
             handles.append(mod.register_forward_hook(hook))
     return handles
