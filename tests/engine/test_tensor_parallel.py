@@ -170,7 +170,7 @@ def test_tp2_in_bf16_is_token_identical_without_row_parallel_adapters(tiny_model
     is rounded once (engine/parallel/shard.py), so rows with no adapter and rows whose adapter
     leaves o and down alone (qv4) are token-identical to TP = 1 over 24 greedy tokens (with
     each rank's partial rounded to bf16 before the sum, the qv4 row parted at the 2nd).
-    Adapters on o or down still part: each rank's LoRA partial is rounded to bf16
+    An adapter on o or down can still part: each rank's LoRA partial is rounded to bf16
     (docs/tensor-parallel.md)."""
     qv4 = LoRARequest("qv4", 1, str(tiny_adapters["llama"]["qv4"]))
     prompts = [[5 + i, 17, 300 - 7 * i, 41, 9, 77 + i, 12, 250][: 3 + i] for i in range(6)]
