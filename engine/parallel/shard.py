@@ -15,7 +15,9 @@ vLLM does: no KV bytes saved there).
 Adapters split the way their base layer does (S-LoRA): on a column-parallel target B's rows
 (its output) are split and A is whole; on a row-parallel target A's columns (its input) are
 split and B is whole, and the all-reduce after the layer sums the LoRA term's partial sums
-with the base's (x_r A_r^T B summed over r is x A^T B). No collective of its own.
+with the base's (x_r A_r^T B summed over r is x A^T B). No collective of its own, except in
+bf16 / fp16 (`_float32_output`): there the shrink's partials x_r A_r^T are all-reduced in
+float32 and rounded once before the expand, as one device rounds them.
 
 A mixture of experts splits every expert the way an MLP splits (1/N of each expert's
 intermediate rows; Qwen2-MoE's shared expert too), the router whole on every rank (each rank
@@ -159,32 +161,47 @@ def shard_adapter(adapter: LoRAAdapter, spec: ModelSpec, rank: int, world: int) 
     return dataclasses.replace(adapter, weights=weights)
 
 
-def _float32_output(mod, w32: torch.Tensor) -> None:
-    """Make a row-parallel LoRALinear of a bf16 / fp16 model return its partial sum in
-    float32: x W^T (and the bias, rank 0's) multiplied in float32 against `w32`, a float32
-    copy of its weight shard, plus the LoRA term as the module computes it (on a zero base).
-    The all-reduce then sums unrounded partials and the sum is rounded once, as one device's
-    matmul rounds its own float32 accumulation once."""
+def _float32_output(mod, w32: torch.Tensor, all_reduce) -> None:
+    """Make a row-parallel LoRALinear of a bf16 / fp16 model sum its output over the ranks
+    the way one device rounds it: x W^T (and the bias, rank 0's) multiplied in float32
+    against `w32`, a float32 copy of its weight shard, all-reduced in float32 and rounded
+    once; then, in a step with adapters, the LoRA shrink x A^T likewise (each rank's half of
+    the input against its half of A, in float32, all-reduced, rounded once) and its expand by
+    the whole B added by the backend's own kernel, as on one device. The shrink and expand run
+    the module's kernels against identity stacks (the identity's products are exact), so the
+    step's LoRA plan serves both. A step with adapters costs one more all-reduce of [tokens,
+    max rank] per module."""
     b32 = None if mod.bias is None else mod.bias.detach().float()
-    layer_forward = type(mod).forward
+    eyes: dict = {}
 
-    def zero_base(x):
-        return x.new_zeros(*x.shape[:-1], mod.out_features)
+    def eye(dtype):
+        n_slots, width, _ = mod.lora_a.shape
+        if dtype not in eyes:
+            e = torch.eye(width, dtype=dtype, device=w32.device)
+            eyes[dtype] = e.expand(n_slots, width, width).contiguous()
+        return eyes[dtype]
+
+    def lora_term(y, x, lora, a, b):
+        if lora.static:
+            mod.backend.lora_apply_static(y, x, a, b, lora.row_slots)
+        else:
+            plan = lora.plans.get(tuple(mod.lora_widths))
+            mod.backend.lora_apply(y, x, a, b, lora.segments, mod.lora_widths, plan=plan)
 
     def forward(x, lora):
-        y = torch.matmul(x.float(), w32.t())
+        y32 = torch.matmul(x.float(), w32.t())
         if b32 is not None:
-            y += b32
+            y32 += b32
+        all_reduce(y32)
+        y = y32.to(x.dtype)
         if lora is not None and mod.lora_a is not None:
-            mod.base = zero_base  # the module's own LoRA path, its base term zero
-            try:
-                y += layer_forward(mod, x, lora).float()
-            finally:
-                del mod.base
+            t32 = y32.new_zeros(x.shape[0], mod.lora_a.shape[1])
+            lora_term(t32, x.float(), lora, mod.lora_a.float(), eye(torch.float32))  # x A^T
+            all_reduce(t32)
+            lora_term(y, t32.to(x.dtype), lora, eye(x.dtype), mod.lora_b)  # + (x A^T) B
         return y
 
     mod.forward = forward
-    mod.tp_float32_output = True
 
 
 def install_all_reduce(model: DecoderLM, all_reduce) -> list:
@@ -194,10 +211,10 @@ def install_all_reduce(model: DecoderLM, all_reduce) -> list:
     ones) are made in float32 too (`_float32_output`), so each rank's partial is not
     rounded before the sum. Returns the hooks' handles."""
 
-    def hook(module, _args, out: torch.Tensor):
+    def hook(_module, _args, out: torch.Tensor):
         if out.dtype == torch.float32:
             all_reduce(out)
-            return out.to(model.dtype) if getattr(module, "tp_float32_output", False) else None
+            return None
         acc = out.float()
         all_reduce(acc)
         out.copy_(acc)
@@ -213,6 +230,7 @@ def install_all_reduce(model: DecoderLM, all_reduce) -> list:
             # plain or pre-packed (the same weights); a quantized one multiplies its own
             w32 = weights32.get(f"{i}.{name}")
             if w32 is not None and type(mod) in (LoRALinear, PackedLoRALinear):
-                _float32_output(mod, w32)
-            handles.append(mod.register_forward_hook(hook))
+                _float32_output(mod, w32, all_reduce)  # its own all-reduces
+            else:
+                handles.append(mod.register_forward_hook(hook))
     return handles

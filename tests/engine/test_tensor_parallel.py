@@ -165,22 +165,22 @@ def test_tp2_on_two_gpus_is_token_identical_to_one(tiny_models, tiny_adapters):
     _tp2_equals_tp1(tiny_models["llama"], tiny_adapters["llama"], device="cuda")
 
 
-def test_tp2_in_bf16_is_token_identical_without_row_parallel_adapters(tiny_models, tiny_adapters):
-    """bf16: each rank's o and down partial sums are made in float32 and the all-reduced sum
-    is rounded once (engine/parallel/shard.py), so rows with no adapter and rows whose adapter
-    leaves o and down alone (qv4) are token-identical to TP = 1 over 24 greedy tokens (with
-    each rank's partial rounded to bf16 before the sum, the qv4 row parted at the 2nd).
-    An adapter on o or down can still part: each rank's LoRA partial is rounded to bf16
-    (docs/tensor-parallel.md)."""
-    qv4 = LoRARequest("qv4", 1, str(tiny_adapters["llama"]["qv4"]))
+def test_tp2_in_bf16_is_token_identical(tiny_models, tiny_adapters):
+    """bf16: each rank's o and down products, and the LoRA shrink on them, are made in
+    float32 and rounded once after the all-reduce, as one device rounds its own float32
+    accumulation once (engine/parallel/shard.py): token-identical to TP = 1 over 16 greedy
+    tokens, rows with no adapter and with each of the four (two slots: rewritten mid-run).
+    With each rank's partial rounded to bf16 before the sum, the qv4 row parted at the 2nd."""
+    folders = tiny_adapters["llama"]
+    loras = [None] + [LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(ADAPTERS)]
     prompts = [[5 + i, 17, 300 - 7 * i, 41, 9, 77 + i, 12, 250][: 3 + i] for i in range(6)]
-    loras = [None, qv4] * 3
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    rows = [loras[i % 5] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     args = {**ARGS, "dtype": "bfloat16", "num_kv_blocks": 40}
-    want = LLM(str(tiny_models["llama"]), **args).generate(prompts, params, loras)
+    want = LLM(str(tiny_models["llama"]), **args).generate(prompts, params, rows)
     tp = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **args)
     try:
-        got = tp.generate(prompts, params, loras)
+        got = tp.generate(prompts, params, rows)
     finally:
         tp.engine.close()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
