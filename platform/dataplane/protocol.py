@@ -5,8 +5,9 @@ engine's error types, and the few /metrics gauges the platform reads.
 What vLLM does as the engine does goes through: logprobs (named by token id,
 `return_tokens_as_token_ids`), prompt logprobs (vLLM scores them only without `stream`: such a
 request is sent whole and answered at its end), structured output (the engine's grammar specs
-as vLLM's `structured_outputs`, the same xgrammar grammars). The rest (`best_of` other than
-`n`: vLLM 0.32 has none) is refused by name."""
+as vLLM's `structured_outputs`, the same xgrammar grammars), the tenant's prefix-cache salt
+(`cache_salt`: vLLM's prefix cache is separated per tenant as the engine's is). The rest
+(`best_of` other than `n`: vLLM 0.32 has none) is refused by name."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def request_body(model: str, prompt: list[int], params: SamplingParams, priority
         body["prompt_logprobs"] = params.prompt_logprobs
     if params.logits_processors:
         body["structured_outputs"] = structured_outputs(params.logits_processors)
+    if params.cache_salt:  # the tenant's (platform/serving.py); null until first rotated
+        body["cache_salt"] = params.cache_salt
     if priority:
         body["priority"] = VLLM_PRIORITY.get(priority, priority)
     return body
