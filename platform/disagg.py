@@ -16,6 +16,8 @@ record and trace stay one: the workers only compute.
             streamed: the request runs on the colocated engine, whole; it never fails for it
     death   a decode worker that ends its stream before the last output: the stream ends with
             EngineDeadError (an error event; the platform bills what was sent)
+    trace   with tracing on, both calls carry the request span's W3C `traceparent`: the
+            workers' spans (`disagg.prefill`, `disagg.decode`) are its children
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from loraplex.engine import (
     output_from_dict,
     request_to_dict,
 )
+from loraplex.platform import tracing
 
 log = logging.getLogger("loraplex.disagg")
 DOWN_S = 5.0
@@ -129,6 +132,16 @@ class DisaggregatedEngine:
 
         return max(ranked, key=score)[0]
 
+    def _headers(self) -> dict[str, str]:
+        """The workers' headers: the secret, and the running request's `traceparent` (its
+        server span's) when it is traced."""
+        trace = tracing.current()
+        if trace is None:
+            return self.headers
+        ctx = trace.span.get_span_context()
+        parent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+        return {**self.headers, "traceparent": parent}
+
     def _pick_prefill(self) -> _Worker | None:
         up = [w for w in self.prefill if w.up]
         return min(up, key=lambda w: w.inflight) if up else None
@@ -173,7 +186,7 @@ class DisaggregatedEngine:
         w.inflight += 1
         try:
             async with self._session().post(f"{w.url}/disagg/prefill", json=body,
-                                            headers=self.headers) as r:  # fmt: skip
+                                            headers=self._headers()) as r:  # fmt: skip
                 answer = await r.json()
                 if r.status == 400:
                     raise BadRequestError(answer.get("error", "the prefill worker refused it"))
@@ -192,7 +205,7 @@ class DisaggregatedEngine:
         w.inflight += 1
         try:
             async with self._session().post(f"{w.url}/disagg/decode", json=handoff.to_dict(),
-                                            headers=self.headers) as r:  # fmt: skip
+                                            headers=self._headers()) as r:  # fmt: skip
                 r.raise_for_status()
                 async for line in r.content:
                     item = json.loads(line)

@@ -11,16 +11,22 @@ serving to a front (platform/disagg.py), not to tenants (docs/disaggregation.md)
 The worker has no tenants, keys or ledger: the front checked and bills the request. It must
 be reachable only by the front: with `disagg_secret` set, every call must carry it
 (`X-Disagg-Secret`). One thread steps the engine; HTTP handlers hand it commands.
+
+With `otlp_traces_endpoint` set, each prefill and decode call is a span (`disagg.prefill`,
+`disagg.decode`) exported as the server exports its own (platform/tracing.py), continuing the
+front's `traceparent`: one trace across the front and both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import queue
 import threading
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,7 +52,11 @@ class RoleEngine:
         assert role in ("prefill", "decode")
         self.role = role
         self.engine = engine
-        self.worker = PrefillWorker(engine) if role == "prefill" else DecodeWorker(engine)
+        self.found: dict[str, int] = {}  # decode: prompt tokens found stored, per request
+        if role == "prefill":
+            self.worker = PrefillWorker(engine)
+        else:
+            self.worker = DecodeWorker(engine, self.found)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -55,7 +65,8 @@ class RoleEngine:
 
     def submit(self, rid: str, payload) -> asyncio.Queue:
         """Queue a request (a prefill's request dict, a decode's Handoff): its items arrive in
-        the returned queue, ("output" | "handoff" | "error", value), then None."""
+        the returned queue, ("output" | "handoff" | "error", value), on a decode worker
+        ("found", the prompt tokens it found stored) last, then None."""
         q: asyncio.Queue = asyncio.Queue()
         self._commands.put(("add", rid, payload, asyncio.get_running_loop(), q))
         return q
@@ -88,6 +99,8 @@ class RoleEngine:
             s[0].call_soon_threadsafe(s[1].put_nowait, item)
 
     def _end(self, rid: str) -> None:
+        if (found := self.found.pop(rid, None)) is not None:
+            self._send(rid, ("found", found))
         self._send(rid, None)
         self._streams.pop(rid, None)
 
@@ -148,8 +161,50 @@ class RoleEngine:
                 self._deliver(item)
 
 
-def create_worker_app(role_engine: RoleEngine, secret: str | None = None) -> FastAPI:
+class _Spans:
+    """A worker's spans, children of the front's `traceparent`; without a provider, none."""
+
+    def __init__(self, provider: Any | None, block_size: int):
+        self.block_size = block_size
+        self.tracer = None
+        if provider is not None:
+            from opentelemetry.trace import SpanKind
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            self.tracer = provider.get_tracer("loraplex")
+            self.propagator = TraceContextTextMapPropagator()
+            self.kind = SpanKind.SERVER
+
+    def start(self, name: str, request: Request, rid: str, prompt: list, lora: dict | None):
+        """The call's span (None when tracing is off); `lora`: the LoRARequest's fields."""
+        if self.tracer is None:
+            return None
+        parent = self.propagator.extract(dict(request.headers))  # none or bad: a new trace
+        attrs = {"loraplex.request_id": rid, "gen_ai.usage.input_tokens": len(prompt)}
+        if lora:
+            attrs |= {"loraplex.adapter": lora["lora_name"],
+                      "loraplex.adapter.id": lora["lora_int_id"]}  # fmt: skip
+        return self.tracer.start_span(name, context=parent, kind=self.kind, attributes=attrs)
+
+    @staticmethod
+    def end(span: Any, status: str, **attrs: Any) -> None:
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attributes({"loraplex.status": status, **attrs})
+        if status == "error":
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+
+def create_worker_app(role_engine: RoleEngine, secret: str | None = None,
+                      provider: Any | None = None) -> FastAPI:  # fmt: skip
+    """The worker's routes; `provider` (an OpenTelemetry TracerProvider): its spans."""
     app = FastAPI(title=f"loraplex {role_engine.role} worker")
+    spans = _Spans(provider, role_engine.engine.block_manager.block_size)
 
     def check(request: Request) -> None:
         if secret and not hmac.compare_digest(request.headers.get("x-disagg-secret", ""), secret):
@@ -175,6 +230,8 @@ def create_worker_app(role_engine: RoleEngine, secret: str | None = None) -> Fas
         role("prefill")
         body = await request.json()
         rid = str(body.get("request_id", ""))
+        span = spans.start("disagg.prefill", request, rid, body.get("prompt_token_ids") or [],
+                           body.get("lora"))  # fmt: skip
         q = role_engine.submit(rid, body)
         try:
             result = None
@@ -182,10 +239,19 @@ def create_worker_app(role_engine: RoleEngine, secret: str | None = None) -> Fas
                 result = item
         except asyncio.CancelledError:
             role_engine.abort(rid)
+            spans.end(span, "aborted")
             raise
         kind, value = result
         if kind == "error":
+            spans.end(span, "error", **{"loraplex.error": value})
             return JSONResponse({"error": value}, status_code=400)
+        if kind == "handoff":  # its first tokens, and the prompt blocks it stored for decode
+            stored = {"gen_ai.usage.output_tokens": len(value["samples"]),
+                      "loraplex.kv.blocks_stored": value["kv_blocks"]}  # fmt: skip
+            spans.end(span, "handoff", **stored)
+        else:
+            spans.end(span, "finished",
+                      **{"gen_ai.usage.output_tokens": value["num_generated_tokens"]})  # fmt: skip
         return {kind: value}
 
     @app.post("/disagg/decode")
@@ -194,18 +260,30 @@ def create_worker_app(role_engine: RoleEngine, secret: str | None = None) -> Fas
         role("decode")
         handoff = Handoff.from_dict(await request.json())
         rid = handoff.request_id
+        lora = dataclasses.asdict(handoff.lora) if handoff.lora is not None else None
+        span = spans.start("disagg.decode", request, rid, handoff.prompt_token_ids, lora)
         q = role_engine.submit(rid, handoff)
 
         async def lines():
-            done = False
+            done, status, attrs = False, "aborted", {}
             try:
                 while (item := await q.get()) is not None:
                     kind, value = item
+                    if kind == "found":  # prompt tokens loaded (the tiers), not computed
+                        attrs["loraplex.kv.tokens_loaded"] = value
+                        attrs["loraplex.kv.blocks_loaded"] = value // spans.block_size
+                        continue
+                    if kind == "output":
+                        status = "finished" if value["finished"] else status
+                        attrs["gen_ai.usage.output_tokens"] = value["num_generated_tokens"]
+                    elif kind == "error":
+                        status, attrs["loraplex.error"] = "error", value
                     yield json.dumps({kind: value}) + "\n"
                 done = True
             finally:
                 if not done:  # the front went away: free the request here
                     role_engine.abort(rid)
+                spans.end(span, status, **attrs)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -222,9 +300,16 @@ def serve_role(settings, role: str, log_level: str = "info") -> int:
     if not (config.kv_tier_disk_path or config.kv_tier_shared_url or config.kv_tier_host_gib):
         log.warning("%s worker without a KV tier: the decode side computes whole prompts", role)
     role_engine = RoleEngine(LLMEngine(config, progress=True), role)
-    app = create_worker_app(role_engine, settings.disagg_secret or None)
+    provider = None
+    if settings.otlp_traces_endpoint:  # the SDK is imported only here, as the server does
+        from loraplex.platform import tracing
+
+        provider = tracing.make_provider(settings.otlp_traces_endpoint, f"loraplex-{role}")
+    app = create_worker_app(role_engine, settings.disagg_secret or None, provider)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
     finally:
         role_engine.stop()
+        if provider is not None:
+            provider.shutdown()  # the spans still batched go out
     return 0

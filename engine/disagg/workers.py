@@ -144,11 +144,14 @@ class PrefillWorker:
 
 
 class DecodeWorker:
-    def __init__(self, engine):
+    def __init__(self, engine, found: dict[str, int] | None = None):
         self.engine = engine
         share_disk_tier(engine)
         self._live: dict[str, Handoff] = {}
         self.tokens_loaded = 0  # prompt tokens found stored, not computed, over all handoffs
+        # When given: each request's prompt tokens this engine found stored (the KV tiers, its
+        # prefix cache) rather than computed, for the caller to pop (a worker's trace span).
+        self.found = found
 
     def add_handoff(self, handoff: Handoff, lora_request: LoRARequest | None = None,
                     **kw) -> RequestOutput | None:  # fmt: skip
@@ -187,6 +190,8 @@ class DecodeWorker:
         h = self._live.get(out.request_id)
         if h is None:
             return out
+        if self.found is not None:
+            self.found[out.request_id] = out.num_cached_tokens  # this engine's, before the usage's
         out.prompt = h.prompt
         out.prompt_logprobs = h.prompt_logprobs
         out.num_cached_tokens = h.num_cached_tokens

@@ -7,7 +7,8 @@ Checked: outputs identical to the colocated engine (mixed adapters, n > 1 seeded
 string, prompt logprobs), the decode worker loaded the prompts' blocks from the tier, a
 stream the client drops frees the decode worker's blocks, and a decode worker killed
 mid-stream ends that stream with EngineDeadError while the next request falls back to the
-colocated engine and succeeds.
+colocated engine and succeeds. The workers export their spans to an OTLP/HTTP receiver here,
+and a traced request through the front server is one trace across the front and both workers.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from sqlalchemy import select
 
 from loraplex.engine import AsyncLLMEngine, LLMEngine, LoRARequest, SamplingParams
@@ -32,16 +36,48 @@ from loraplex.engine.errors import EngineDeadError
 from loraplex.platform.db.models import UsageRecord
 from loraplex.platform.disagg import DisaggregatedEngine
 from testkit.server import free_port, wait_ready
-from tests.utils.server import run_server
+from tests.utils.server import run_server, upload_adapter
 
 ENGINE = dict(max_model_len=512, max_lora_rank=16, dtype="float32")  # block size 16: default
 LORAPLEX = str(Path(sys.executable).with_name("loraplex"))
 
 
-def _worker(role: str, model: Path, tier: Path, data: Path) -> tuple[subprocess.Popen, str]:
+class _Collector(BaseHTTPRequestHandler):
+    """An OpenTelemetry collector's OTLP/HTTP trace endpoint: it keeps the spans it gets."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+        for rs in message.resource_spans:
+            service = {a.key: a.value.string_value for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                self.server.spans += [(service["service.name"], s) for s in ss.spans]
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def collector():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    server.spans = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _worker(role: str, model: Path, tier: Path, data: Path,
+            traces: str) -> tuple[subprocess.Popen, str]:  # fmt: skip
     port = free_port()
     env = {**os.environ, "LORAPLEX_DATA_DIR": str(data / role), "LORAPLEX_NUM_THREADS": "1",
            "LORAPLEX_KV_TIER_DISK_PATH": str(tier), "LORAPLEX_DEVICE": "cpu",
+           "LORAPLEX_OTLP_TRACES_ENDPOINT": traces, "OTEL_BSP_SCHEDULE_DELAY": "50",
            **{f"LORAPLEX_{k.upper()}": str(v) for k, v in ENGINE.items()}}  # fmt: skip
     proc = subprocess.Popen(
         [
@@ -64,12 +100,13 @@ def _worker(role: str, model: Path, tier: Path, data: Path) -> tuple[subprocess.
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_models, tmp_path_factory):
+def fleet(tiny_models, tmp_path_factory, collector):
     """(front, colocated engine, decode worker process, decode URL)."""
     model = tiny_models["llama"]
     root = tmp_path_factory.mktemp("disagg")
-    prefill, purl = _worker("prefill", model, root / "tier", root)
-    decode, durl = _worker("decode", model, root / "tier", root)
+    traces = f"http://127.0.0.1:{collector.server_address[1]}"
+    prefill, purl = _worker("prefill", model, root / "tier", root, traces)
+    decode, durl = _worker("decode", model, root / "tier", root, traces)
     try:
         for proc, url in ((prefill, purl), (decode, durl)):
 
@@ -188,24 +225,37 @@ def _sse_text(resp: httpx.Response) -> tuple[str, dict | None]:
     return text, usage
 
 
-def test_the_server_streams_one_request_through_the_workers(fleet, tiny_models, tmp_path):
-    """The OpenAI route on a front server: one stream, one usage record, the colocated
-    engine's text."""
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+
+
+def test_the_server_streams_one_request_through_the_workers(
+    fleet, tiny_models, tiny_adapters, tmp_path, collector, monkeypatch
+):
+    """The OpenAI route on a front server, with an adapter: one stream, one usage record, the
+    colocated engine's text, and one trace: the caller's, continued by the front's request
+    span, whose children are the prefill and the decode worker's spans."""
     _, _, _, durl = fleet
     purl = fleet[0].prefill[0].url
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: the front's batch goes out at once
+    traces = f"http://127.0.0.1:{collector.server_address[1]}"
     with run_server(tiny_models["llama"], tmp_path, disagg_prefill_urls=purl,
-                    disagg_decode_urls=durl, engine_process=False,
+                    disagg_decode_urls=durl, engine_process=False, otlp_traces_endpoint=traces,
                     max_model_len=512, max_lora_rank=16) as srv:  # fmt: skip
         tenant, key = srv.new_tenant("disagg")
-        body = {"model": srv.state.model_name, "prompt": "The quick brown fox jumps over the",
+        auth = {"Authorization": f"Bearer {key}"}
+        qv4 = tiny_adapters["llama"]["qv4"]
+        assert upload_adapter(srv.url, key, "qv", qv4).status_code == 201
+        body = {"model": "qv", "prompt": "The quick brown fox jumps over the lazy dog. " * 4,
                 "max_tokens": 12, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        auth = {"Authorization": f"Bearer {key}"}
         front = srv.state.engine
         assert isinstance(front, DisaggregatedEngine)
-        got = httpx.post(f"{srv.url}/v1/completions", json=body, headers=auth, timeout=120)
+        traced = {**auth, "traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"}
+        got = httpx.post(f"{srv.url}/v1/completions", json=body, headers=traced, timeout=120)
         assert got.status_code == 200, got.text
         assert front.counts["disaggregated"] == 1
+        ours = _trace_spans(collector, {"POST /v1/completions", "disagg.prefill", "disagg.decode"})
         srv.state.engine = front.local  # the same request, colocated
         want = httpx.post(f"{srv.url}/v1/completions", json=body, headers=auth, timeout=120)
         srv.state.engine = front
@@ -219,6 +269,37 @@ def test_the_server_streams_one_request_through_the_workers(fleet, tiny_models, 
             ).all()
         assert len(records) == 2  # one per request, the disaggregated one included
         assert {r.completion_tokens for r in records} == {gusage["completion_tokens"]}
+    (root,) = [s for service, s in ours if service == "loraplex" and s.name.startswith("POST")]
+    assert root.parent_span_id.hex() == CALLER_SPAN
+    (prefill,) = [s for service, s in ours if service == "loraplex-prefill"]
+    (decode,) = [s for service, s in ours if service == "loraplex-decode"]
+    assert (prefill.name, decode.name) == ("disagg.prefill", "disagg.decode")
+    assert prefill.parent_span_id == root.span_id and decode.parent_span_id == root.span_id
+    pa, da = _attributes(prefill), _attributes(decode)
+    assert pa["loraplex.adapter"] == da["loraplex.adapter"] and pa["loraplex.adapter.id"] > 0
+    assert pa["gen_ai.usage.input_tokens"] == da["gen_ai.usage.input_tokens"]
+    assert pa["gen_ai.usage.input_tokens"] == gusage["prompt_tokens"]
+    assert pa["loraplex.status"] == "handoff" and da["loraplex.status"] == "finished"
+    assert da["gen_ai.usage.output_tokens"] == gusage["completion_tokens"]
+    blocks = gusage["prompt_tokens"] // 16
+    assert blocks >= 2 and pa["loraplex.kv.blocks_stored"] == blocks
+    assert da["loraplex.kv.blocks_loaded"] == blocks  # the decode worker computed none of them
+    assert prefill.start_time_unix_nano < decode.start_time_unix_nano < root.end_time_unix_nano
+
+
+def _trace_spans(collector, names: set[str]) -> list[tuple[str, object]]:
+    """(service, span) of TRACE_ID's spans, once every one of `names` has come in."""
+    deadline = time.monotonic() + 30
+    while True:
+        ours = [(service, s) for service, s in collector.spans if s.trace_id.hex() == TRACE_ID]
+        if names <= {s.name for _, s in ours}:
+            return ours
+        assert time.monotonic() < deadline, [(service, s.name) for service, s in ours]
+        time.sleep(0.05)
+
+
+def _attributes(span) -> dict:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
 
 
 def test_decode_worker_death_ends_the_stream_then_falls_back(fleet, loras):
