@@ -26,6 +26,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -130,7 +131,10 @@ def _child_main(
 
     try:
         core = EngineCore(engine, stats_every_s=STATS_EVERY_S, coalesce_s=coalesce_s)
-        core.run(_PipeSource(commands), sink)
+        # a tensor-parallel group's ranks are watched while idle too: a rank that dies
+        # between requests ends this process (EngineDeadError), so /readyz says so at once
+        tp = getattr(getattr(engine, "runner", None), "tp", None)
+        core.run(_PipeSource(commands, tp.check_alive if tp is not None else None), sink)
     except (EOFError, BrokenPipeError, OSError):
         return  # the server went away
     finally:
@@ -142,11 +146,15 @@ class _PipeSource(CommandSource):
     """Commands as JSON lists: ["add", id, prompt, params, lora, tenant, weight, priority],
     ["abort", id], ["pause", id], ["resume", id], ["stop"]."""
 
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: Connection, check: Callable[[], None] | None = None):
         self.conn = conn
+        self.check = check  # raises when the engine cannot go on (a dead rank)
 
     def wait(self, timeout: float) -> bool:
-        return self.conn.poll(timeout)
+        ready = self.conn.poll(timeout)
+        if self.check is not None:
+            self.check()
+        return ready
 
     def drain(self) -> list[Command]:
         out: list[Command] = []
