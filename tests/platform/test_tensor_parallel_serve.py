@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.platform.test_faults import _engine_child, _stream
 from tests.platform.test_quickstart import Serve, _usage_rows
@@ -48,6 +49,7 @@ def _serve(data_dir: Path, model: Path) -> Serve:
                  env={"LORAPLEX_MAX_MODEL_LEN": "512"})  # fmt: skip
 
 
+@pytest.mark.slow  # two TP = 2 servers start, one after the other
 def test_a_killed_rank_ends_streams_billed_and_serve_restarts_the_group(tiny_models, tmp_path):
     serve = _serve(tmp_path, tiny_models["llama"])
     try:
