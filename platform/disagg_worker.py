@@ -65,8 +65,8 @@ class RoleEngine:
 
     def submit(self, rid: str, payload) -> asyncio.Queue:
         """Queue a request (a prefill's request dict, a decode's Handoff): its items arrive in
-        the returned queue, ("output" | "handoff" | "error", value), on a decode worker
-        ("found", the prompt tokens it found stored) last, then None."""
+        the returned queue, ("output" | "handoff" | "error", value), then None; a decode
+        worker's also ("found", the prompt tokens it found stored) before its last output."""
         q: asyncio.Queue = asyncio.Queue()
         self._commands.put(("add", rid, payload, asyncio.get_running_loop(), q))
         return q
@@ -98,9 +98,12 @@ class RoleEngine:
         if s is not None:
             s[0].call_soon_threadsafe(s[1].put_nowait, item)
 
-    def _end(self, rid: str) -> None:
+    def _send_found(self, rid: str) -> None:
         if (found := self.found.pop(rid, None)) is not None:
             self._send(rid, ("found", found))
+
+    def _end(self, rid: str) -> None:
+        self._send_found(rid)
         self._send(rid, None)
         self._streams.pop(rid, None)
 
@@ -129,6 +132,8 @@ class RoleEngine:
             self._send(item.request_id, ("handoff", item.to_dict()))
             self._end(item.request_id)
             return
+        if item.finished:  # before the last output: the front may close the stream on it
+            self._send_found(item.request_id)
         self._send(item.request_id, ("output", output_to_dict(item)))
         if item.finished:
             self._end(item.request_id)
