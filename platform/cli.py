@@ -144,7 +144,15 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"loraplex: error: {e}", file=sys.stderr)
             return 2
         return 0
-    app = create_app(settings)
+    # The demo's key and quickstart commands, printed as the engine turns ready (just before
+    # /readyz does), so that a command pasted at once answers instead of 503 "loading model".
+    quickstart: list[str] = []
+
+    def announce() -> None:
+        if quickstart:
+            print(*quickstart, flush=True)
+
+    app = create_app(settings, on_ready=announce)
     state = app.state.lp
     base = f"http://{settings.host}:{settings.port}"
     secret, adapters = None, []
@@ -155,11 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
             state, state.model_dir, adapters=settings.demo_adapters and settings.model == "demo"
         )
     if settings.admin_key is None:
-        print(f"admin key (dev mode, shown once): {state.admin_key}")
+        print(f"admin key (dev mode, shown once): {state.admin_key}", flush=True)
     if secret:
-        print(
-            _quickstart(base, secret, state.model_name, "pirate" if adapters else None),
-            flush=True,
+        quickstart.append(
+            _quickstart(base, secret, state.model_name, "pirate" if adapters else None)
         )
     server = uvicorn.Server(
         uvicorn.Config(

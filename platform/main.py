@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from loraplex.engine import (
     EngineConfig,
     EngineProcess,
     LLMEngine,
+    StreamingEngine,
     keep_freed_memory,
     resolve_model,
     server_options,
@@ -61,14 +63,19 @@ def resolve_model_dir(settings: Settings) -> str:
     return resolve_model(settings.model, settings.data_dir)
 
 
-def load_engine(state: AppState, model_dir: str) -> None:
+def load_engine(
+    state: AppState, model_dir: str, on_ready: Callable[[], None] | None = None
+) -> None:
+    """Load the engine (or start the vLLM data plane) and make it `state.engine`, which turns
+    /readyz ready. `on_ready` runs just before that (`serve`'s quickstart lines: printed when
+    they answer, and before a ready /readyz, which scripts wait for before reading them)."""
     if state.settings.data_plane == "vllm":  # a vLLM fleet over HTTP (platform/dataplane/)
         from loraplex.platform.dataplane import make_vllm
 
         plane = make_vllm(state, model_dir)
         plane.start()  # until a vLLM answers, /readyz says "loading model"
         state.spec = plane.spec
-        state.engine = plane
+        _ready(state, plane, on_ready)
         log.info("vLLM data plane ready: %s", ", ".join(e.url for e in plane.endpoints))
         return
     config = engine_config(state.settings, model_dir)
@@ -77,18 +84,28 @@ def load_engine(state: AppState, model_dir: str) -> None:
         proc = EngineProcess(config, progress=True, max_queued_requests=queued)
         state.spec = proc.spec
         state.metrics.set_memory(proc.memory)
-        state.engine = proc
+        serving: StreamingEngine = proc
     else:
         keep_freed_memory()  # the server's process hosts the engine (engine/memory/host_malloc.py)
         engine = LLMEngine(config, progress=True)
         state.spec = engine.model.spec
         state.metrics.set_memory(engine.memory)
-        state.engine = AsyncLLMEngine(engine)
+        serving = AsyncLLMEngine(engine)
     if state.settings.disagg_prefill_urls and state.settings.disagg_decode_urls:
         from loraplex.platform.disagg import disaggregated  # prefill / decode workers
 
-        state.engine = disaggregated(state.engine, state.settings)
+        serving = disaggregated(serving, state.settings)
+    _ready(state, serving, on_ready)
     log.info("model %s ready", state.model_name)
+
+
+def _ready(state: AppState, engine: StreamingEngine, on_ready: Callable[[], None] | None) -> None:
+    if on_ready is not None:
+        try:
+            on_ready()
+        except Exception:  # noqa: BLE001 - a closed stdout must not stop the server
+            log.warning("the ready announcement failed", exc_info=True)
+    state.engine = engine
 
 
 def _one_line(e: BaseException) -> str:
@@ -96,12 +113,14 @@ def _one_line(e: BaseException) -> str:
     return text if type(e) is RuntimeError and text else f"{type(e).__name__}: {text}"
 
 
-def load_engine_or_fail(state: AppState, model_dir: str) -> None:
+def load_engine_or_fail(
+    state: AppState, model_dir: str, on_ready: Callable[[], None] | None = None
+) -> None:
     """The loader thread: a model that cannot load must not leave a server answering 503
     "loading" for ever. The cause goes to the log in one line (the traceback at debug level)
     and to `state.engine_failed`, which stops `loraplex serve` with a non-zero exit."""
     try:
-        load_engine(state, model_dir)
+        load_engine(state, model_dir, on_ready)
     except BaseException as e:  # noqa: BLE001 - any load failure ends the server
         cause = _one_line(e)
         if not cause.startswith("the engine process could not start"):
@@ -118,8 +137,11 @@ async def watch_engine(state: AppState, interval: float = 0.2) -> None:
         await asyncio.sleep(interval)
 
 
-def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
-    """An app over `settings`. The model loads in the background; /readyz says when."""
+def create_app(
+    settings: Settings, *, load_model: bool = True, on_ready: Callable[[], None] | None = None
+) -> FastAPI:
+    """An app over `settings`. The model loads in the background; /readyz says when
+    (`on_ready` runs just before it does: load_engine)."""
     db = make_engine(settings.database_url)
     ensure_at_head(db)  # refuses to start on an old schema, saying what to run
     store = store_for(settings)
@@ -159,7 +181,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         batch_loop = asyncio.create_task(runner.run()) if settings.batch_max_active else None
         if load_model:
             threading.Thread(
-                target=load_engine_or_fail, args=(state, model_dir), daemon=True
+                target=load_engine_or_fail, args=(state, model_dir, on_ready), daemon=True
             ).start()
         yield
         watcher.cancel()

@@ -80,13 +80,22 @@ class Serve:
             time.sleep(0.2)
         pytest.fail(f"serve not ready after {timeout} s:\n{self.logs()[-3000:]}")
 
+    def printed(self, text: str, timeout: float = 30) -> None:
+        """Wait until `text` is in stdout: `serve` prints its quickstart just before /readyz
+        turns ready, and this process's reader thread may take a moment to pass it on."""
+        deadline = time.monotonic() + timeout
+        while text not in self.stdout and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def key(self) -> str:
+        self.printed("API key (shown once)")
         found = re.search(r"API key \(shown once\): (lpx_\S+)", self.stdout)
         assert found, f"no tenant key printed:\n{self.stdout}"
         return found.group(1)
 
     def snippet(self, marker: str) -> str:
         """The printed command whose first line contains `marker`, continuation lines included."""
+        self.printed(".message.content)")  # the quickstart's last line, printed with the rest
         lines = iter(self.lines)
         for line in lines:
             if marker in line:
