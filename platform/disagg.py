@@ -135,12 +135,8 @@ class DisaggregatedEngine:
     def _headers(self) -> dict[str, str]:
         """The workers' headers: the secret, and the running request's `traceparent` (its
         server span's) when it is traced."""
-        trace = tracing.current()
-        if trace is None:
-            return self.headers
-        ctx = trace.span.get_span_context()
-        parent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
-        return {**self.headers, "traceparent": parent}
+        parent = tracing.traceparent()
+        return self.headers if parent is None else {**self.headers, "traceparent": parent}
 
     def _pick_prefill(self) -> _Worker | None:
         up = [w for w in self.prefill if w.up]

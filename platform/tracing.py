@@ -48,6 +48,16 @@ def current() -> RequestTrace | None:
     return _current.get()
 
 
+def traceparent() -> str | None:
+    """The W3C traceparent of the running request's server span (tracing on), else None: what
+    a hop that carries the trace onward (the vLLM data plane, the disaggregation workers) sends."""
+    trace = current()
+    if trace is None:
+        return None
+    ctx = trace.span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
 def end_auth() -> None:
     """The route's first service call: the `auth` span (arrival, body, API key) ends here."""
     trace = _current.get()

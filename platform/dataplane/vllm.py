@@ -306,7 +306,7 @@ class VllmDataPlane:
         self._live[rid] = live
         assembler = Assembler(rid, ids, params, lora_request and lora_request.lora_name)
         sent = {"X-Request-Id": rid, **(headers or {})}
-        if (parent := traceparent()) is not None:  # one trace spans the platform and vLLM
+        if (parent := tracing.traceparent()) is not None:  # one trace spans the platform and vLLM
             sent["traceparent"] = parent
         live.task = asyncio.create_task(self._read(endpoint, body, sent, assembler, live.queue))
         used = 0
@@ -379,15 +379,6 @@ class VllmDataPlane:
 
         live.loop.call_soon_threadsafe(wake)
         return True
-
-
-def traceparent() -> str | None:
-    """The W3C traceparent of the running request's server span (tracing on), else None."""
-    trace = tracing.current()
-    if trace is None:
-        return None
-    ctx = trace.span.get_span_context()
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
 async def sse_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
